@@ -1,0 +1,37 @@
+"""dataflow: the data and control plane between feature producers and trainers."""
+
+from dataflow._contracts import (
+    FeatureSpec,
+    FeatureStore,
+    RefReceiver,
+    RefSender,
+    SampleRef,
+    StoreStats,
+    assert_no_tensors,
+    validate_sample_id,
+)
+from dataflow._errors import (
+    BackpressureError,
+    BadFrameError,
+    CorruptFeatureError,
+    DataflowError,
+    IntegrityError,
+    InvalidRefError,
+    InvalidSampleIdError,
+    LedgerError,
+    LedgerStateError,
+    OperationalError,
+    ProducerLostError,
+    SchemaVersionError,
+    StaleEpochError,
+    StaleRefError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreUnavailableError,
+    StreamError,
+    StreamIdleError,
+    TensorInRefError,
+    UnknownCheckpointError,
+    UnknownStoreError,
+)

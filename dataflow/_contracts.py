@@ -1,0 +1,469 @@
+"""The contracts every part of dataflow agrees on.
+
+* :class:`FeatureSpec` and :class:`SampleRef`: the tensor-free description of a
+  sample's features, which is all that travels through the ledger and streams.
+* :class:`FeatureStore`: the interface every store implements. Public methods
+  validate their input and then call a private hook (``_put``, ``_get`` ...)
+  that a backend overrides; a backend never overrides the public methods,
+  because that would bypass the guards (id validation, closed checks, the
+  tensor-free rule).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataflow._errors import (
+    InvalidRefError,
+    InvalidSampleIdError,
+    StoreClosedError,
+    StoreError,
+    TensorInRefError,
+)
+
+MAX_SAMPLE_ID_LENGTH = 256
+_SAMPLE_ID_RE = re.compile(r"[A-Za-z0-9._:/-]+")
+_FEATURE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def validate_sample_id(sample_id: object) -> str:
+    """Return ``sample_id`` if it is a valid sample id, else raise InvalidSampleIdError.
+
+    A valid id is a string of 1 to 256 characters from ``[A-Za-z0-9._:/-]`` that
+    does not contain ``..`` and does not start with ``/``; so an id is always a
+    safe relative key, never a path traversal.
+    """
+    if not isinstance(sample_id, str):
+        raise InvalidSampleIdError(
+            f"sample id must be a str, got {type(sample_id).__name__} {sample_id!r}"
+        )
+    if not 0 < len(sample_id) <= MAX_SAMPLE_ID_LENGTH:
+        raise InvalidSampleIdError(
+            f"sample id must have 1 to {MAX_SAMPLE_ID_LENGTH} characters, "
+            f"got {len(sample_id)}: {sample_id[:80]!r}"
+        )
+    if not _SAMPLE_ID_RE.fullmatch(sample_id):
+        raise InvalidSampleIdError(
+            f"sample id {sample_id!r} has characters outside [A-Za-z0-9._:/-]; "
+            "encode it (e.g. hex or urlsafe base64) before using it as an id"
+        )
+    if ".." in sample_id or sample_id.startswith("/"):
+        raise InvalidSampleIdError(
+            f"sample id {sample_id!r} must not contain '..' or start with '/'"
+        )
+    return sample_id
+
+
+def validate_feature_name(name: object) -> str:
+    if not isinstance(name, str) or not _FEATURE_NAME_RE.fullmatch(name):
+        raise InvalidRefError(
+            f"feature name {name!r} must be 1-128 characters from [A-Za-z0-9_.-]"
+        )
+    return name
+
+
+def _dtype_from_name(name: object) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidRefError(f"unknown torch dtype {name!r}; use a name like 'float32'")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Shape and dtype of one named feature tensor; enough to allocate it before a read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        shape = self.shape
+        if isinstance(shape, torch.Size):
+            shape = tuple(shape)
+        if not isinstance(shape, (tuple, list)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise InvalidRefError(f"FeatureSpec.shape must be non-negative ints, got {shape!r}")
+        object.__setattr__(self, "shape", tuple(shape))
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", _dtype_from_name(self.dtype))
+        elif not isinstance(self.dtype, torch.dtype):
+            raise InvalidRefError(f"FeatureSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> FeatureSpec:
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": dtype_name(self.dtype)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> FeatureSpec:
+        if not isinstance(data, dict) or set(data) != {"shape", "dtype"}:
+            raise InvalidRefError(f"a feature spec needs exactly 'shape' and 'dtype', got {data!r}")
+        return cls(tuple(data["shape"]), _dtype_from_name(data["dtype"]))
+
+
+def _is_tensor(obj: object) -> bool:
+    return isinstance(obj, (torch.Tensor, np.ndarray))
+
+
+def assert_no_tensors(obj: object, *, where: str = "ref") -> None:
+    """Raise TensorInRefError if a tensor (torch or numpy) hides anywhere in ``obj``.
+
+    Walks dataclasses (SampleRef included), mappings, and sequences; the error
+    names the path to the offending value.
+    """
+    stack: list[tuple[str, object]] = [(where, obj)]
+    while stack:
+        path, value = stack.pop()
+        if _is_tensor(value):
+            raise TensorInRefError(
+                f"{path} holds a {type(value).__name__}; refs and their metadata must be "
+                "tensor-free: put tensors into the FeatureStore and keep only their ref"
+            )
+        if isinstance(value, SampleRef):
+            stack.append((f"{path}.metadata", value.metadata))
+            stack.extend((f"{path}.specs[{k!r}]", v) for k, v in value.specs.items())
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                stack.append((f"{path}[{k!r}] (key)", k))
+                stack.append((f"{path}[{k!r}]", v))
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+
+
+def _check_json_value(value: object, path: str) -> None:
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise InvalidRefError(f"{path} is {value!r}; JSON has no NaN or infinity")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidRefError(f"{path} has a non-string key {k!r}")
+            _check_json_value(v, f"{path}[{k!r}]")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json_value(v, f"{path}[{i}]")
+        return
+    raise InvalidRefError(
+        f"{path} is a {type(value).__name__}, which is not JSON-able; "
+        "metadata may hold only str, int, float, bool, None, lists and dicts"
+    )
+
+
+def validate_metadata(metadata: object) -> dict[str, Any]:
+    """Return a tensor-free, JSON-able copy of ``metadata`` (None gives {})."""
+    if metadata is None:
+        return {}
+    assert_no_tensors(metadata, where="metadata")
+    if not isinstance(metadata, Mapping):
+        raise InvalidRefError(f"metadata must be a dict, got {type(metadata).__name__}")
+    _check_json_value(dict(metadata), "metadata")
+    return json.loads(json.dumps(dict(metadata)))
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """A tensor-free handle to one sample's features in a store.
+
+    ``store`` is the URI of the store holding the features (``mem://...``,
+    ``dir:///...``, ``mooncake://...``), so any process can reopen it;
+    ``generation`` distinguishes successive puts of the same ``sample_id``.
+    """
+
+    sample_id: str
+    store: str
+    generation: int
+    specs: Mapping[str, FeatureSpec] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert_no_tensors(self.metadata, where="SampleRef.metadata")
+        validate_sample_id(self.sample_id)
+        if not isinstance(self.store, str) or not self.store:
+            raise InvalidRefError(f"SampleRef.store must be a non-empty URI, got {self.store!r}")
+        if not isinstance(self.generation, int) or isinstance(self.generation, bool):
+            raise InvalidRefError(f"SampleRef.generation must be an int, got {self.generation!r}")
+        if self.generation < 0:
+            raise InvalidRefError(f"SampleRef.generation must be >= 0, got {self.generation}")
+        if not isinstance(self.specs, Mapping):
+            raise InvalidRefError(f"SampleRef.specs must be a mapping, got {self.specs!r}")
+        for name, spec in self.specs.items():
+            validate_feature_name(name)
+            if not isinstance(spec, FeatureSpec):
+                raise InvalidRefError(f"SampleRef.specs[{name!r}] must be a FeatureSpec")
+        object.__setattr__(self, "specs", dict(self.specs))
+        object.__setattr__(self, "metadata", validate_metadata(self.metadata))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.specs.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sample_id": self.sample_id,
+            "store": self.store,
+            "generation": self.generation,
+            "specs": {name: spec.to_dict() for name, spec in self.specs.items()},
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> SampleRef:
+        keys = {"sample_id", "store", "generation", "specs", "metadata"}
+        if not isinstance(data, dict) or set(data) != keys:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise InvalidRefError(f"a SampleRef needs exactly the keys {sorted(keys)}, got {got}")
+        specs = data["specs"]
+        if not isinstance(specs, dict):
+            raise InvalidRefError(f"SampleRef specs must be an object, got {specs!r}")
+        return cls(
+            sample_id=data["sample_id"],
+            store=data["store"],
+            generation=data["generation"],
+            specs={name: FeatureSpec.from_dict(s) for name, s in specs.items()},
+            metadata=data["metadata"],
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> SampleRef:
+        try:
+            data = json.loads(text)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRefError(f"not a JSON SampleRef: {exc}") from exc
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What a store holds now: live objects (sample generations) and their tensor bytes."""
+
+    objects: int
+    bytes: int
+
+
+class FeatureStore(ABC):
+    """Holds feature tensors by sample id; hands out tensor-free SampleRefs.
+
+    Contract (checked by ``stores.testing.FeatureStoreContract``):
+
+    * ``put`` accepts every torch dtype (bfloat16 and bool included),
+      non-contiguous, 0-d and empty tensors, and returns a ref whose specs
+      describe every tensor. Each put of the same id gets a new, larger generation.
+    * ``get(ref)`` returns the tensors of exactly that generation; a ref to a
+      deleted or superseded generation raises StaleRefError (a KeyError).
+      ``names`` restricts the read to some features.
+    * ``delete(ref)`` is idempotent and never frees a newer generation.
+    * Invalid sample ids raise InvalidSampleIdError; ids never become a path
+      or a key unescaped. Nothing is pickled.
+    * All methods are thread-safe; after ``close()`` they raise StoreClosedError.
+
+    Backends implement the private hooks ``_put``, ``_get``, ``_delete``,
+    ``_exists``, ``_stats`` and optionally ``_close``.
+    """
+
+    #: URI that reopens this store through ``stores.open_store``.
+    uri: str
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # -- public, guarded ---------------------------------------------------
+    def put(
+        self,
+        sample_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SampleRef:
+        """Store ``tensors`` under ``sample_id`` as a new generation; return its ref."""
+        self._check_open()
+        validate_sample_id(sample_id)
+        if not isinstance(tensors, Mapping):
+            raise InvalidRefError(
+                f"tensors must be a dict of name -> torch.Tensor, got {type(tensors).__name__}"
+            )
+        for name, tensor in tensors.items():
+            validate_feature_name(name)
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRefError(
+                    f"tensors[{name!r}] must be a torch.Tensor, got {type(tensor).__name__}"
+                )
+            if tensor.is_sparse or tensor.layout != torch.strided:
+                raise InvalidRefError(f"tensors[{name!r}] must be dense (strided)")
+        meta = validate_metadata(metadata)
+        return self._put(sample_id, dict(tensors), meta)
+
+    def get(self, ref: SampleRef, *, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Return the tensors of ``ref`` (only ``names`` when given)."""
+        self._check_open()
+        self._check_ref(ref)
+        if names is None:
+            wanted = list(ref.specs)
+        else:
+            if isinstance(names, str):
+                raise InvalidRefError(f"names must be a collection of names, got the str {names!r}")
+            wanted = list(names)
+            unknown = [n for n in wanted if n not in ref.specs]
+            if unknown:
+                raise InvalidRefError(
+                    f"features {unknown} are not in ref {ref.sample_id!r}; it has {sorted(ref.specs)}"
+                )
+        return self._get(ref, wanted)
+
+    def delete(self, ref: SampleRef) -> None:
+        """Free ``ref``'s generation; deleting twice or deleting a gone ref is a no-op."""
+        self._check_open()
+        self._check_ref(ref)
+        self._delete(ref)
+
+    def exists(self, ref: SampleRef) -> bool:
+        """True while ``ref``'s generation is stored."""
+        self._check_open()
+        self._check_ref(ref)
+        return self._exists(ref)
+
+    def stats(self) -> StoreStats:
+        self._check_open()
+        return self._stats()
+
+    def close(self) -> None:
+        """Release resources; idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    def __enter__(self) -> FeatureStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+    # -- guards ------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self!r} is closed; open a new store with stores.open_store")
+
+    def _check_ref(self, ref: object) -> None:
+        if not isinstance(ref, SampleRef):
+            raise InvalidRefError(f"expected a SampleRef, got {type(ref).__name__}")
+        if ref.store != self.uri:
+            raise StoreError(
+                f"ref {ref.sample_id!r} belongs to store {ref.store!r}, not {self.uri!r}; "
+                "open its store with stores.open_store(ref.store)"
+            )
+
+    # -- hooks -------------------------------------------------------------
+    @abstractmethod
+    def _put(
+        self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> SampleRef: ...
+
+    @abstractmethod
+    def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def _delete(self, ref: SampleRef) -> None: ...
+
+    @abstractmethod
+    def _exists(self, ref: SampleRef) -> bool: ...
+
+    @abstractmethod
+    def _stats(self) -> StoreStats: ...
+
+    def _close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class RefSender(ABC):
+    """Producer side of a ref stream: pushes committed refs towards consumer ranks.
+
+    ``Producer(..., stream=sender)`` calls ``send`` once per newly committed
+    ref (after the commit is durable in the ledger) and ``close`` when the
+    producer closes. The ledger stays the source of truth: a ref lost on the
+    wire comes back to a consumer through reconcile.
+    """
+
+    @abstractmethod
+    def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
+        """Deliver ``ref`` to exactly one consumer rank.
+
+        Blocks while every consumer's credit window is full; raises
+        BackpressureError when ``timeout`` (seconds; None means the sender's
+        default) passes first.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Tell every consumer this producer is done (end of stream); idempotent."""
+
+
+class RefReceiver(ABC):
+    """Consumer side of a ref stream, with a bounded credit window.
+
+    ``Consumer(..., stream=receiver)`` leases requeued work from the ledger
+    first and then takes refs from ``receive``; it calls ``credit`` for each
+    ref it finished (acked, nacked, or dropped as already delivered), which
+    re-opens the window.
+    """
+
+    @abstractmethod
+    def receive(self, max_refs: int, *, timeout: float | None = None) -> list[SampleRef]:
+        """Return 1..max_refs refs, or [] once every producer has closed and all is drained.
+
+        Raises StreamIdleError when nothing arrives within ``timeout`` (None:
+        the receiver's idle timeout) and ProducerLostError when a producer
+        stops heart-beating without closing.
+        """
+
+    @abstractmethod
+    def credit(self, count: int) -> None:
+        """``count`` received refs are finished; they leave the in-flight window."""
+
+    @property
+    @abstractmethod
+    def exhausted(self) -> bool:
+        """True once every producer closed and every received ref was handed out."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets; idempotent."""

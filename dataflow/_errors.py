@@ -1,0 +1,130 @@
+"""The one error tree of dataflow, stores and streams.
+
+Every error a user can see derives from :class:`DataflowError`; where a
+builtin category fits, the error also derives from it, so ``except KeyError``
+keeps working around a store lookup::
+
+    DataflowError
+    ├── InvalidSampleIdError (ValueError)
+    ├── InvalidRefError (ValueError)
+    ├── TensorInRefError (TypeError)
+    ├── LedgerError
+    │   ├── SchemaVersionError
+    │   ├── LedgerStateError (ValueError)      a write the run's state forbids
+    │   │   └── UnknownCheckpointError (LookupError)
+    │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
+    │   ├── IntegrityError                     a database constraint refused a write
+    │   └── OperationalError                   the database could not be reached or used
+    ├── StoreError
+    │   ├── UnknownStoreError (ValueError)     a URI scheme nobody registered
+    │   ├── StoreClosedError
+    │   ├── StaleRefError (KeyError)           the ref's generation is gone or superseded
+    │   ├── StoreFullError (MemoryError)
+    │   ├── CorruptFeatureError                truncated file, short read, bad header
+    │   └── StoreUnavailableError (ConnectionError)
+    └── StreamError
+        ├── BadFrameError (ValueError)
+        ├── BackpressureError (TimeoutError)   every credit window stayed full
+        ├── StreamIdleError (TimeoutError)     nothing arrived within the idle timeout
+        └── ProducerLostError                  a producer stopped heart-beating
+
+Database driver errors are mapped into this tree in exactly one place,
+:func:`dataflow._db.translate_errors`.
+"""
+
+from __future__ import annotations
+
+
+class DataflowError(Exception):
+    """Root of every error raised by dataflow, stores and streams."""
+
+
+class InvalidSampleIdError(DataflowError, ValueError):
+    """A sample id is not a string of 1-256 characters from ``[A-Za-z0-9._:/-]``."""
+
+
+class InvalidRefError(DataflowError, ValueError):
+    """A SampleRef or its JSON form is malformed (bad field type, non-JSON metadata)."""
+
+
+class TensorInRefError(DataflowError, TypeError):
+    """A tensor was found inside a ref or its metadata; refs must stay tensor-free."""
+
+
+class LedgerError(DataflowError):
+    """Base of errors raised by the ledger."""
+
+
+class SchemaVersionError(LedgerError):
+    """The ledger database was written by a newer (or unknown) schema version."""
+
+
+class LedgerStateError(LedgerError, ValueError):
+    """A write that the run's current state forbids (ack of a sample never leased, ...)."""
+
+
+class UnknownCheckpointError(LedgerStateError, LookupError):
+    """A resume named a checkpoint that the run's ledger does not record."""
+
+
+class StaleEpochError(LedgerError):
+    """A consumer wrote with an epoch older than the run's current one (it was fenced)."""
+
+
+class IntegrityError(LedgerError):
+    """The database refused a write that breaks one of its constraints."""
+
+
+class OperationalError(LedgerError):
+    """The database could not be reached, was locked for too long, or failed."""
+
+
+class StoreError(DataflowError):
+    """Base of errors raised by feature stores."""
+
+
+class UnknownStoreError(StoreError, ValueError):
+    """No store is registered for a URI's scheme."""
+
+
+class StoreClosedError(StoreError):
+    """The store was used after ``close()``."""
+
+
+class StaleRefError(StoreError, KeyError):
+    """The features a ref names are gone: deleted, or superseded by a newer generation."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreFullError(StoreError, MemoryError):
+    """A put would exceed the store's byte bound."""
+
+
+class CorruptFeatureError(StoreError):
+    """Stored features are truncated or malformed (short read, bad header)."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The store's server (e.g. a Mooncake master) cannot be reached."""
+
+
+class StreamError(DataflowError):
+    """Base of errors raised by ref streams."""
+
+
+class BadFrameError(StreamError, ValueError):
+    """A stream frame is malformed, oversized, of an unknown version, or holds a tensor."""
+
+
+class BackpressureError(StreamError, TimeoutError):
+    """Every consumer's credit window stayed full for the whole send timeout."""
+
+
+class StreamIdleError(StreamError, TimeoutError):
+    """Nothing arrived on a stream within its idle timeout."""
+
+
+class ProducerLostError(StreamError):
+    """A producer stopped sending heartbeats without closing its stream."""

@@ -1,0 +1,98 @@
+"""In-process feature store: tensors live in this process's memory."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import Any
+
+import torch
+
+from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoreStats
+from dataflow._errors import InvalidRefError, StaleRefError, StoreFullError
+
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class LocalFeatureStore(FeatureStore):
+    """Keeps features in process memory; for a single process (tests, notebooks, demos).
+
+    ``put`` copies the tensors once (the store owns its memory); ``get`` returns
+    the stored tensors themselves, without a copy, so its cost does not grow
+    with the sample size. Treat what ``get`` returns as read-only.
+
+    ``max_bytes`` bounds the resident tensor bytes; a put beyond it raises
+    StoreFullError (a MemoryError). Stores are named (``mem://NAME``);
+    ``stores.open_store("mem://NAME")`` returns the live store of that name in
+    this process.
+    """
+
+    def __init__(self, name: str | None = None, *, max_bytes: int | None = None) -> None:
+        name = uuid.uuid4().hex[:12] if name is None else name
+        if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS:
+            raise InvalidRefError(f"store name {name!r} must be 1+ characters from [A-Za-z0-9._-]")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+        super().__init__(f"mem://{name}")
+        self.name = name
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._objects: dict[str, tuple[int, dict[str, torch.Tensor], int]] = {}
+        self._generations = itertools.count(1)
+        self._bytes = 0
+
+    def _put(
+        self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> SampleRef:
+        owned = {name: t.detach().clone(memory_format=torch.contiguous_format)
+                 for name, t in tensors.items()}
+        size = sum(t.numel() * t.element_size() for t in owned.values())
+        with self._lock:
+            old = self._objects.get(sample_id)
+            freed = old[2] if old else 0
+            if self.max_bytes is not None and self._bytes - freed + size > self.max_bytes:
+                raise StoreFullError(
+                    f"putting {sample_id!r} ({size} bytes) would exceed max_bytes="
+                    f"{self.max_bytes} ({self._bytes} in use); delete released samples first"
+                )
+            generation = next(self._generations)
+            self._objects[sample_id] = (generation, owned, size)
+            self._bytes += size - freed
+        specs = {name: FeatureSpec.of(t) for name, t in owned.items()}
+        return SampleRef(sample_id, self.uri, generation, specs, metadata)
+
+    def _lookup(self, ref: SampleRef) -> dict[str, torch.Tensor]:
+        entry = self._objects.get(ref.sample_id)
+        if entry is None or entry[0] != ref.generation:
+            raise StaleRefError(
+                f"{self.uri} has no generation {ref.generation} of {ref.sample_id!r} "
+                "(deleted or superseded)"
+            )
+        return entry[1]
+
+    def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
+        with self._lock:
+            stored = self._lookup(ref)
+        return {name: stored[name] for name in names}
+
+    def _delete(self, ref: SampleRef) -> None:
+        with self._lock:
+            entry = self._objects.get(ref.sample_id)
+            if entry is not None and entry[0] == ref.generation:
+                del self._objects[ref.sample_id]
+                self._bytes -= entry[2]
+
+    def _exists(self, ref: SampleRef) -> bool:
+        with self._lock:
+            entry = self._objects.get(ref.sample_id)
+            return entry is not None and entry[0] == ref.generation
+
+    def _stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(objects=len(self._objects), bytes=self._bytes)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._objects.clear()
+            self._bytes = 0
