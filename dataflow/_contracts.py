@@ -65,9 +65,7 @@ def validate_sample_id(sample_id: object) -> str:
 
 def validate_feature_name(name: object) -> str:
     if not isinstance(name, str) or not _FEATURE_NAME_RE.fullmatch(name):
-        raise InvalidRefError(
-            f"feature name {name!r} must be 1-128 characters from [A-Za-z0-9_.-]"
-        )
+        raise InvalidRefError(f"feature name {name!r} must be 1-128 characters from [A-Za-z0-9_.-]")
     return name
 
 
@@ -341,7 +339,8 @@ class FeatureStore(ABC):
             unknown = [n for n in wanted if n not in ref.specs]
             if unknown:
                 raise InvalidRefError(
-                    f"features {unknown} are not in ref {ref.sample_id!r}; it has {sorted(ref.specs)}"
+                    f"features {unknown} are not in ref {ref.sample_id!r}; "
+                    f"it has {sorted(ref.specs)}"
                 )
         return self._get(ref, wanted)
 

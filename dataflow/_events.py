@@ -1,0 +1,65 @@
+"""Events: what the ledger records, one row each."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Kind:
+    """The kinds of event a run's log holds."""
+
+    COMMIT = "commit"  # a producer committed a ref (payload: the ref)
+    CLOSE = "close"  # a producer finished
+    RESUME = "resume"  # a new consumer epoch starts, from a checkpoint or from scratch
+    LEASE = "lease"  # a consumer took a sample
+    ACK = "ack"  # the sample was trained into optimizer step `step`
+    NACK = "nack"  # the sample was given back (payload: retryable, reason)
+    CHECKPOINT = "checkpoint"  # a durable checkpoint at `step` (payload: path)
+    RELEASE = "release"  # the sample's features were freed from the store
+    DATA_EPOCH = "data_epoch"  # every live sample is pending again (payload: seed)
+
+    ALL = frozenset({COMMIT, CLOSE, RESUME, LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH})
+    #: Kinds written by consumers, and so fenced by their epoch.
+    FENCED = frozenset({LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH})
+
+
+@dataclass(frozen=True)
+class Event:
+    """One entry of a run's log, as read back from the ledger."""
+
+    seq: int
+    run_id: str
+    kind: str
+    sample_id: str | None
+    epoch: int
+    step: int | None
+    actor: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    ts: float = 0.0
+    revision: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "run_id": self.run_id,
+            "kind": self.kind,
+            "sample_id": self.sample_id,
+            "revision": self.revision,
+            "epoch": self.epoch,
+            "step": self.step,
+            "actor": self.actor,
+            "payload": self.payload,
+            "ts": self.ts,
+        }
+
+
+def dump_payload(payload: dict[str, Any] | None) -> str | None:
+    if not payload:
+        return None
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
+
+
+def load_payload(text: str | None) -> dict[str, Any]:
+    return json.loads(text) if text else {}

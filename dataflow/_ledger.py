@@ -1,0 +1,332 @@
+"""The ledger: an append-only event log per run, in SQLite or PostgreSQL."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Row, func, insert, select, update
+from sqlalchemy.engine import make_url
+
+from dataflow._db import (
+    DEFAULT_URL,
+    backend_for,
+    check_durability,
+    translate_errors,
+    write_options,
+)
+from dataflow._errors import SchemaVersionError, StaleEpochError
+from dataflow._events import Event, Kind, load_payload
+from dataflow._schema import SCHEMA_VERSION, events, metadata, schema_info
+from dataflow._schema import runs as runs_table
+
+#: Columns of a raw event row, in order: what the fold consumes.
+ROW_COLUMNS = (
+    events.c.seq,
+    events.c.kind,
+    events.c.sample_id,
+    events.c.revision,
+    events.c.epoch,
+    events.c.step,
+    events.c.actor,
+    events.c.payload,
+    events.c.ts,
+)
+_PAGE = 5000
+
+
+def _check_run_id(run_id: object) -> str:
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= 256:
+        raise ValueError(
+            f"run_id must be a non-empty str of at most 256 characters, got {run_id!r}"
+        )
+    return run_id
+
+
+@dataclass
+class NewEvent:
+    """An event about to be appended (the ledger assigns seq and ts)."""
+
+    kind: str
+    actor: str
+    sample_id: str | None = None
+    epoch: int = 0
+    step: int | None = None
+    payload: str | None = None
+    revision: int | None = None
+
+
+def _newest_commits(
+    conn: Connection, run_id: str, sample_ids: Sequence[str]
+) -> dict[str, tuple[int, str]]:
+    found: dict[str, tuple[int, str]] = {}
+    for start in range(0, len(sample_ids), 900):
+        chunk = list(dict.fromkeys(sample_ids[start : start + 900]))
+        stmt = select(events.c.sample_id, events.c.revision, events.c.payload).where(
+            events.c.run_id == run_id,
+            events.c.kind == Kind.COMMIT,
+            events.c.sample_id.in_(chunk),
+        )
+        for sample_id, revision, payload in conn.execute(stmt):
+            if sample_id not in found or revision > found[sample_id][0]:
+                found[sample_id] = (revision, payload)
+    return found
+
+
+class WriteTransaction:
+    """One append transaction on one run, holding the run's write lock.
+
+    Everything read inside it is the run's exact state: no other writer of
+    the run can append until it ends. Used by Producer and Consumer; the
+    public surface of the ledger is read-only.
+    """
+
+    def __init__(self, conn: Connection, run_id: str, epoch: int) -> None:
+        self.conn = conn
+        self.run_id = run_id
+        #: The run's current consumer epoch, as locked.
+        self.epoch = epoch
+
+    def check_epoch(self, epoch: int, actor: str) -> None:
+        """Fencing: refuse a consumer write from an epoch that is not the run's current one."""
+        if epoch != self.epoch:
+            raise StaleEpochError(
+                f"{actor!r} writes to run {self.run_id!r} with epoch {epoch}, but the run is at "
+                f"epoch {self.epoch}: a newer consumer resumed; this one must stop "
+                "(or call resume() to join the current epoch)"
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.conn.execute(
+            update(runs_table).where(runs_table.c.run_id == self.run_id).values(epoch=epoch)
+        )
+        self.epoch = epoch
+
+    def rows_after(self, seq: int) -> list[Row[Any]]:
+        return self.conn.execute(
+            select(*ROW_COLUMNS)
+            .where(events.c.run_id == self.run_id, events.c.seq > seq)
+            .order_by(events.c.seq)
+        ).all()
+
+    def commits(self, sample_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
+        """(newest revision, its ref JSON) per committed id among ``sample_ids``."""
+        return _newest_commits(self.conn, self.run_id, sample_ids)
+
+    def released_revision(self, sample_id: str) -> int | None:
+        """Highest revision of ``sample_id`` whose features were released, if any."""
+        rows = self.conn.execute(
+            select(events.c.payload).where(
+                events.c.run_id == self.run_id,
+                events.c.kind == Kind.RELEASE,
+                events.c.sample_id == sample_id,
+            )
+        ).all()
+        revisions = [load_payload(p).get("revision", 0) for (p,) in rows]
+        return max(revisions) if revisions else None
+
+    def append(self, new_events: Iterable[NewEvent]) -> None:
+        now = time.time()
+        rows = [
+            {
+                "run_id": self.run_id,
+                "kind": e.kind,
+                "sample_id": e.sample_id,
+                "revision": e.revision,
+                "epoch": e.epoch,
+                "step": e.step,
+                "actor": e.actor,
+                "payload": e.payload,
+                "ts": now,
+            }
+            for e in new_events
+        ]
+        if rows:
+            self.conn.execute(insert(events), rows)
+
+
+class Ledger:
+    """The append-only event log of runs; every run state is a fold over it.
+
+    Open with :meth:`open`. SQLite (the default, ``sqlite:///./dataflow.db``)
+    serves one machine; PostgreSQL (``postgresql+psycopg://...``) serves runs
+    whose producers and trainers span machines. Many processes may share one
+    ledger: dedup of commits and epoch fencing are enforced inside the append
+    transaction by the database, not by in-memory state.
+    """
+
+    def __init__(self, url: str, *, durability: str = "full", busy_timeout: float = 30.0) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"ledger URL must be a str, got {type(url).__name__}")
+        check_durability(durability)
+        if not isinstance(busy_timeout, (int, float)) or busy_timeout <= 0:
+            raise ValueError(
+                f"busy_timeout must be a positive number of seconds, got {busy_timeout!r}"
+            )
+        self._backend = backend_for(url)
+        self.url = url
+        self.durability = durability
+        with translate_errors(f"opening ledger {self.safe_url}"):
+            self._engine = self._backend.create_engine(
+                url, durability=durability, busy_timeout_s=float(busy_timeout)
+            )
+            self._create_schema()
+
+    @classmethod
+    def open(
+        cls, url: str | None = None, *, durability: str = "full", busy_timeout: float = 30.0
+    ) -> Ledger:
+        """Open (creating on first use) the ledger at ``url``.
+
+        ``durability="full"`` (default) fsyncs every transaction; ``"normal"``
+        is faster but may lose the last transactions on power loss (SQLite
+        ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit=off``).
+        ``busy_timeout`` bounds how long a writer waits for the write lock.
+        """
+        url = DEFAULT_URL if url is None else url
+        if isinstance(url, str) and url.startswith("sqlite:///"):
+            database = make_url(url).database
+            if database and database != ":memory:":
+                Path(database).parent.mkdir(parents=True, exist_ok=True)
+        return cls(url, durability=durability, busy_timeout=busy_timeout)
+
+    @property
+    def safe_url(self) -> str:
+        return make_url(self.url).render_as_string(hide_password=True)
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.safe_url!r})"
+
+    def _create_schema(self) -> None:
+        with self._engine.connect().execution_options(**write_options()) as conn, conn.begin():
+            self._backend.lock_schema(conn)
+            metadata.create_all(conn)
+            version = conn.execute(select(schema_info.c.version)).scalar()
+            if version is None:
+                conn.execute(insert(schema_info).values(id=1, version=SCHEMA_VERSION))
+            elif version > SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    f"ledger {self.safe_url} has schema version {version}, newer than this "
+                    f"dataflow's {SCHEMA_VERSION}: upgrade dataflow to read it"
+                )
+
+    # -- writing (used by Producer and Consumer) -----------------------------
+    @contextlib.contextmanager
+    def write(self, run_id: str, what: str) -> Iterator[WriteTransaction]:
+        """An append transaction holding ``run_id``'s write lock; commits on success."""
+        _check_run_id(run_id)
+        with (
+            translate_errors(f"{what} in run {run_id!r}"),
+            self._engine.connect().execution_options(**write_options()) as conn,
+            conn.begin(),
+        ):
+            epoch = self._backend.lock_run(conn, run_id)
+            yield WriteTransaction(conn, run_id, epoch)
+
+    # -- reading -------------------------------------------------------------
+    def rows(
+        self, run_id: str, *, after_seq: int = 0, upto_seq: int | None = None
+    ) -> Iterator[Row[Any]]:
+        """Raw event rows of a run in seq order, in constant memory (keyset pages)."""
+        _check_run_id(run_id)
+        cursor = after_seq
+        while True:
+            stmt = select(*ROW_COLUMNS).where(events.c.run_id == run_id, events.c.seq > cursor)
+            if upto_seq is not None:
+                stmt = stmt.where(events.c.seq <= upto_seq)
+            stmt = stmt.order_by(events.c.seq).limit(_PAGE)
+            with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+                page = conn.execute(stmt).all()
+            yield from page
+            if len(page) < _PAGE:
+                return
+            cursor = page[-1][0]
+
+    def events(
+        self, run_id: str, *, after_seq: int = 0, upto_seq: int | None = None
+    ) -> Iterator[Event]:
+        """The run's events with ``after_seq < seq <= upto_seq``, oldest first."""
+        for seq, kind, sample_id, revision, epoch, step, actor, payload, ts in self.rows(
+            run_id, after_seq=after_seq, upto_seq=upto_seq
+        ):
+            yield Event(
+                seq,
+                run_id,
+                kind,
+                sample_id,
+                epoch,
+                step,
+                actor,
+                load_payload(payload),
+                ts,
+                revision,
+            )
+
+    def follow(
+        self,
+        run_id: str,
+        after_seq: int = 0,
+        *,
+        poll_interval: float = 0.05,
+        timeout: float | None = None,
+    ) -> Iterator[Event]:
+        """Tail a run live: yield every event after ``after_seq`` as it commits.
+
+        Never skips an event (appends are serialized per run, so seq order is
+        commit order). Stops after ``timeout`` seconds without a new event
+        (None: never stops; close the generator to stop).
+        """
+        last = after_seq
+        idle_since = time.monotonic()
+        while True:
+            got = False
+            for event in self.events(run_id, after_seq=last):
+                got = True
+                last = event.seq
+                yield event
+            if got:
+                idle_since = time.monotonic()
+            elif timeout is not None and time.monotonic() - idle_since >= timeout:
+                return
+            else:
+                time.sleep(poll_interval)
+
+    def commits(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
+        """(newest revision, its ref JSON) for each of ``sample_ids`` committed in the run."""
+        _check_run_id(run_id)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            return _newest_commits(conn, run_id, list(sample_ids))
+
+    def head_seq(self, run_id: str) -> int:
+        """The seq of the run's newest event (0 when it has none)."""
+        _check_run_id(run_id)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            return (
+                conn.execute(
+                    select(func.max(events.c.seq)).where(events.c.run_id == run_id)
+                ).scalar()
+                or 0
+            )
+
+    def runs(self) -> list[str]:
+        """Every run id this ledger holds, sorted."""
+        with translate_errors("listing runs"), self._engine.connect() as conn:
+            return sorted(conn.execute(select(runs_table.c.run_id)).scalars())
+
+    def close(self) -> None:
+        """Close every pooled connection; the ledger can be reopened with Ledger.open."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

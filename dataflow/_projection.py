@@ -1,0 +1,647 @@
+"""The fold: every state of a run, derived from its log.
+
+``RunState.apply(row)`` consumes one event; :func:`replay` folds a whole run.
+Producers and consumers keep a live RunState that they bring up to date
+inside each append transaction, so what they validate against is exactly
+what a replay of the log gives.
+
+Lineage. Each consumer epoch starts from a checkpoint (or from scratch), so
+epochs form a tree. The trained set of a checkpoint C is what its lineage
+acked up to it: the inherited set of C's epoch plus the acks of that epoch
+with step <= C.step. Resuming from C makes the trained set exactly that;
+acks after C in abandoned branches are void.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dataflow._contracts import SampleRef
+from dataflow._events import Kind, load_payload
+
+if TYPE_CHECKING:
+    from dataflow._ledger import Ledger
+
+RELEASE_POLICIES = ("on_checkpoint", "on_ack", "never")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A durable checkpoint recorded in the ledger."""
+
+    seq: int
+    epoch: int
+    step: int
+    path: str
+    data_epoch: int
+
+
+@dataclass(frozen=True)
+class ReconcilePlan:
+    """What a resume decided, derived from the log alone (so replay reaches the same plan).
+
+    ``requeued``: samples to train again, in order (this rank's share when the
+    plan comes from ``Consumer.resume``); ``trained``: the checkpoint's trained
+    set, which stays trained; ``released``: features freed by this resume under
+    the release policy; ``regenerate``: samples that must be trained again
+    but whose features were already released, so a producer must emit them
+    again (``Producer.regenerate``).
+    """
+
+    epoch: int
+    checkpoint_step: int | None
+    requeued: tuple[str, ...]
+    released: tuple[str, ...]
+    regenerate: tuple[str, ...]
+    trained: frozenset[str]
+    data_epoch: int = 0
+    world_size: int = 1
+    rank: int | None = None
+
+    def for_rank(self, rank: int) -> ReconcilePlan:
+        """This plan with ``requeued`` narrowed to ``rank``'s share."""
+        share = tuple(self.requeued[rank :: self.world_size])
+        return ReconcilePlan(
+            self.epoch,
+            self.checkpoint_step,
+            share,
+            self.released,
+            self.regenerate,
+            self.trained,
+            self.data_epoch,
+            self.world_size,
+            rank,
+        )
+
+
+@dataclass
+class _Epoch:
+    """A node of the lineage tree: one consumer epoch."""
+
+    number: int
+    parent: int | None
+    cut_step: int  # the step of the checkpoint it resumed from; -1 from scratch
+    cut_seq: int  # that checkpoint's seq; 0 from scratch
+    base_data_epoch: int
+    policy: str
+    world_size: int
+    max_attempts: int
+    acks: list[tuple[int, str, int, int]] = field(default_factory=list)  # seq, id, step, data epoch
+    data_epochs: list[tuple[int, int, int]] = field(default_factory=list)  # seq, number, seed
+    last_checkpoint_step: int = -1
+
+
+def seeded_order(sample_ids: Iterable[str], seed: int) -> list[str]:
+    """The order of a data epoch: ids sorted by a keyed hash (stable across machines)."""
+    key = str(seed).encode()
+    return sorted(
+        sample_ids, key=lambda s: hashlib.blake2b(s.encode(), key=key[:64], digest_size=8).digest()
+    )
+
+
+class _Refs(Mapping[str, SampleRef]):
+    """Committed refs by id, decoded from their JSON on access."""
+
+    def __init__(self, raw: dict[str, str]) -> None:
+        self._raw = raw
+
+    def __getitem__(self, sample_id: str) -> SampleRef:
+        return SampleRef.from_dict(json.loads(self._raw[sample_id]))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+class RunState:
+    """The state of one run after folding its log up to ``head_seq``.
+
+    Attributes (all derived): ``committed`` (id -> SampleRef, commit order),
+    ``pending`` (ids waiting to be leased, queue order), ``leased`` (id ->
+    consumer id), ``trained`` (id -> step, in the current lineage and data
+    epoch), ``released`` (ids whose features were freed), ``dead`` (id ->
+    reason), ``regenerate`` (ids to train again whose features are gone),
+    ``checkpoints``, ``epoch``, ``data_epoch``, ``head_seq``.
+    """
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.head_seq = 0
+        self.epoch = 0
+        self.data_epoch = 0
+        self._commits: dict[str, str] = {}  # id -> ref JSON of its newest revision
+        self._commit_seq: dict[str, int] = {}  # id -> seq of its first commit
+        self._revision: dict[str, int] = {}
+        self.leased: dict[str, str] = {}
+        self.trained: dict[str, int] = {}
+        self.released: set[str] = set()
+        self.dead: dict[str, str] = {}
+        self.attempts: dict[str, int] = {}
+        self.regenerate: dict[str, None] = {}
+        self.checkpoints: list[Checkpoint] = []
+        self.producers: set[str] = set()
+        self.closed: set[str] = set()
+        self.plans: dict[int, ReconcilePlan] = {}
+        self.violations: list[str] = []
+        # Pending work: per owner rank, an insertion-ordered dict; `_requeued`
+        # marks the entries that came back through a resume, a nack or a new
+        # data epoch (a streaming consumer takes those from the ledger).
+        self._pending: dict[int, dict[str, None]] = {0: {}}
+        self._requeued: set[str] = set()
+        self._queue_pos: dict[str, int] = {}
+        self._next_pos = 0
+        self._next_owner = 0
+        self._unreleased_acks: dict[str, int] = {}
+        self._epochs: dict[int, _Epoch] = {}
+        self._resumes: list[int] = []
+
+    # -- derived views -----------------------------------------------------
+    @property
+    def committed(self) -> Mapping[str, SampleRef]:
+        return _Refs(self._commits)
+
+    @property
+    def pending(self) -> list[str]:
+        ids = [sid for queue in self._pending.values() for sid in queue]
+        return sorted(ids, key=self._queue_pos.__getitem__)
+
+    @property
+    def world_size(self) -> int:
+        node = self._epochs.get(self.epoch)
+        return node.world_size if node else 1
+
+    @property
+    def release_policy(self) -> str:
+        node = self._epochs.get(self.epoch)
+        return node.policy if node else "on_checkpoint"
+
+    @property
+    def last_checkpoint_step(self) -> int:
+        """Newest checkpoint step of the current lineage (-1 when none)."""
+        node = self._epochs.get(self.epoch)
+        if node is None:
+            return -1
+        return max(node.last_checkpoint_step, node.cut_step)
+
+    @property
+    def producers_done(self) -> bool:
+        """True when at least one producer closed and every producer that committed closed."""
+        return bool(self.closed) and self.producers <= self.closed
+
+    def ref(self, sample_id: str) -> SampleRef:
+        return SampleRef.from_dict(json.loads(self._commits[sample_id]))
+
+    def revision(self, sample_id: str) -> int:
+        return self._revision[sample_id]
+
+    def pending_for(self, rank: int, *, requeued_only: bool = False) -> Iterator[str]:
+        for sid in self._pending.get(rank, {}):
+            if not requeued_only or sid in self._requeued:
+                yield sid
+
+    def is_pending(self, sample_id: str) -> bool:
+        return sample_id in self._queue_pos
+
+    def checkpoint_for(self, which: object) -> Checkpoint | None:
+        """Resolve ``"latest"`` or a step to a checkpoint, preferring the current lineage."""
+        lineage = self._lineage_checkpoints()
+        if which == "latest":
+            return lineage[-1] if lineage else None
+        matches = [c for c in lineage if c.step == which] or [
+            c for c in self.checkpoints if c.step == which
+        ]
+        return matches[-1] if matches else None
+
+    def _lineage_checkpoints(self) -> list[Checkpoint]:
+        chain = self._chain(self.epoch, None, None)
+        cuts = {node.number: cut_seq for node, _, cut_seq in chain}
+        return [
+            c
+            for c in self.checkpoints
+            if c.epoch in cuts and (cuts[c.epoch] is None or c.seq <= cuts[c.epoch])
+        ]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything observable, as plain data (for comparing a live state with a replay)."""
+        return {
+            "head_seq": self.head_seq,
+            "epoch": self.epoch,
+            "data_epoch": self.data_epoch,
+            "committed": dict(self._commits),
+            "pending": self.pending,
+            "requeued": sorted(self._requeued),
+            "leased": dict(self.leased),
+            "trained": dict(self.trained),
+            "released": sorted(self.released),
+            "dead": dict(self.dead),
+            "regenerate": list(self.regenerate),
+            "checkpoints": list(self.checkpoints),
+            "closed": sorted(self.closed),
+            "plans": dict(self.plans),
+        }
+
+    # -- the fold ------------------------------------------------------------
+    def apply_rows(self, rows: Iterable[Any]) -> RunState:
+        for row in rows:
+            self.apply(row)
+        return self
+
+    def apply(self, row: Any) -> None:
+        """Fold one raw row: (seq, kind, sample_id, revision, epoch, step, actor, payload, ts)."""
+        seq, kind, sample_id, revision, epoch, step, actor, payload, _ts = row
+        if seq <= self.head_seq:
+            return
+        self.head_seq = seq
+        if kind in Kind.FENCED and epoch != self.epoch:
+            self.violations.append(
+                f"seq {seq}: {kind} by {actor!r} with stale epoch {epoch} (run at {self.epoch})"
+            )
+            return
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            self.violations.append(f"seq {seq}: unknown event kind {kind!r}")
+            return
+        handler(self, seq, sample_id, revision, epoch, step, actor, payload)
+
+    def _enqueue(self, sample_id: str, owner: int, *, requeued: bool) -> None:
+        self._pending.setdefault(owner, {})[sample_id] = None
+        self._queue_pos[sample_id] = self._next_pos
+        self._next_pos += 1
+        if requeued:
+            self._requeued.add(sample_id)
+
+    def _dequeue(self, sample_id: str) -> bool:
+        if self._queue_pos.pop(sample_id, None) is None:
+            return False
+        for queue in self._pending.values():
+            if queue.pop(sample_id, 0) is None:
+                break
+        self._requeued.discard(sample_id)
+        return True
+
+    def _round_robin_owner(self) -> int:
+        owner = self._next_owner
+        self._next_owner = (owner + 1) % self.world_size
+        return owner
+
+    def _on_commit(
+        self,
+        seq: int,
+        sid: str,
+        revision: int | None,
+        _e: int,
+        _s: int | None,
+        actor: str,
+        payload: str,
+    ) -> None:
+        self.producers.add(actor)
+        self.closed.discard(actor)
+        revision = revision or 0
+        if sid in self._commits and revision <= self._revision[sid]:
+            self.violations.append(f"seq {seq}: duplicate commit of {sid!r} revision {revision}")
+            return
+        first = sid not in self._commits
+        self._commits[sid] = payload
+        self._revision[sid] = revision
+        if first:
+            self._commit_seq[sid] = seq
+            self._enqueue(sid, self._round_robin_owner(), requeued=False)
+            return
+        # A regeneration: the features are back.
+        self.released.discard(sid)
+        if sid in self.regenerate:
+            del self.regenerate[sid]
+            self._enqueue(sid, self._round_robin_owner(), requeued=True)
+
+    def _on_close(
+        self,
+        _seq: int,
+        _sid: str | None,
+        _r: int | None,
+        _e: int,
+        _s: int | None,
+        actor: str,
+        _p: str | None,
+    ) -> None:
+        self.closed.add(actor)
+
+    def _on_resume(
+        self,
+        seq: int,
+        _sid: str | None,
+        _r: int | None,
+        epoch: int,
+        _s: int | None,
+        actor: str,
+        payload: str,
+    ) -> None:
+        p = load_payload(payload)
+        if epoch <= self.epoch:
+            self.violations.append(f"seq {seq}: resume to epoch {epoch} after epoch {self.epoch}")
+            return
+        ckpt = next((c for c in self.checkpoints if c.seq == p.get("checkpoint_seq")), None)
+        if p.get("checkpoint_seq") is not None and ckpt is None:
+            self.violations.append(
+                f"seq {seq}: resume from unknown checkpoint seq {p.get('checkpoint_seq')}"
+            )
+            return
+        if ckpt is None:
+            trained, data_epoch, seed, start_seq = {}, 0, None, 0
+        else:
+            trained, data_epoch, seed, start_seq = self._lineage_at(ckpt.epoch, ckpt.step, ckpt.seq)
+        node = _Epoch(
+            number=epoch,
+            parent=ckpt.epoch if ckpt else None,
+            cut_step=ckpt.step if ckpt else -1,
+            cut_seq=ckpt.seq if ckpt else 0,
+            base_data_epoch=data_epoch,
+            policy=p.get("release_policy", "on_checkpoint"),
+            world_size=p.get("world_size", 1),
+            max_attempts=p.get("max_attempts", 3),
+        )
+        self._epochs[epoch] = node
+        self._resumes.append(epoch)
+        self.epoch = epoch
+        if data_epoch != self.data_epoch:
+            self.attempts = {}
+        self.data_epoch = data_epoch
+        self.trained = trained
+        self.leased = {}
+        order = self._data_epoch_order(data_epoch, seed, start_seq)
+        requeued = self._refill(order, requeued=True)
+        released = [s for s in self._unreleased_after(trained)] if node.policy != "never" else []
+        self.plans[epoch] = ReconcilePlan(
+            epoch=epoch,
+            checkpoint_step=ckpt.step if ckpt else None,
+            requeued=tuple(requeued),
+            released=tuple(released),
+            regenerate=tuple(self.regenerate),
+            trained=frozenset(trained),
+            data_epoch=data_epoch,
+            world_size=node.world_size,
+        )
+
+    def _unreleased_after(self, trained: Mapping[str, int]) -> list[str]:
+        """Trained ids whose features are still stored, in commit order."""
+        ids = [s for s in trained if s not in self.released and s in self._commits]
+        return sorted(ids, key=self._commit_seq.__getitem__)
+
+    def _refill(self, order: Iterable[str], *, requeued: bool) -> list[str]:
+        """Make every live, untrained id of ``order`` pending again; return them in order."""
+        self._pending = {r: {} for r in range(self.world_size)}
+        self._queue_pos = {}
+        self._requeued = set()
+        self.regenerate = {}
+        self._unreleased_acks = {}
+        queued: list[str] = []
+        for sid in order:
+            if sid in self.dead or sid in self.trained:
+                continue
+            if sid in self.released:
+                self.regenerate[sid] = None
+                continue
+            self._enqueue(sid, len(queued) % self.world_size, requeued=requeued)
+            queued.append(sid)
+        self._next_owner = len(queued) % self.world_size
+        for sid, step in self.trained.items():
+            if sid not in self.released:
+                self._unreleased_acks[sid] = step
+        return queued
+
+    def _data_epoch_order(self, data_epoch: int, seed: int | None, start_seq: int) -> list[str]:
+        commit_order = sorted(self._commits, key=self._commit_seq.__getitem__)
+        if data_epoch == 0 or seed is None:
+            return commit_order
+        before = [s for s in commit_order if self._commit_seq[s] < start_seq]
+        after = [s for s in commit_order if self._commit_seq[s] > start_seq]
+        return seeded_order(before, seed) + after
+
+    def _chain(
+        self, epoch: int, cut_step: int | None, cut_seq: int | None
+    ) -> list[tuple[_Epoch, int | None, int | None]]:
+        """Epoch nodes from ``epoch`` up to the root, each with its cut (None: no cut)."""
+        chain = []
+        number: int | None = epoch
+        while number is not None and number in self._epochs:
+            node = self._epochs[number]
+            chain.append((node, cut_step, cut_seq))
+            cut_step, cut_seq, number = node.cut_step, node.cut_seq, node.parent
+        return chain
+
+    def _lineage_at(
+        self, epoch: int, step: int, seq: int
+    ) -> tuple[dict[str, int], int, int | None, int]:
+        """(trained set, data epoch, its seed, its start seq) at a checkpoint."""
+        chain = self._chain(epoch, step, seq)
+        data_epoch, seed, start_seq = 0, None, 0
+        for node, _cut_step, cut_seq in chain:
+            starts = [d for d in node.data_epochs if cut_seq is None or d[0] < cut_seq]
+            if starts:
+                start_seq, data_epoch, seed = starts[-1]
+                break
+        trained: dict[str, int] = {}
+        for node, cut_step, _cut_seq in reversed(chain):
+            for _seq, sid, ack_step, ack_data_epoch in node.acks:
+                if (cut_step is None or ack_step <= cut_step) and ack_data_epoch == data_epoch:
+                    trained[sid] = ack_step
+        return trained, data_epoch, seed, start_seq
+
+    def _on_lease(
+        self,
+        seq: int,
+        sid: str,
+        _r: int | None,
+        _e: int,
+        _s: int | None,
+        actor: str,
+        _p: str | None,
+    ) -> None:
+        if not self._dequeue(sid):
+            self.violations.append(
+                f"seq {seq}: lease of {sid!r} by {actor!r}, which was not pending"
+            )
+            return
+        self.leased[sid] = actor
+
+    def _on_ack(
+        self, seq: int, sid: str, _r: int | None, _e: int, step: int, actor: str, _p: str | None
+    ) -> None:
+        if self.leased.get(sid) != actor:
+            self.violations.append(
+                f"seq {seq}: ack of {sid!r} by {actor!r}, which did not lease it"
+            )
+            return
+        if sid in self.trained:
+            self.violations.append(
+                f"seq {seq}: {sid!r} trained twice in data epoch {self.data_epoch} of the lineage"
+            )
+        del self.leased[sid]
+        self.trained[sid] = step
+        self._unreleased_acks[sid] = step
+        self._epochs[self.epoch].acks.append((seq, sid, step, self.data_epoch))
+
+    def _on_nack(
+        self,
+        seq: int,
+        sid: str,
+        _r: int | None,
+        _e: int,
+        _s: int | None,
+        actor: str,
+        payload: str | None,
+    ) -> None:
+        if self.leased.get(sid) != actor:
+            self.violations.append(
+                f"seq {seq}: nack of {sid!r} by {actor!r}, which did not lease it"
+            )
+            return
+        p = load_payload(payload)
+        del self.leased[sid]
+        attempts = self.attempts.get(sid, 0) + 1
+        self.attempts[sid] = attempts
+        node = self._epochs[self.epoch]
+        if not p.get("retryable", True) or attempts >= node.max_attempts:
+            why = p.get("reason") or "nacked"
+            self.dead[sid] = f"{why} (attempt {attempts}, retryable={p.get('retryable', True)})"
+        else:
+            self._enqueue(sid, self._round_robin_owner(), requeued=True)
+
+    def _on_checkpoint(
+        self,
+        seq: int,
+        _sid: str | None,
+        _r: int | None,
+        epoch: int,
+        step: int,
+        _a: str,
+        payload: str | None,
+    ) -> None:
+        node = self._epochs.get(epoch)
+        if node is None:
+            self.violations.append(f"seq {seq}: checkpoint before any resume")
+            return
+        node.last_checkpoint_step = step
+        self.checkpoints.append(
+            Checkpoint(seq, epoch, step, load_payload(payload).get("path", ""), self.data_epoch)
+        )
+
+    def _on_release(
+        self,
+        seq: int,
+        sid: str,
+        _r: int | None,
+        _e: int,
+        _s: int | None,
+        actor: str,
+        payload: str | None,
+    ) -> None:
+        revision = load_payload(payload).get("revision", 0)
+        if revision != self._revision.get(sid):
+            return  # an older revision's features: the current ones stay
+        reason = self._release_forbidden(sid)
+        if reason:
+            self.violations.append(f"seq {seq}: release of {sid!r} by {actor!r}: {reason}")
+        self.released.add(sid)
+        self._unreleased_acks.pop(sid, None)
+
+    def _release_forbidden(self, sid: str) -> str | None:
+        policy = self.release_policy
+        if policy == "never":
+            return "the release policy is 'never'"
+        if sid in self.dead:
+            return None  # a dead sample's features may always go
+        if sid not in self.trained:
+            return "the sample is not trained in this lineage"
+        if policy == "on_checkpoint" and self.trained[sid] > self.last_checkpoint_step:
+            return "the sample is not yet trained into a durable checkpoint"
+        return None
+
+    def _on_data_epoch(
+        self,
+        seq: int,
+        _sid: str | None,
+        _r: int | None,
+        epoch: int,
+        _s: int | None,
+        _a: str,
+        payload: str | None,
+    ) -> None:
+        p = load_payload(payload)
+        number = p.get("data_epoch", self.data_epoch + 1)
+        seed = p.get("seed", number)
+        self._epochs[epoch].data_epochs.append((seq, number, seed))
+        self.data_epoch = number
+        self.trained = {}
+        self.attempts = {}
+        self._refill(self._data_epoch_order(number, seed, seq), requeued=True)
+
+    def releasable_at(self, step: int) -> list[str]:
+        """Ids trained at or before ``step`` in this lineage whose features are still stored."""
+        return [sid for sid, s in self._unreleased_acks.items() if s <= step]
+
+    # -- checks --------------------------------------------------------------
+    def verify(self) -> list[str]:
+        """Every broken invariant of the run, as sentences; [] when the log is clean.
+
+        Checks: each committed, non-dead sample is in exactly one of pending,
+        leased, trained or regenerate; no sample was trained twice in a data
+        epoch of the lineage; acks and nacks came from the consumer holding
+        the lease; no write came from a fenced-off epoch; releases respected
+        the release policy.
+        """
+        problems = list(self.violations)
+        places: dict[str, list[str]] = {}
+        for name, ids in (
+            ("pending", self._queue_pos),
+            ("leased", self.leased),
+            ("trained", self.trained),
+            ("regenerate", self.regenerate),
+        ):
+            for sid in ids:
+                places.setdefault(sid, []).append(name)
+        for sid in self._commits:
+            where = places.get(sid, [])
+            if sid in self.dead:
+                if where and where != ["trained"]:
+                    problems.append(f"{sid!r} is dead but also {where}")
+            elif len(where) != 1:
+                problems.append(
+                    f"{sid!r} is committed but in {where or 'no state'} "
+                    "(expected exactly one of pending, leased, trained, regenerate)"
+                )
+        for sid in places:
+            if sid not in self._commits:
+                problems.append(f"{sid!r} appears in {places[sid]} but was never committed")
+        return problems
+
+
+_HANDLERS = {
+    Kind.COMMIT: RunState._on_commit,
+    Kind.CLOSE: RunState._on_close,
+    Kind.RESUME: RunState._on_resume,
+    Kind.LEASE: RunState._on_lease,
+    Kind.ACK: RunState._on_ack,
+    Kind.NACK: RunState._on_nack,
+    Kind.CHECKPOINT: RunState._on_checkpoint,
+    Kind.RELEASE: RunState._on_release,
+    Kind.DATA_EPOCH: RunState._on_data_epoch,
+}
+
+
+def replay(ledger: Ledger, run_id: str, upto_seq: int | None = None) -> RunState:
+    """Fold the run's log (up to ``upto_seq``) into its RunState, in constant read memory."""
+    from dataflow._ledger import Ledger
+
+    if not isinstance(ledger, Ledger):
+        raise TypeError(f"replay needs a Ledger, got {type(ledger).__name__}")
+    if upto_seq is not None and (
+        not isinstance(upto_seq, int) or isinstance(upto_seq, bool) or upto_seq < 0
+    ):
+        raise ValueError(f"upto_seq must be a non-negative int or None, got {upto_seq!r}")
+    return RunState(run_id).apply_rows(ledger.rows(run_id, upto_seq=upto_seq))

@@ -1,0 +1,680 @@
+"""Producer and Consumer: the two roles that write a run's log.
+
+Every write happens in one ledger transaction that holds the run's lock:
+the role first folds the events it has not seen yet into its live RunState,
+validates the write against that exact state, appends, and folds its own
+events back in. A bad write raises before anything is appended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dataflow._contracts import (
+    FeatureStore,
+    RefReceiver,
+    RefSender,
+    SampleRef,
+    assert_no_tensors,
+    validate_sample_id,
+)
+from dataflow._errors import (
+    DataflowError,
+    LedgerStateError,
+    UnknownCheckpointError,
+)
+from dataflow._events import Kind, dump_payload
+from dataflow._ledger import Ledger, NewEvent, WriteTransaction, _check_run_id
+from dataflow._projection import RELEASE_POLICIES, Checkpoint, ReconcilePlan, RunState
+
+log = logging.getLogger("dataflow")
+
+_POLL_S = 0.02
+
+
+def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_actor(name: str, value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise ValueError(f"{name} must be a non-empty str of at most 256 characters, got {value!r}")
+    return value
+
+
+def _check_roles_args(ledger: object, store: object, run_id: object) -> None:
+    if not isinstance(ledger, Ledger):
+        raise TypeError(f"ledger must be a dataflow.Ledger, got {type(ledger).__name__}")
+    if not isinstance(store, FeatureStore):
+        raise TypeError(f"store must be a stores.FeatureStore, got {type(store).__name__}")
+    _check_run_id(run_id)
+
+
+def _sample_ids(refs: object, what: str) -> list[str]:
+    """Ids of ``refs`` (SampleRefs or ids), refusing duplicates and bad types."""
+    if isinstance(refs, (str, SampleRef)) or not isinstance(refs, Iterable):
+        raise TypeError(f"{what} takes a list of SampleRefs or sample ids, got {refs!r}")
+    ids = [r.sample_id if isinstance(r, SampleRef) else validate_sample_id(r) for r in refs]
+    duplicates = sorted({s for s in ids if ids.count(s) > 1})
+    if duplicates:
+        raise ValueError(f"{what} got the same sample more than once: {duplicates}")
+    return ids
+
+
+def _dist_group_active(world_size: int) -> bool:
+    return (
+        world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+    )
+
+
+class Producer:
+    """Puts features into a store and commits their refs to the run's ledger.
+
+    Give each concurrently running producer its own stable ``producer_id``:
+    a run is finished when every producer that committed has closed.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: FeatureStore,
+        *,
+        run_id: str,
+        producer_id: str = "producer",
+        stream: RefSender | None = None,
+    ) -> None:
+        _check_roles_args(ledger, store, run_id)
+        if stream is not None and not isinstance(stream, RefSender):
+            raise TypeError(f"stream must be a RefSender, got {type(stream).__name__}")
+        self.ledger = ledger
+        self.store = store
+        self.run_id = run_id
+        self.producer_id = _check_actor("producer_id", producer_id)
+        self.stream = stream
+
+    def emit(
+        self,
+        sample_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SampleRef | None:
+        """Store ``tensors`` and commit the ref; None when ``sample_id`` was already committed.
+
+        An id the ledger already holds is answered without touching the
+        store, so re-emitting after a restart costs one read and leaks nothing.
+        """
+        return self.emit_many([(sample_id, tensors, metadata)])[0]
+
+    def emit_many(self, samples: Iterable[tuple[Any, ...]]) -> list[SampleRef | None]:
+        """Emit ``(sample_id, tensors)`` or ``(sample_id, tensors, metadata)`` items.
+
+        One ledger transaction for all; None for ids already committed.
+        """
+        items = [tuple(item) for item in samples]
+        for item in items:
+            if len(item) not in (2, 3):
+                raise TypeError(f"emit_many takes (sample_id, tensors[, metadata]), got {item!r}")
+            validate_sample_id(item[0])
+        known = self.ledger.commits(self.run_id, [item[0] for item in items])
+        refs: list[SampleRef] = []
+        try:
+            for sample_id, tensors, *meta in items:
+                if sample_id not in known:
+                    metadata = meta[0] if meta else None
+                    refs.append(self.store.put(sample_id, tensors, metadata=metadata))
+        except BaseException:
+            for ref in refs:
+                self.store.delete(ref)
+            raise
+        committed = {id(r): r for r in self.commit(refs) if r is not None}
+        by_id = {r.sample_id: r for r in refs if id(r) in committed}
+        return [by_id.pop(item[0], None) for item in items]
+
+    def commit(self, refs: Sequence[SampleRef]) -> list[SampleRef | None]:
+        """Commit refs whose features are already in the store, in one transaction.
+
+        Returns each ref, or None where its id was already committed; those
+        fresh features are deleted again. If the commit fails, every ref's
+        features are deleted and the error propagates.
+        """
+        refs = list(refs)
+        for ref in refs:
+            if not isinstance(ref, SampleRef):
+                raise TypeError(f"commit takes SampleRefs, got {type(ref).__name__}")
+            assert_no_tensors(ref)
+        # A later put of the same id supersedes an earlier one: the newest wins.
+        newest = {ref.sample_id: ref for ref in refs}
+        try:
+            with self.ledger.write(self.run_id, "commit") as tx:
+                known = tx.commits(list(newest))
+                fresh = [ref for sid, ref in newest.items() if sid not in known]
+                tx.append(
+                    NewEvent(
+                        Kind.COMMIT,
+                        self.producer_id,
+                        ref.sample_id,
+                        payload=ref.to_json(),
+                        revision=0,
+                    )
+                    for ref in fresh
+                )
+        except BaseException:
+            for ref in refs:
+                self.store.delete(ref)
+            raise
+        for sid, (revision, payload) in known.items():
+            self._settle_duplicate(newest[sid], revision, SampleRef.from_json(payload))
+        fresh_ids = {id(ref) for ref in fresh}
+        results = [ref if id(ref) in fresh_ids else None for ref in refs]
+        if self.stream is not None:
+            for ref in fresh:
+                self.stream.send(ref)
+        return results
+
+    def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
+        """Another producer committed this id first; keep whichever features are live.
+
+        In a store where a put supersedes older generations, our put may have
+        made the committed features stale. Then ours are the only copy: they
+        are committed as the next revision instead of being deleted, and a
+        consumer that leases the sample gets the live ref.
+        """
+        if committed.generation == ours.generation or self.store.exists(committed):
+            if committed.generation != ours.generation:
+                self.store.delete(ours)
+            return
+        with self.ledger.write(self.run_id, "commit") as tx:
+            now = tx.commits([ours.sample_id]).get(ours.sample_id)
+            if now is not None and now[0] == revision:
+                tx.append(
+                    [
+                        NewEvent(
+                            Kind.COMMIT,
+                            self.producer_id,
+                            ours.sample_id,
+                            payload=ours.to_json(),
+                            revision=revision + 1,
+                        )
+                    ]
+                )
+
+    def regenerate(
+        self,
+        sample_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SampleRef:
+        """Commit fresh features for a sample whose features were released.
+
+        For the ``regenerate`` list of a ReconcilePlan: the sample must be
+        trained again, but its features are gone.
+        """
+        validate_sample_id(sample_id)
+        ref = self.store.put(sample_id, tensors, metadata=metadata)
+        try:
+            with self.ledger.write(self.run_id, "regenerate") as tx:
+                newest = tx.commits([sample_id]).get(sample_id)
+                if newest is None:
+                    raise LedgerStateError(
+                        f"{sample_id!r} was never committed in run {self.run_id!r}; use emit()"
+                    )
+                revision = newest[0]
+                if tx.released_revision(sample_id) != revision:
+                    raise LedgerStateError(
+                        f"the features of {sample_id!r} (revision {revision}) are still stored; "
+                        "only samples whose features were released can be regenerated"
+                    )
+                tx.append(
+                    [
+                        NewEvent(
+                            Kind.COMMIT,
+                            self.producer_id,
+                            sample_id,
+                            payload=ref.to_json(),
+                            revision=revision + 1,
+                        )
+                    ]
+                )
+        except BaseException:
+            self.store.delete(ref)
+            raise
+        if self.stream is not None:
+            self.stream.send(ref)
+        return ref
+
+    def close(self) -> None:
+        """Record that this producer is done, and end its stream."""
+        with self.ledger.write(self.run_id, "close") as tx:
+            tx.append([NewEvent(Kind.CLOSE, self.producer_id)])
+        if self.stream is not None:
+            self.stream.close()
+
+
+class Consumer:
+    """A trainer rank's side of a run: resume, lease, ack, nack, checkpoint.
+
+    Call :meth:`resume` first: it starts a new consumer epoch (fencing off any
+    older trainer of the run) and reconciles from a checkpoint. Then lease
+    refs, train on them, and ack them at the optimizer boundary.
+
+    ``release_policy``: ``"on_checkpoint"`` (default) frees a sample's features
+    once it is trained into a durable checkpoint; ``"on_ack"`` right after
+    its ack; ``"never"`` keeps them (offline datasets iterated many times).
+
+    Multi-rank: requeued work is split across ranks deterministically. Rank 0
+    appends the resume and checkpoint events; with torch.distributed
+    initialized the ranks synchronize through collectives, otherwise the
+    caller must make rank 0 resume before the others and checkpoint only
+    after every rank's acks up to that step have returned.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: FeatureStore,
+        *,
+        run_id: str,
+        consumer_id: str,
+        rank: int = 0,
+        world_size: int = 1,
+        stream: RefReceiver | None = None,
+        release_policy: str = "on_checkpoint",
+        max_attempts: int = 3,
+    ) -> None:
+        _check_roles_args(ledger, store, run_id)
+        self.consumer_id = _check_actor("consumer_id", consumer_id)
+        _check_int("world_size", world_size, minimum=1)
+        _check_int("rank", rank)
+        if rank >= world_size:
+            raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
+        if release_policy not in RELEASE_POLICIES:
+            raise ValueError(
+                f"release_policy must be one of {RELEASE_POLICIES}, got {release_policy!r}"
+            )
+        _check_int("max_attempts", max_attempts, minimum=1)
+        if stream is not None and not isinstance(stream, RefReceiver):
+            raise TypeError(f"stream must be a RefReceiver, got {type(stream).__name__}")
+        self.ledger = ledger
+        self.store = store
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self.stream = stream
+        self.release_policy = release_policy
+        self.max_attempts = max_attempts
+        #: The live fold of the run, brought up to date on every write.
+        self.state = RunState(run_id)
+        self.epoch: int | None = None
+        self._from_stream: set[str] = set()
+
+    # -- internals -----------------------------------------------------------
+    def _sync(self, tx: WriteTransaction) -> None:
+        self.state.apply_rows(tx.rows_after(self.state.head_seq))
+
+    def _catch_up(self) -> None:
+        self.state.apply_rows(self.ledger.rows(self.run_id, after_seq=self.state.head_seq))
+
+    def _require_epoch(self) -> int:
+        if self.epoch is None:
+            raise LedgerStateError(
+                f"consumer {self.consumer_id!r} has not resumed: call resume() before "
+                "leasing, acking or checkpointing"
+            )
+        return self.epoch
+
+    @contextlib.contextmanager
+    def _write(self, what: str) -> Iterator[WriteTransaction]:
+        """A fenced write: refused with StaleEpochError once a newer epoch started."""
+        epoch = self._require_epoch()
+        with self.ledger.write(self.run_id, what) as tx:
+            tx.check_epoch(epoch, self.consumer_id)
+            self._sync(tx)
+            yield tx
+
+    def _release_events(self, sample_ids: Iterable[str]) -> list[NewEvent]:
+        return [
+            NewEvent(
+                Kind.RELEASE,
+                self.consumer_id,
+                sid,
+                epoch=self._require_epoch(),
+                payload=dump_payload({"revision": self.state.revision(sid)}),
+            )
+            for sid in sample_ids
+        ]
+
+    def _delete_features(self, sample_ids: Iterable[str]) -> None:
+        # The release events are durable before the features go: a crash in
+        # between leaks features, it never leaves a ledger that promises
+        # features which are gone.
+        for sid in sample_ids:
+            ref = self.state.ref(sid)
+            try:
+                self.store.delete(ref)
+            except DataflowError as exc:
+                log.warning("could not delete features of %r from %s: %s", sid, ref.store, exc)
+
+    # -- resume ----------------------------------------------------------------
+    def resume(self, checkpoint: object = "latest") -> ReconcilePlan:
+        """Start a new epoch from ``checkpoint`` and reconcile; return the plan.
+
+        ``checkpoint``: ``"latest"`` (the newest checkpoint of the current
+        lineage, or from scratch when there is none), a step (int) naming a
+        recorded checkpoint (UnknownCheckpointError otherwise), a Checkpoint
+        from ``state.checkpoints``, or None (from scratch). Ranks other than 0
+        join the epoch rank 0 started.
+        """
+        if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
+            _check_int("checkpoint step", checkpoint)
+        epoch = self._start_epoch(checkpoint) if self.rank == 0 else self._join_epoch()
+        self.epoch = epoch
+        self._from_stream.clear()
+        plan = self.state.plans[epoch]
+        if self.rank == 0 and plan.released:
+            with self._write("release") as tx:
+                pending_release = [s for s in plan.released if s not in self.state.released]
+                tx.append(self._release_events(pending_release))
+                self._sync(tx)
+            self._delete_features(pending_release)
+        return plan.for_rank(self.rank)
+
+    def _start_epoch(self, checkpoint: object) -> int:
+        with self.ledger.write(self.run_id, "resume") as tx:
+            self._sync(tx)
+            ckpt = self._resolve_checkpoint(checkpoint)
+            epoch = max(tx.epoch, self.state.epoch) + 1
+            tx.set_epoch(epoch)
+            payload = {
+                "checkpoint_seq": ckpt.seq if ckpt else None,
+                "checkpoint_step": ckpt.step if ckpt else None,
+                "world_size": self.world_size,
+                "release_policy": self.release_policy,
+                "max_attempts": self.max_attempts,
+            }
+            tx.append(
+                [
+                    NewEvent(
+                        Kind.RESUME,
+                        self.consumer_id,
+                        epoch=epoch,
+                        step=ckpt.step if ckpt else None,
+                        payload=dump_payload(payload),
+                    )
+                ]
+            )
+            self._sync(tx)
+        if _dist_group_active(self.world_size):
+            value = torch.tensor([epoch], dtype=torch.int64)
+            torch.distributed.broadcast(value, src=0)
+        return epoch
+
+    def _resolve_checkpoint(self, checkpoint: object) -> Checkpoint | None:
+        if checkpoint is None:
+            return None
+        if isinstance(checkpoint, Checkpoint):
+            if checkpoint not in self.state.checkpoints:
+                raise UnknownCheckpointError(f"{checkpoint} is not recorded in run {self.run_id!r}")
+            return checkpoint
+        found = self.state.checkpoint_for(checkpoint)
+        if found is None and checkpoint != "latest":
+            steps = sorted({c.step for c in self.state.checkpoints})
+            raise UnknownCheckpointError(
+                f"run {self.run_id!r} has no checkpoint at step {checkpoint}; "
+                f"recorded steps: {steps[-20:]} (pass None to start from scratch)"
+            )
+        return found
+
+    def _join_epoch(self) -> int:
+        if _dist_group_active(self.world_size):
+            value = torch.tensor([0], dtype=torch.int64)
+            torch.distributed.broadcast(value, src=0)
+            epoch = int(value.item())
+            while self.state.epoch < epoch:
+                self._catch_up()
+                if self.state.epoch < epoch:
+                    time.sleep(_POLL_S)
+        else:
+            self._catch_up()
+            epoch = self.state.epoch
+            if epoch == 0:
+                raise LedgerStateError(
+                    f"rank {self.rank} cannot join run {self.run_id!r}: rank 0 has not resumed "
+                    "yet (resume rank 0 first, or initialize torch.distributed)"
+                )
+        if self.state.world_size != self.world_size:
+            raise LedgerStateError(
+                f"epoch {epoch} of run {self.run_id!r} was started with world_size "
+                f"{self.state.world_size}, but this consumer has world_size {self.world_size}"
+            )
+        return epoch
+
+    # -- leasing -------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """True when nothing more will come for this rank: producers are done and it is drained."""
+        if self.stream is not None and not self.stream.exhausted:
+            return False
+        if self.stream is None and not self.state.producers_done:
+            return False
+        has_pending = next(self.state.pending_for(self.rank), None) is not None
+        mine = any(owner == self.consumer_id for owner in self.state.leased.values())
+        return not has_pending and not mine
+
+    def lease(self, max_refs: int, *, timeout: float | None = 0.0) -> list[SampleRef]:
+        """Take up to ``max_refs`` samples: requeued work first, then new commits.
+
+        Waits up to ``timeout`` seconds (None: until something comes or the
+        run is finished) for at least one; returns [] when nothing came.
+        """
+        self._require_epoch()
+        _check_int("max_refs", max_refs, minimum=1)
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be a non-negative number or None, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            refs = self._lease_once(max_refs, deadline)
+            if refs or self.finished:
+                return refs
+            if deadline is not None and time.monotonic() >= deadline:
+                return []
+            time.sleep(_POLL_S)
+            self._catch_up()
+
+    def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
+        self._catch_up()
+        from_ledger = self.stream is None or self.stream.exhausted
+        candidates = list(
+            itertools.islice(
+                self.state.pending_for(self.rank, requeued_only=not from_ledger), max_refs
+            )
+        )
+        if candidates:
+            return self._lease_ids(candidates, streamed=False)
+        if self.stream is None or self.stream.exhausted:
+            return []
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        received = self.stream.receive(max_refs, timeout=wait)
+        if not received:
+            return []
+        return self._lease_ids([r.sample_id for r in received], streamed=True)
+
+    def _lease_ids(self, sample_ids: list[str], *, streamed: bool) -> list[SampleRef]:
+        with self._write("lease") as tx:
+            # A streamed ref may already be leased or trained (it also came
+            # back through reconcile): deliver it once, drop the copy.
+            take = [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
+            tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
+            self._sync(tx)
+        if streamed:
+            self._from_stream.update(take)
+            dropped = len(sample_ids) - len(take)
+            if dropped:
+                self.stream.credit(dropped)  # type: ignore[union-attr]
+        return [self.state.ref(s) for s in take]
+
+    def batches(
+        self, batch_size: int, *, timeout: float | None = None
+    ) -> Iterator[list[SampleRef]]:
+        """Yield leased batches until the run is finished for this rank."""
+        while True:
+            refs = self.lease(batch_size, timeout=timeout)
+            if refs:
+                yield refs
+            elif self.finished or timeout is not None:
+                return
+
+    def load(
+        self, ref: SampleRef, *, names: Iterable[str] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The features of a leased ref, from this consumer's store."""
+        return self.store.get(ref, names=names)
+
+    # -- finishing samples ----------------------------------------------------
+    def _check_leased(self, ids: list[str], what: str) -> None:
+        for sid in ids:
+            holder = self.state.leased.get(sid)
+            if holder != self.consumer_id:
+                held = f"leased by {holder!r}" if holder else "not leased"
+                raise LedgerStateError(
+                    f"cannot {what} {sid!r}: it is {held} in epoch {self.epoch} of run "
+                    f"{self.run_id!r}; only samples this consumer leased can be {what}ed"
+                )
+
+    def _credit(self, ids: list[str]) -> None:
+        if self.stream is None:
+            return
+        streamed = [s for s in ids if s in self._from_stream]
+        self._from_stream.difference_update(streamed)
+        if streamed:
+            self.stream.credit(len(streamed))
+
+    def ack(self, refs: Iterable[SampleRef | str], *, step: int) -> None:
+        """Record that ``refs`` were trained into optimizer step ``step`` (one transaction)."""
+        ids = _sample_ids(refs, "ack")
+        _check_int("step", step)
+        with self._write("ack") as tx:
+            self._check_leased(ids, "ack")
+            floor = self.state.last_checkpoint_step
+            if step <= floor:
+                raise LedgerStateError(
+                    f"ack at step {step} in run {self.run_id!r}, but a checkpoint at step {floor} "
+                    "already exists in this lineage: acks must name a later step"
+                )
+            tx.append(
+                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step) for s in ids
+            )
+            release = ids if self.release_policy == "on_ack" else []
+            tx.append(self._release_events(release))
+            self._sync(tx)
+        self._delete_features(release)
+        self._credit(ids)
+
+    def nack(
+        self, refs: Iterable[SampleRef | str], *, retryable: bool = True, reason: str = ""
+    ) -> None:
+        """Give samples back: pending again if retryable, dead after ``max_attempts`` or if not."""
+        ids = _sample_ids(refs, "nack")
+        if not isinstance(retryable, bool):
+            raise TypeError(f"retryable must be a bool, got {retryable!r}")
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise ValueError(f"reason must be a str of at most 1000 characters, got {reason!r}")
+        with self._write("nack") as tx:
+            self._check_leased(ids, "nack")
+            payload = dump_payload({"retryable": retryable, "reason": reason})
+            tx.append(
+                NewEvent(Kind.NACK, self.consumer_id, s, epoch=tx.epoch, payload=payload)
+                for s in ids
+            )
+            self._sync(tx)
+        self._credit(ids)
+
+    def checkpoint(self, step: int, path: str) -> Checkpoint | None:
+        """Record a durable checkpoint at ``step``; release features per the policy.
+
+        Call it after the checkpoint files are durable. Every rank calls it:
+        with torch.distributed initialized the ranks meet in a barrier first,
+        so rank 0 appends only once every rank's acks up to ``step`` are in
+        the ledger. Returns the Checkpoint on rank 0, None elsewhere.
+        """
+        _check_int("step", step)
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"checkpoint path must be a non-empty str, got {path!r}")
+        self._require_epoch()
+        if _dist_group_active(self.world_size):
+            torch.distributed.barrier()
+        if self.rank != 0:
+            return None
+        with self._write("checkpoint") as tx:
+            floor = self.state.last_checkpoint_step
+            if step <= floor:
+                raise LedgerStateError(
+                    f"checkpoint at step {step} in run {self.run_id!r}, but this lineage already "
+                    f"has one at step {floor}: checkpoint steps must increase"
+                )
+            tx.append(
+                [
+                    NewEvent(
+                        Kind.CHECKPOINT,
+                        self.consumer_id,
+                        epoch=tx.epoch,
+                        step=step,
+                        payload=dump_payload({"path": path}),
+                    )
+                ]
+            )
+            self._sync(tx)
+            release = (
+                self.state.releasable_at(step) if self.release_policy == "on_checkpoint" else []
+            )
+            tx.append(self._release_events(release))
+            self._sync(tx)
+        self._delete_features(release)
+        return self.state.checkpoints[-1]
+
+    def start_data_epoch(self, *, seed: int | None = None) -> int:
+        """Make every live committed sample pending again, in a seeded order (rank 0).
+
+        For offline datasets trained for several passes (use release_policy
+        "never"). Every leased sample must be acked or nacked first.
+        """
+        if seed is not None:
+            _check_int("seed", seed)
+        if self.rank != 0:
+            raise LedgerStateError("only rank 0 starts a data epoch; the other ranks follow it")
+        with self._write("data epoch") as tx:
+            if self.state.leased:
+                raise LedgerStateError(
+                    f"{len(self.state.leased)} samples are still leased in run {self.run_id!r}; "
+                    "ack or nack them before starting a data epoch"
+                )
+            number = self.state.data_epoch + 1
+            payload = {"data_epoch": number, "seed": number if seed is None else seed}
+            tx.append(
+                [
+                    NewEvent(
+                        Kind.DATA_EPOCH,
+                        self.consumer_id,
+                        epoch=tx.epoch,
+                        payload=dump_payload(payload),
+                    )
+                ]
+            )
+            self._sync(tx)
+        return number
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()

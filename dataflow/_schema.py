@@ -1,0 +1,69 @@
+"""The ledger's tables: one schema, shared by SQLite and PostgreSQL (SQLAlchemy Core)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+SCHEMA_VERSION = 1
+
+metadata = MetaData()
+
+#: One row: the schema version this database was written with.
+schema_info = Table(
+    "dataflow_schema",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", Integer, nullable=False),
+)
+
+#: One row per run: its current consumer epoch. Every append transaction
+#: locks the run's row first, which serializes appends per run (see _ledger).
+runs = Table(
+    "dataflow_runs",
+    metadata,
+    Column("run_id", String(256), primary_key=True),
+    Column("epoch", Integer, nullable=False),
+)
+
+#: The append-only log. ``seq`` is global; within a run it is also commit order.
+events = Table(
+    "dataflow_events",
+    metadata,
+    Column(
+        "seq",
+        BigInteger().with_variant(Integer, "sqlite"),
+        primary_key=True,
+        autoincrement=True,
+    ),
+    Column("run_id", String(256), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("sample_id", String(256)),
+    # Set on commits only (0, then 1, 2 ... for regenerations); NULL elsewhere,
+    # and NULLs never collide in a unique index, so the index below is the
+    # database's own dedup of commits.
+    Column("revision", Integer),
+    Column("epoch", Integer, nullable=False),
+    Column("step", BigInteger),
+    Column("actor", String(256), nullable=False),
+    Column("payload", Text),
+    Column("ts", Float, nullable=False),
+)
+
+Index("ix_dataflow_events_run_seq", events.c.run_id, events.c.seq)
+Index(
+    "ux_dataflow_events_commit",
+    events.c.run_id,
+    events.c.sample_id,
+    events.c.revision,
+    unique=True,
+)
