@@ -14,6 +14,7 @@ acks after C in abandoned branches are void.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
@@ -61,20 +62,13 @@ class ReconcilePlan:
     data_epoch: int = 0
     world_size: int = 1
     rank: int | None = None
+    #: The checkpoint resumed from (load its ``path``), None from scratch.
+    checkpoint: Checkpoint | None = None
 
     def for_rank(self, rank: int) -> ReconcilePlan:
         """This plan with ``requeued`` narrowed to ``rank``'s share."""
-        share = tuple(self.requeued[rank :: self.world_size])
-        return ReconcilePlan(
-            self.epoch,
-            self.checkpoint_step,
-            share,
-            self.released,
-            self.regenerate,
-            self.trained,
-            self.data_epoch,
-            self.world_size,
-            rank,
+        return dataclasses.replace(
+            self, requeued=tuple(self.requeued[rank :: self.world_size]), rank=rank
         )
 
 
@@ -385,6 +379,7 @@ class RunState:
             trained=frozenset(trained),
             data_epoch=data_epoch,
             world_size=node.world_size,
+            checkpoint=ckpt,
         )
 
     def _unreleased_after(self, trained: Mapping[str, int]) -> list[str]:

@@ -28,6 +28,7 @@ from dataflow._contracts import (
 from dataflow._errors import (
     DataflowError,
     LedgerStateError,
+    StaleEpochError,
     UnknownCheckpointError,
 )
 from dataflow._events import Kind, dump_payload
@@ -495,6 +496,12 @@ class Consumer:
 
     def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
         self._catch_up()
+        if self.state.epoch != self.epoch:
+            # Fenced even when there is nothing to lease, so a zombie learns at once.
+            raise StaleEpochError(
+                f"{self.consumer_id!r} is at epoch {self.epoch} of run {self.run_id!r}, but the "
+                f"run moved to epoch {self.state.epoch}: a newer consumer resumed; stop this one"
+            )
         from_ledger = self.stream is None or self.stream.exhausted
         candidates = list(
             itertools.islice(
