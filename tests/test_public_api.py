@@ -1,0 +1,59 @@
+"""The public surface is deliberate: exported names are a promise to users."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import dataflow
+import eval as eval_pkg
+import stores
+
+REQUIRED = {
+    "Ledger",
+    "Producer",
+    "Consumer",
+    "replay",
+    "SampleRef",
+    "FeatureSpec",
+    "DataflowError",
+    "StaleEpochError",
+    "InvalidSampleIdError",
+    "TensorInRefError",
+}
+
+
+def test_required_names_are_exported() -> None:
+    assert set(dataflow.__all__) >= REQUIRED
+    assert {"FeatureStore", "LocalFeatureStore"} <= set(stores.__all__)
+    for name in dataflow.__all__:
+        assert hasattr(dataflow, name), name
+
+
+def test_all_is_sorted() -> None:
+    for module in (dataflow, stores, eval_pkg):
+        assert list(module.__all__) == sorted(module.__all__), module.__name__
+
+
+def test_every_error_derives_from_the_root() -> None:
+    errors = [getattr(dataflow, n) for n in dataflow.__all__ if n.endswith("Error")]
+    assert len(errors) > 10
+    for error in errors:
+        assert issubclass(error, dataflow.DataflowError), error
+    assert issubclass(dataflow.TensorInRefError, TypeError)
+    assert issubclass(dataflow.InvalidSampleIdError, ValueError)
+    assert issubclass(dataflow.StaleRefError, KeyError)
+    assert issubclass(dataflow.StoreFullError, MemoryError)
+
+
+def test_layering() -> None:
+    """dataflow never imports training or eval; eval imports neither dataflow nor stores."""
+    code = (
+        "import sys, dataflow, dataflow.cli, stores\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('training', 'eval')]\n"
+        "assert not bad, bad\n"
+        "import eval\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('training',)]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
