@@ -8,6 +8,7 @@ events back in. A bad write raises before anything is appended.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -67,7 +68,7 @@ def _sample_ids(refs: object, what: str) -> list[str]:
     if isinstance(refs, (str, SampleRef)) or not isinstance(refs, Iterable):
         raise TypeError(f"{what} takes a list of SampleRefs or sample ids, got {refs!r}")
     ids = [r.sample_id if isinstance(r, SampleRef) else validate_sample_id(r) for r in refs]
-    duplicates = sorted({s for s in ids if ids.count(s) > 1})
+    duplicates = sorted(s for s, n in collections.Counter(ids).items() if n > 1)
     if duplicates:
         raise ValueError(f"{what} got the same sample more than once: {duplicates}")
     return ids
