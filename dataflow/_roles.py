@@ -193,9 +193,10 @@ class Producer:
         are committed as the next revision instead of being deleted, and a
         consumer that leases the sample gets the live ref.
         """
-        if committed.generation == ours.generation or self.store.exists(committed):
-            if committed.generation != ours.generation:
-                self.store.delete(ours)
+        if committed.store == ours.store and committed.generation == ours.generation:
+            return  # the committed ref is ours (a retried commit)
+        if committed.store != ours.store or self.store.exists(committed):
+            self.store.delete(ours)  # theirs is live (or elsewhere): ours was never needed
             return
         with self.ledger.write(self.run_id, "commit") as tx:
             now = tx.commits([ours.sample_id]).get(ours.sample_id)
@@ -465,21 +466,43 @@ class Consumer:
 
     # -- leasing -------------------------------------------------------------
     @property
-    def finished(self) -> bool:
-        """True when nothing more will come for this rank: producers are done and it is drained."""
+    def drained(self) -> bool:
+        """True when no more leases can come to this rank: producers done, its queue empty.
+
+        Samples this consumer still holds (leased, not yet acked) do not count:
+        a trainer that accumulates gradients can be drained while it holds the
+        last micro-batches.
+        """
         if self.stream is not None and not self.stream.exhausted:
             return False
         if self.stream is None and not self.state.producers_done:
             return False
-        has_pending = next(self.state.pending_for(self.rank), None) is not None
+        return next(self.state.pending_for(self.rank), None) is None
+
+    @property
+    def finished(self) -> bool:
+        """True when this rank is drained and has acked or nacked everything it leased."""
         mine = any(owner == self.consumer_id for owner in self.state.leased.values())
-        return not has_pending and not mine
+        return self.drained and not mine
+
+    def refresh(self) -> None:
+        """Fold new events; raise StaleEpochError if a newer consumer fenced this one off."""
+        self._require_epoch()
+        self._catch_up()
+        self._check_not_fenced()
+
+    def _check_not_fenced(self) -> None:
+        if self.state.epoch != self.epoch:
+            raise StaleEpochError(
+                f"{self.consumer_id!r} is at epoch {self.epoch} of run {self.run_id!r}, but the "
+                f"run moved to epoch {self.state.epoch}: a newer consumer resumed; stop this one"
+            )
 
     def lease(self, max_refs: int, *, timeout: float | None = 0.0) -> list[SampleRef]:
         """Take up to ``max_refs`` samples: requeued work first, then new commits.
 
-        Waits up to ``timeout`` seconds (None: until something comes or the
-        run is finished) for at least one; returns [] when nothing came.
+        Waits up to ``timeout`` seconds (None: until something comes or this
+        rank is drained) for at least one; returns [] when nothing came.
         """
         self._require_epoch()
         _check_int("max_refs", max_refs, minimum=1)
@@ -488,7 +511,7 @@ class Consumer:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             refs = self._lease_once(max_refs, deadline)
-            if refs or self.finished:
+            if refs or self.drained:
                 return refs
             if deadline is not None and time.monotonic() >= deadline:
                 return []
@@ -497,12 +520,7 @@ class Consumer:
 
     def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
         self._catch_up()
-        if self.state.epoch != self.epoch:
-            # Fenced even when there is nothing to lease, so a zombie learns at once.
-            raise StaleEpochError(
-                f"{self.consumer_id!r} is at epoch {self.epoch} of run {self.run_id!r}, but the "
-                f"run moved to epoch {self.state.epoch}: a newer consumer resumed; stop this one"
-            )
+        self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
         from_ledger = self.stream is None or self.stream.exhausted
         candidates = list(
             itertools.islice(
@@ -536,12 +554,12 @@ class Consumer:
     def batches(
         self, batch_size: int, *, timeout: float | None = None
     ) -> Iterator[list[SampleRef]]:
-        """Yield leased batches until the run is finished for this rank."""
+        """Yield leased batches until this rank is drained (or a lease times out)."""
         while True:
             refs = self.lease(batch_size, timeout=timeout)
             if refs:
                 yield refs
-            elif self.finished or timeout is not None:
+            elif self.drained or timeout is not None:
                 return
 
     def load(
