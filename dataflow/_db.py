@@ -57,7 +57,13 @@ class Backend:
 
 
 def backend_for(url: str) -> Backend:
-    backend = make_url(url).get_backend_name()
+    try:
+        backend = make_url(url).get_backend_name()
+    except sa_exc.ArgumentError as exc:
+        raise ValueError(
+            f"cannot parse ledger URL {url!r}: use sqlite:///PATH or "
+            "postgresql+psycopg://USER@HOST/DB"
+        ) from exc
     if backend == "sqlite":
         from dataflow._sqlite import SQLiteBackend
 

@@ -77,6 +77,25 @@ def _newest_commits(
     return found
 
 
+def _released_revision(conn: Connection, run_id: str, sample_id: str) -> int | None:
+    rows = conn.execute(
+        select(events.c.payload).where(
+            events.c.run_id == run_id,
+            events.c.kind == Kind.RELEASE,
+            events.c.sample_id == sample_id,
+        )
+    ).all()
+    revisions = [load_payload(p).get("revision", 0) for (p,) in rows]
+    return max(revisions) if revisions else None
+
+
+def _check_seq(name: str, value: object, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
 class WriteTransaction:
     """One append transaction on one run, holding the run's write lock.
 
@@ -119,15 +138,7 @@ class WriteTransaction:
 
     def released_revision(self, sample_id: str) -> int | None:
         """Highest revision of ``sample_id`` whose features were released, if any."""
-        rows = self.conn.execute(
-            select(events.c.payload).where(
-                events.c.run_id == self.run_id,
-                events.c.kind == Kind.RELEASE,
-                events.c.sample_id == sample_id,
-            )
-        ).all()
-        revisions = [load_payload(p).get("revision", 0) for (p,) in rows]
-        return max(revisions) if revisions else None
+        return _released_revision(self.conn, self.run_id, sample_id)
 
     def append(self, new_events: Iterable[NewEvent]) -> None:
         now = time.time()
@@ -237,6 +248,8 @@ class Ledger:
     ) -> Iterator[Row[Any]]:
         """Raw event rows of a run in seq order, in constant memory (keyset pages)."""
         _check_run_id(run_id)
+        _check_seq("after_seq", after_seq)
+        _check_seq("upto_seq", upto_seq, optional=True)
         cursor = after_seq
         while True:
             stmt = select(*ROW_COLUMNS).where(events.c.run_id == run_id, events.c.seq > cursor)
@@ -284,6 +297,12 @@ class Ledger:
         commit order). Stops after ``timeout`` seconds without a new event
         (None: never stops; close the generator to stop).
         """
+        _check_seq("after_seq", after_seq)
+        for name, value in (("poll_interval", poll_interval), ("timeout", timeout)):
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0
+            ):
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
         last = after_seq
         idle_since = time.monotonic()
         while True:
@@ -302,8 +321,16 @@ class Ledger:
     def commits(self, run_id: str, sample_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
         """(newest revision, its ref JSON) for each of ``sample_ids`` committed in the run."""
         _check_run_id(run_id)
+        if isinstance(sample_ids, str):
+            raise TypeError(f"sample_ids must be a list of ids, not the str {sample_ids!r}")
         with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
             return _newest_commits(conn, run_id, list(sample_ids))
+
+    def released_revision(self, run_id: str, sample_id: str) -> int | None:
+        """Highest revision of ``sample_id`` whose features were released, if any."""
+        _check_run_id(run_id)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            return _released_revision(conn, run_id, sample_id)
 
     def head_seq(self, run_id: str) -> int:
         """The seq of the run's newest event (0 when it has none)."""

@@ -34,7 +34,13 @@ class PostgresBackend(Backend):
             pool_pre_ping=True,
             connect_args={
                 "connect_timeout": max(1, round(busy_timeout_s)),
-                "options": f"-c synchronous_commit={synchronous_commit}",
+                # lock_timeout makes busy_timeout bound the wait for a run's
+                # lock, as it does on SQLite, instead of waiting forever
+                # behind a stuck transaction.
+                "options": (
+                    f"-c synchronous_commit={synchronous_commit} "
+                    f"-c lock_timeout={round(busy_timeout_s * 1000)}"
+                ),
             },
         )
 

@@ -252,6 +252,9 @@ class RunState:
         if seq <= self.head_seq:
             return
         self.head_seq = seq
+        if kind in Kind.FENCED and self.epoch == 0:
+            self.violations.append(f"seq {seq}: {kind} before any resume (by {actor!r})")
+            return
         if kind in Kind.FENCED and epoch != self.epoch:
             self.violations.append(
                 f"seq {seq}: {kind} by {actor!r} with stale epoch {epoch} (run at {self.epoch})"

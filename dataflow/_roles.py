@@ -12,6 +12,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from dataflow._projection import RELEASE_POLICIES, Checkpoint, ReconcilePlan, Ru
 log = logging.getLogger("dataflow")
 
 _POLL_S = 0.02
+_MAX_INT64 = 2**63 - 1
 
 
 def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
@@ -46,6 +48,8 @@ def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > _MAX_INT64:
+        raise ValueError(f"{name} must fit in 64 bits (<= {_MAX_INT64}), got {value}")
     return value
 
 
@@ -226,20 +230,19 @@ class Producer:
         trained again, but its features are gone.
         """
         validate_sample_id(sample_id)
+        # Checked before the put too: a put would supersede features that are live.
+        self._check_regenerable(
+            self.ledger.commits(self.run_id, [sample_id]),
+            self.ledger.released_revision(self.run_id, sample_id),
+            sample_id,
+        )
         ref = self.store.put(sample_id, tensors, metadata=metadata)
         try:
             with self.ledger.write(self.run_id, "regenerate") as tx:
-                newest = tx.commits([sample_id]).get(sample_id)
-                if newest is None:
-                    raise LedgerStateError(
-                        f"{sample_id!r} was never committed in run {self.run_id!r}; use emit()"
-                    )
-                revision = newest[0]
-                if tx.released_revision(sample_id) != revision:
-                    raise LedgerStateError(
-                        f"the features of {sample_id!r} (revision {revision}) are still stored; "
-                        "only samples whose features were released can be regenerated"
-                    )
+                newest = tx.commits([sample_id])
+                revision = self._check_regenerable(
+                    newest, tx.released_revision(sample_id), sample_id
+                )
                 tx.append(
                     [
                         NewEvent(
@@ -257,6 +260,21 @@ class Producer:
         if self.stream is not None:
             self.stream.send(ref)
         return ref
+
+    def _check_regenerable(
+        self, newest: dict[str, tuple[int, str]], released: int | None, sample_id: str
+    ) -> int:
+        if sample_id not in newest:
+            raise LedgerStateError(
+                f"{sample_id!r} was never committed in run {self.run_id!r}; use emit()"
+            )
+        revision = newest[sample_id][0]
+        if released != revision:
+            raise LedgerStateError(
+                f"the features of {sample_id!r} (revision {revision}) are still stored; "
+                "only samples whose features were released can be regenerated"
+            )
+        return revision
 
     def close(self) -> None:
         """Record that this producer is done, and end its stream."""
@@ -506,7 +524,12 @@ class Consumer:
         """
         self._require_epoch()
         _check_int("max_refs", max_refs, minimum=1)
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+        if timeout is not None and (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not math.isfinite(timeout)
+            or timeout < 0
+        ):
             raise ValueError(f"timeout must be a non-negative number or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
