@@ -1,0 +1,354 @@
+"""A rule-based state machine that attacks a ledger + store set-up with crashes.
+
+Producers and consumers are driven through the public API; at random points
+every in-memory object is dropped (a crash) and the run resumes from a random
+checkpoint. An independent model of the lineage, kept by this machine and
+not by dataflow, is checked against the ledger after every step:
+
+* replay of the log equals every live consumer's state;
+* nothing committed and not dead is lost (and its features are in the store
+  unless the ledger lists it for regeneration);
+* no sample is trained twice in a data epoch of the lineage, and the trained
+  set after a resume is exactly the checkpoint's;
+* features are released only when the release policy allows;
+* writes from a fenced-off (stale) epoch are rejected and change nothing;
+* reconcile is deterministic and idempotent.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from dataflow._contracts import FeatureStore, SampleRef
+from dataflow._errors import StaleEpochError
+from dataflow._ledger import Ledger
+from dataflow._projection import Checkpoint, replay
+from dataflow._roles import Consumer, Producer
+
+#: Examples per run of the machine: "normal" is the test suite's, "thorough" the long profile.
+PROFILES = {"normal": 200, "thorough": 2000}
+_ID_POOL = 10
+
+
+def _features(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"hidden": torch.randn(3, generator=generator), "ids": torch.arange(seed % 5)}
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Subclass with ``ledger`` and ``make_store`` set, or use :func:`run_ledger_machine`.
+
+    Every example uses a fresh run id, so one ledger serves all examples.
+    """
+
+    ledger: Ledger
+    make_store: Callable[[], FeatureStore]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run_id = f"prop-{uuid.uuid4().hex[:16]}"
+        self.store = type(self).make_store()
+        self.producer = Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
+        self.consumers: list[Consumer] = []
+        self.zombies: list[Consumer] = []
+        self.generation = 0
+        self.emitted: dict[str, SampleRef] = {}
+        self.leased: dict[int, list[SampleRef]] = {}
+        self.trained: dict[str, int] = {}  # the model's lineage: id -> step
+        self.data_epoch = 0
+        self.dead: set[str] = set()
+        self.attempts: dict[str, int] = {}
+        self.snapshots: dict[int, tuple[int, dict[str, int]]] = {}  # checkpoint seq -> state
+        self.ever_checkpointed: set[str] = set()
+        self.ever_acked: set[str] = set()
+        self.step = 0
+        self.writes_since_resume = 0
+        self.last_resume: tuple[Checkpoint | None, Any] | None = None
+
+    # -- set-up ----------------------------------------------------------------
+    @initialize(
+        policy=st.sampled_from(["on_checkpoint", "on_ack", "never"]),
+        world_size=st.sampled_from([1, 1, 2]),
+        max_attempts=st.integers(1, 3),
+    )
+    def configure(self, policy: str, world_size: int, max_attempts: int) -> None:
+        self.policy = policy
+        self.world_size = world_size
+        self.max_attempts = max_attempts
+        self.consumers = self._new_consumers()
+        self._resume("latest")
+
+    def _new_consumers(self) -> list[Consumer]:
+        self.generation += 1
+        return [
+            Consumer(
+                self.ledger,
+                self.store,
+                run_id=self.run_id,
+                consumer_id=f"g{self.generation}-rank{rank}",
+                rank=rank,
+                world_size=self.world_size,
+                release_policy=self.policy,
+                max_attempts=self.max_attempts,
+            )
+            for rank in range(self.world_size)
+        ]
+
+    # -- producers ---------------------------------------------------------------
+    @rule(
+        indices=st.lists(st.integers(0, _ID_POOL - 1), min_size=1, max_size=4),
+        seed=st.integers(0, 1000),
+    )
+    def emit(self, indices: list[int], seed: int) -> None:
+        sample_ids = [f"s{index:02d}/x" for index in indices]
+        if len(sample_ids) == 1:
+            refs = [self.producer.emit(sample_ids[0], _features(seed))]
+        else:
+            refs = self.producer.emit_many((sid, _features(seed)) for sid in sample_ids)
+        for sample_id, ref in zip(sample_ids, refs, strict=True):
+            if sample_id in self.emitted:
+                assert ref is None, f"duplicate emit of {sample_id!r} was committed again"
+            else:
+                assert ref is not None, f"first emit of {sample_id!r} was not committed"
+                self.emitted[sample_id] = ref
+                self.writes_since_resume += 1
+
+    @rule(index=st.integers(0, _ID_POOL - 1), seed=st.integers(0, 1000))
+    def crash_producer_mid_emit(self, index: int, seed: int) -> None:
+        """Features put, the producer dies before committing: nothing is lost, nothing leaks."""
+        sample_id = f"s{index:02d}/x"
+        if sample_id not in self.emitted:
+            self.store.put(sample_id, _features(seed))
+        self.producer = Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
+
+    @rule()
+    def close_producer(self) -> None:
+        self.producer.close()
+        self.writes_since_resume += 1
+
+    @rule(seed=st.integers(0, 1000))
+    def regenerate(self, seed: int) -> None:
+        missing = list(replay(self.ledger, self.run_id).regenerate)
+        if missing:
+            ref = self.producer.regenerate(missing[0], _features(seed))
+            self.emitted[missing[0]] = ref
+            self.writes_since_resume += 1
+
+    # -- consumers -----------------------------------------------------------------
+    @rule(target_kind=st.sampled_from(["latest", "scratch", "any"]), pick=st.integers(0, 10**6))
+    def crash_consumers_and_resume(self, target_kind: str, pick: int) -> None:
+        """Drop every consumer object (leases in flight included) and resume."""
+        self.zombies = self.consumers or self.zombies
+        self.consumers = self._new_consumers()
+        checkpoints = replay(self.ledger, self.run_id).checkpoints
+        target: Any = {"latest": "latest", "scratch": None}.get(target_kind)
+        if target_kind == "any":
+            target = checkpoints[pick % len(checkpoints)] if checkpoints else None
+        self._resume(target)
+
+    def _resume(self, target: Any) -> None:
+        plans = [self.consumers[0].resume(target)]
+        plans += [c.resume() for c in self.consumers[1:]]
+        plan = plans[0]
+        resolved = plan.checkpoint
+        data_epoch, trained = self.snapshots[resolved.seq] if resolved else (0, {})
+        if data_epoch != self.data_epoch:
+            self.attempts = {}
+        self.data_epoch, self.trained = data_epoch, dict(trained)
+        self.leased = {rank: [] for rank in range(self.world_size)}
+        assert plan.trained == frozenset(self.trained), (
+            f"resume trained set {sorted(plan.trained)} != the checkpoint's {sorted(self.trained)}"
+        )
+        requeued = [sid for p in plans for sid in p.requeued]
+        assert len(requeued) == len(set(requeued)), "a sample was requeued to two ranks"
+        expected = set(self.emitted) - self.dead - set(self.trained)
+        assert set(requeued) | set(plan.regenerate) == expected, "reconcile lost or invented work"
+        self.last_resume = (resolved, target)
+        self.writes_since_resume = 0
+
+    @precondition(
+        lambda self: (
+            bool(self.consumers) and self.writes_since_resume == 0 and self.last_resume is not None
+        )
+    )
+    @rule()
+    def resume_again_is_idempotent(self) -> None:
+        before = self.consumers[0].state.plans[self.consumers[0].epoch]
+        resolved, _target = self.last_resume  # type: ignore[misc]
+        self.zombies = self.consumers
+        self.consumers = self._new_consumers()
+        self._resume(resolved)
+        after = self.consumers[0].state.plans[self.consumers[0].epoch]
+        assert (after.requeued, after.trained, after.regenerate) == (
+            before.requeued,
+            before.trained,
+            before.regenerate,
+        ), "resuming twice from one checkpoint gave different plans"
+
+    @precondition(lambda self: bool(self.consumers))
+    @rule(rank=st.integers(0, 1), count=st.integers(1, 4))
+    def lease(self, rank: int, count: int) -> None:
+        rank %= self.world_size
+        refs = self.consumers[rank].lease(count)
+        for ref in refs:
+            assert ref.sample_id not in {r.sample_id for rs in self.leased.values() for r in rs}
+            features = self.store.get(ref)  # a leased sample's features must be there
+            assert set(features) == set(ref.specs)
+        self.leased[rank].extend(refs)
+        self.writes_since_resume += len(refs)
+
+    @precondition(lambda self: bool(self.consumers))
+    @rule(rank=st.integers(0, 1), count=st.integers(1, 4))
+    def train(self, rank: int, count: int) -> None:
+        """Lease and ack in one optimizer step, as a trainer loop does."""
+        self.lease(rank, count)
+        self.ack(rank, count)
+
+    @precondition(lambda self: any(self.leased.values()))
+    @rule(rank=st.integers(0, 1), count=st.integers(1, 4))
+    def ack(self, rank: int, count: int) -> None:
+        rank %= self.world_size
+        refs, self.leased[rank] = self.leased[rank][:count], self.leased[rank][count:]
+        if not refs:
+            return
+        self.step += 1
+        self.consumers[rank].ack(refs, step=self.step)
+        for ref in refs:
+            assert ref.sample_id not in self.trained, f"{ref.sample_id!r} trained twice"
+            self.trained[ref.sample_id] = self.step
+            self.ever_acked.add(ref.sample_id)
+        self.writes_since_resume += 1
+
+    @precondition(lambda self: any(self.leased.values()))
+    @rule(rank=st.integers(0, 1), retryable=st.booleans())
+    def nack(self, rank: int, retryable: bool) -> None:
+        rank %= self.world_size
+        if not self.leased[rank]:
+            return
+        ref = self.leased[rank].pop(0)
+        self.consumers[rank].nack([ref], retryable=retryable, reason="test")
+        attempts = self.attempts.get(ref.sample_id, 0) + 1
+        self.attempts[ref.sample_id] = attempts
+        if not retryable or attempts >= self.max_attempts:
+            self.dead.add(ref.sample_id)
+        self.writes_since_resume += 1
+
+    @precondition(lambda self: bool(self.consumers))
+    @rule()
+    def checkpoint(self) -> None:
+        self.step += 1
+        ckpt = self.consumers[0].checkpoint(self.step, f"ckpt/step{self.step}")
+        assert ckpt is not None and ckpt.step == self.step
+        self.snapshots[ckpt.seq] = (self.data_epoch, dict(self.trained))
+        self.ever_checkpointed.update(self.trained)
+        self.writes_since_resume += 1
+
+    @precondition(lambda self: bool(self.consumers) and not any(self.leased.values()))
+    @rule(seed=st.integers(0, 100))
+    def start_data_epoch(self, seed: int) -> None:
+        self.data_epoch = self.consumers[0].start_data_epoch(seed=seed)
+        self.trained = {}
+        self.attempts = {}
+        self.writes_since_resume += 1
+
+    @precondition(lambda self: bool(self.zombies))
+    @rule(kind=st.sampled_from(["lease", "ack", "nack", "checkpoint"]))
+    def zombie_write_is_fenced(self, kind: str) -> None:
+        zombie = self.zombies[0]
+        head = self.ledger.head_seq(self.run_id)
+        some_id = next(iter(self.emitted), "s00/x")
+        try:
+            if kind == "lease":
+                zombie.lease(1)
+            elif kind == "ack":
+                zombie.ack([some_id], step=self.step + 1)
+            elif kind == "nack":
+                zombie.nack([some_id])
+            else:
+                zombie.checkpoint(self.step + 1, "zombie")
+        except StaleEpochError:
+            pass
+        else:
+            raise AssertionError(f"a {kind} from a fenced-off epoch was accepted")
+        assert self.ledger.head_seq(self.run_id) == head, "a fenced write changed the ledger"
+
+    # -- the invariants -------------------------------------------------------------
+    @invariant()
+    def ledger_agrees_with_the_model(self) -> None:
+        state = replay(self.ledger, self.run_id)
+        assert state.verify() == [], state.verify()
+        for consumer in self.consumers:
+            consumer._catch_up()
+            assert consumer.state.snapshot() == state.snapshot(), "live state != replay"
+        assert set(state.committed) == set(self.emitted), "a committed sample was lost"
+        assert set(state.dead) == self.dead
+        if self.consumers:
+            assert state.trained == self.trained, "trained set differs from the lineage model"
+            leased = {r.sample_id for refs in self.leased.values() for r in refs}
+            assert set(state.leased) == leased
+        for sample_id in set(self.emitted) - self.dead - set(state.regenerate):
+            if sample_id in state.released:
+                continue
+            assert self.store.exists(state.ref(sample_id)), (
+                f"features of {sample_id!r} are gone but the ledger does not list it "
+                "for regeneration"
+            )
+        if self.policy == "never":
+            assert not state.released, "features released under policy 'never'"
+        elif self.policy == "on_ack":
+            assert state.released <= self.ever_acked | self.dead
+        else:
+            assert state.released <= self.ever_checkpointed | self.dead, (
+                "features released before their sample was trained into a checkpoint"
+            )
+        assert replay(self.ledger, self.run_id).plans == state.plans, "reconcile not deterministic"
+
+    def teardown(self) -> None:
+        self.store.close()
+
+
+def machine_settings(profile: str = "normal", **overrides: Any) -> settings:
+    """Hypothesis settings of a profile: "normal" (200 examples) or "thorough" (2000)."""
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    options: dict[str, Any] = {
+        "max_examples": PROFILES[profile],
+        "stateful_step_count": 40,
+        "deadline": None,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
+    }
+    options.update(overrides)
+    return settings(**options)
+
+
+def run_ledger_machine(
+    ledger: Ledger,
+    make_store: Callable[[], FeatureStore],
+    *,
+    profile: str = "normal",
+    **overrides: Any,
+) -> None:
+    """Run the state machine against ``ledger`` and stores from ``make_store``.
+
+    Raises (with hypothesis's minimal failing example) when an invariant breaks.
+    """
+    machine = type(
+        "LedgerMachineRun",
+        (LedgerMachine,),
+        {"ledger": ledger, "make_store": staticmethod(make_store)},
+    )
+    run_state_machine_as_test(machine, settings=machine_settings(profile, **overrides))

@@ -1,0 +1,114 @@
+"""Fixtures shared by the test suite: ledgers on SQLite and PostgreSQL, a store,
+and the two roles writing one run.
+
+PostgreSQL comes from ``DATAFLOW_TEST_POSTGRES_URL`` when set, else from a
+throw-away server started once per session. Where neither is possible the
+PostgreSQL tests skip, except under ``CI=true``, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from dataflow import Consumer, Ledger, Producer, SampleRef
+from dataflow.testing._postgres import (
+    PostgresServer,
+    create_database,
+    drop_database,
+    postgres_url_from_env,
+)
+from stores import LocalFeatureStore
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/ledger.db"
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """URL of a PostgreSQL server on which tests may create databases."""
+    url = postgres_url_from_env()
+    if url is not None:
+        yield url
+        return
+    try:
+        server = PostgresServer()
+        server.start()
+    except (RuntimeError, OSError) as exc:
+        reason = f"no PostgreSQL server for the ledger tests: {exc}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)  # outside CI only: under CI=true PostgreSQL must run
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> Iterator[str]:
+    """A fresh, empty database, dropped after the test."""
+    name = f"dataflow_test_{uuid.uuid4().hex[:16]}"
+    url = create_database(postgres_server, name)
+    yield url
+    drop_database(postgres_server, name)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def ledger_url(request) -> str:
+    """A fresh ledger URL on each backend."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def ledger(ledger_url) -> Iterator[Ledger]:
+    led = Ledger.open(ledger_url)
+    yield led
+    led.close()
+
+
+@pytest.fixture
+def store() -> Iterator[LocalFeatureStore]:
+    with LocalFeatureStore() as feature_store:
+        yield feature_store
+
+
+@pytest.fixture
+def run_id() -> str:
+    return "run"
+
+
+@pytest.fixture
+def producer(ledger, store, run_id) -> Producer:
+    return Producer(ledger, store, run_id=run_id)
+
+
+@pytest.fixture
+def emit(producer) -> Callable[..., list[SampleRef | None]]:
+    """``emit(*sample_ids)``: commit the ids in one transaction; their refs (None: duplicate).
+
+    Each sample's one feature ``"x"`` holds the bytes of its id (uint8).
+    """
+
+    def emit(*sample_ids: str) -> list[SampleRef | None]:
+        return producer.emit_many(
+            (sid, {"x": torch.tensor(list(sid.encode()), dtype=torch.uint8)}) for sid in sample_ids
+        )
+
+    return emit
+
+
+@pytest.fixture
+def make_consumer(ledger, store, run_id) -> Callable[..., Consumer]:
+    """``make_consumer(consumer_id="trainer", **options)``: a Consumer of the run."""
+
+    def make(consumer_id: str = "trainer", **options: object) -> Consumer:
+        return Consumer(ledger, store, run_id=run_id, consumer_id=consumer_id, **options)
+
+    return make

@@ -1,0 +1,90 @@
+"""The throw-away PostgreSQL server of dataflow.testing, and PostgreSQL specifics."""
+
+import os
+import re
+
+import psycopg
+import pytest
+import torch
+
+from dataflow import Ledger, Producer, replay
+from dataflow.testing import _postgres
+from dataflow.testing._postgres import (
+    PostgresServer,
+    create_database,
+    drop_database,
+    postgres_url_from_env,
+)
+from stores import LocalFeatureStore
+
+
+def test_missing_binaries_raise_an_install_hint(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(_postgres.glob, "glob", lambda pattern: [])
+    with pytest.raises(RuntimeError, match="apt-get install postgresql"):
+        PostgresServer()
+    with pytest.raises(RuntimeError, match=f"{re.escape(str(tmp_path))} lacks.*apt-get install"):
+        PostgresServer(bin_dir=tmp_path)
+
+
+def test_the_url_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DATAFLOW_TEST_POSTGRES_URL", raising=False)
+    assert postgres_url_from_env() is None
+    monkeypatch.setenv("DATAFLOW_TEST_POSTGRES_URL", "  ")
+    assert postgres_url_from_env() is None
+    monkeypatch.setenv("DATAFLOW_TEST_POSTGRES_URL", "postgresql+psycopg://u@db:5433/x")
+    assert postgres_url_from_env() == "postgresql+psycopg://u@db:5433/x"
+
+
+@pytest.mark.parametrize("name", ["", "has-dash", "1starts_with_digit", "x" * 64, 'q"uote', None])
+def test_database_names_are_checked_before_connecting(name):
+    unreachable = "postgresql+psycopg://nobody@127.0.0.1:1/postgres"
+    with pytest.raises(ValueError, match="database name"):
+        create_database(unreachable, name)
+    with pytest.raises(ValueError, match="database name"):
+        drop_database(unreachable, name)
+
+
+def test_startup_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="got 0"):
+        PostgresServer(startup_timeout=0)
+
+
+@pytest.mark.postgres
+def test_a_throw_away_server_starts_serves_and_leaves_nothing(postgres_server):
+    if postgres_url_from_env() is not None:
+        pytest.skip("the tests use the server of DATAFLOW_TEST_POSTGRES_URL; CI runs this too")
+    server = PostgresServer()
+    with pytest.raises(RuntimeError, match="not running"):
+        server.url  # noqa: B018
+    with server:
+        assert re.fullmatch(r"postgresql\+psycopg://postgres@127\.0\.0\.1:\d+/postgres", server.url)
+        directory = server.directory
+        assert directory.is_dir()
+        if os.geteuid() == 0:
+            assert (directory / "data").stat().st_uid != 0
+        url = server.create_database("lifecycle")
+        assert url == server.url.removesuffix("/postgres") + "/lifecycle"
+        with Ledger.open(url) as ledger:
+            Producer(ledger, LocalFeatureStore(), run_id="r").emit("a", {"x": torch.ones(1)})
+            assert ledger.runs() == ["r"]
+        server.drop_database("lifecycle")
+        server.drop_database("lifecycle")  # idempotent
+        port = server.port
+        with pytest.raises(RuntimeError, match="already started"):
+            server.start()
+    assert not directory.exists()
+    assert server.port is None
+    with pytest.raises(psycopg.OperationalError):
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", connect_timeout=2)
+    server.stop()  # idempotent
+
+
+@pytest.mark.postgres
+def test_a_url_without_a_driver_uses_psycopg(postgres_url, store):
+    plain = postgres_url.replace("postgresql+psycopg://", "postgresql://")
+    with Ledger.open(plain) as ledger:
+        assert ledger.backend == "postgresql"
+        Producer(ledger, store, run_id="r").emit("a", {"x": torch.ones(1)})
+    with Ledger.open(postgres_url) as ledger:
+        assert list(replay(ledger, "r").committed) == ["a"]
