@@ -33,6 +33,7 @@ from dataflow._errors import (
 MAX_SAMPLE_ID_LENGTH = 256
 _SAMPLE_ID_RE = re.compile(r"[A-Za-z0-9._:/-]+")
 _FEATURE_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 
 
 def validate_sample_id(sample_id: object) -> str:
@@ -253,7 +254,11 @@ class SampleRef:
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+        try:
+            return _JSON.encode(self.to_dict())
+        except TypeError:
+            assert_no_tensors(self)  # metadata mutated after construction: say where
+            raise
 
     @classmethod
     def from_json(cls, text: str | bytes) -> SampleRef:

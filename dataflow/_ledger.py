@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -142,22 +143,32 @@ class WriteTransaction:
 
     def append(self, new_events: Iterable[NewEvent]) -> None:
         now = time.time()
+        run_id = self.run_id
         rows = [
-            {
-                "run_id": self.run_id,
-                "kind": e.kind,
-                "sample_id": e.sample_id,
-                "revision": e.revision,
-                "epoch": e.epoch,
-                "step": e.step,
-                "actor": e.actor,
-                "payload": e.payload,
-                "ts": now,
-            }
+            (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, now)
             for e in new_events
         ]
-        if rows:
-            self.conn.execute(insert(events), rows)
+        if not rows:
+            return
+        sql, positional = _insert_sql(self.conn.dialect)
+        if not positional:
+            rows = [dict(zip(_INSERT_KEYS, row, strict=True)) for row in rows]
+        # The driver's executemany, not insert(events): SQLAlchemy's per-row
+        # parameter processing costs as much as SQLite's own insert.
+        self.conn.exec_driver_sql(sql, rows)
+
+
+_INSERT_KEYS = (
+    "run_id", "kind", "sample_id", "revision", "epoch", "step", "actor", "payload", "ts",
+)  # fmt: skip
+
+
+@functools.cache
+def _insert_sql(dialect: Any) -> tuple[str, bool]:
+    compiled = insert(events).compile(dialect=dialect, column_keys=list(_INSERT_KEYS))
+    if compiled.positional:
+        assert tuple(compiled.positiontup) == _INSERT_KEYS, compiled.positiontup
+    return str(compiled), bool(compiled.positional)
 
 
 class Ledger:
@@ -257,7 +268,10 @@ class Ledger:
                 stmt = stmt.where(events.c.seq <= upto_seq)
             stmt = stmt.order_by(events.c.seq).limit(_PAGE)
             with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
-                page = conn.execute(stmt).all()
+                # Plain driver tuples, not Rows: the GC untracks tuples of
+                # scalars, while a page of Rows survives into the old
+                # generation and triggers full collections of the whole heap.
+                page = conn.execute(stmt).cursor.fetchall()
             yield from page
             if len(page) < _PAGE:
                 return

@@ -24,7 +24,6 @@ from dataflow._contracts import (
     RefReceiver,
     RefSender,
     SampleRef,
-    assert_no_tensors,
     validate_sample_id,
 )
 from dataflow._errors import (
@@ -159,7 +158,6 @@ class Producer:
         for ref in refs:
             if not isinstance(ref, SampleRef):
                 raise TypeError(f"commit takes SampleRefs, got {type(ref).__name__}")
-            assert_no_tensors(ref)
         # A later put of the same id supersedes an earlier one: the newest wins.
         newest = {ref.sample_id: ref for ref in refs}
         try:
