@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -77,6 +78,11 @@ def _dtype_from_name(name: object) -> torch.dtype:
     return dtype
 
 
+@functools.cache
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -115,7 +121,7 @@ class FeatureSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * _element_size(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "dtype": dtype_name(self.dtype)}
@@ -360,6 +366,11 @@ class FeatureStore(ABC):
         self._check_open()
         self._check_ref(ref)
         return self._exists(ref)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called."""
+        return self._closed
 
     def stats(self) -> StoreStats:
         self._check_open()

@@ -17,6 +17,7 @@ keeps working around a store lookup::
     │   └── OperationalError                   the database could not be reached or used
     ├── StoreError
     │   ├── UnknownStoreError (ValueError)     a URI scheme nobody registered
+    │   ├── StoreDependencyError (ImportError) a store's package or binary is missing
     │   ├── StoreClosedError
     │   ├── StaleRefError (KeyError)           the ref's generation is gone or superseded
     │   ├── StoreFullError (MemoryError)
@@ -85,6 +86,10 @@ class StoreError(DataflowError):
 
 class UnknownStoreError(StoreError, ValueError):
     """No store is registered for a URI's scheme."""
+
+
+class StoreDependencyError(StoreError, ImportError):
+    """A store needs a package or program that is not installed; the message says how."""
 
 
 class StoreClosedError(StoreError):
