@@ -5,14 +5,22 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+import weakref
 from typing import Any
 
 import torch
 
 from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoreStats
-from dataflow._errors import InvalidRefError, StaleRefError, StoreFullError
+from dataflow._errors import InvalidRefError, StaleRefError, StoreError, StoreFullError
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+# One counter for every store of the process: a store closed and re-created
+# under the same name must not hand out a generation that an old ref still names.
+_generations = itertools.count(1)
+
+_live: weakref.WeakValueDictionary[str, LocalFeatureStore] = weakref.WeakValueDictionary()
+_live_lock = threading.Lock()
 
 
 class LocalFeatureStore(FeatureStore):
@@ -23,30 +31,58 @@ class LocalFeatureStore(FeatureStore):
     with the sample size. Treat what ``get`` returns as read-only.
 
     ``max_bytes`` bounds the resident tensor bytes; a put beyond it raises
-    StoreFullError (a MemoryError). Stores are named (``mem://NAME``);
-    ``stores.open_store("mem://NAME")`` returns the live store of that name in
-    this process.
+    StoreFullError (a MemoryError). Stores are named (``mem://NAME``); at most
+    one live store per name exists in a process (a second one raises
+    StoreError), and ``stores.open_store("mem://NAME")`` returns it, or
+    creates it when none is live. A closed store gives its name back.
     """
 
     def __init__(self, name: str | None = None, *, max_bytes: int | None = None) -> None:
         name = uuid.uuid4().hex[:12] if name is None else name
         if not isinstance(name, str) or not name or not set(name) <= _NAME_CHARS:
             raise InvalidRefError(f"store name {name!r} must be 1+ characters from [A-Za-z0-9._-]")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
+        ):
             raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
         super().__init__(f"mem://{name}")
         self.name = name
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._objects: dict[str, tuple[int, dict[str, torch.Tensor], int]] = {}
-        self._generations = itertools.count(1)
         self._bytes = 0
+        with _live_lock:
+            if _live.get(name) is not None:
+                raise StoreError(
+                    f"a LocalFeatureStore named {name!r} is already live in this process; "
+                    f"share it through stores.open_store('mem://{name}') or close it first"
+                )
+            _live[name] = self
+
+    @classmethod
+    def from_uri(cls, uri: str) -> LocalFeatureStore:
+        """The live store named by ``mem://NAME``, created when none is live."""
+        name = uri.removeprefix("mem://")
+        if not uri.startswith("mem://") or "/" in name or "?" in name:
+            raise InvalidRefError(f"{uri!r} is not a mem:// URI; use mem://NAME")
+        with _live_lock:
+            store = _live.get(name)
+        if store is not None:
+            return store
+        try:
+            return cls(name)
+        except StoreError:  # another thread created it meanwhile
+            return cls.from_uri(uri)
 
     def _put(
         self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> SampleRef:
-        owned = {name: t.detach().clone(memory_format=torch.contiguous_format)
-                 for name, t in tensors.items()}
+        # empty_like + copy_ rather than clone: one copy that also materialises
+        # conj/neg views and expanded (stride-0) inputs into dense memory.
+        owned = {
+            name: torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t.detach())
+            for name, t in tensors.items()
+        }
         size = sum(t.numel() * t.element_size() for t in owned.values())
         with self._lock:
             old = self._objects.get(sample_id)
@@ -56,7 +92,7 @@ class LocalFeatureStore(FeatureStore):
                     f"putting {sample_id!r} ({size} bytes) would exceed max_bytes="
                     f"{self.max_bytes} ({self._bytes} in use); delete released samples first"
                 )
-            generation = next(self._generations)
+            generation = next(_generations)
             self._objects[sample_id] = (generation, owned, size)
             self._bytes += size - freed
         specs = {name: FeatureSpec.of(t) for name, t in owned.items()}
@@ -93,6 +129,9 @@ class LocalFeatureStore(FeatureStore):
             return StoreStats(objects=len(self._objects), bytes=self._bytes)
 
     def _close(self) -> None:
+        with _live_lock:
+            if _live.get(self.name) is self:
+                del _live[self.name]
         with self._lock:
             self._objects.clear()
             self._bytes = 0

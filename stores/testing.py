@@ -1,0 +1,419 @@
+"""The FeatureStore conformance suite: the whole store contract as pytest tests.
+
+Subclass :class:`FeatureStoreContract` in a test module and supply the store::
+
+    from stores.testing import FeatureStoreContract
+
+    class TestMyStore(FeatureStoreContract):
+        def make_store(self, tmp_path):
+            return MyStore(tmp_path / "store")
+
+Every built-in store runs it (``tests/test_store_*.py``). The class name has
+no ``Test`` prefix, so pytest collects it only through a subclass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, dtype_name
+from dataflow._errors import (
+    InvalidRefError,
+    InvalidSampleIdError,
+    StaleRefError,
+    StoreClosedError,
+    StoreError,
+    TensorInRefError,
+)
+from stores import _tensors
+from stores._registry import open_store
+
+_DTYPE_NAMES = [
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+]
+#: Every dtype a store must round-trip (the float8 ones where this torch has them).
+DTYPES: list[torch.dtype] = [getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)]
+
+#: Sample ids every store must refuse with InvalidSampleIdError.
+INVALID_SAMPLE_IDS: list[object] = [
+    "",
+    "../x",
+    "/abs",
+    "a..b",
+    "a b",
+    "x" * 257,
+    "a\x00b",
+    "caf\u00e9",
+    "a\\b",
+    None,
+    3,
+    b"x",
+]
+
+#: Valid ids that a careless escaping or hashing would merge into one key.
+LOOKALIKE_SAMPLE_IDS: list[str] = ["a/b", "a:b", "a_b", "a.b", "a-b", "a/b/", "a//b", "A/b"]
+LOOKALIKE_SAMPLE_IDS += ["a", ".", "-", ".a", "2F", "x" * 256, "x" * 255 + "y", "y" + "x" * 255]
+
+
+def sample_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor of random bits (NaNs and all) of any dtype; bools are 0 or 1."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(
+        0, 256, (math.prod(shape) * itemsize,), dtype=torch.uint8, generator=generator
+    )
+    return raw.view(dtype).reshape(shape)
+
+
+def assert_same_tensor(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same dtype, shape and bits (so NaN payloads and -0.0 count)."""
+    assert isinstance(actual, torch.Tensor), type(actual)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert tuple(actual.shape) == tuple(expected.shape), (actual.shape, expected.shape)
+    a, e = _tensors.byte_view(_tensors.dense(actual)), _tensors.byte_view(_tensors.dense(expected))
+    assert torch.equal(a, e), f"{dtype_name(expected.dtype)} {tuple(expected.shape)} differs"
+
+
+def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert_same_tensor(actual[name], expected[name])
+
+
+_ids = itertools.count()
+
+
+def _fresh_id(prefix: str = "s") -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+_feature_names = st.sampled_from(["a", "b", "c_1", "d.2", "E-3", "f"])
+_shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
+_features = st.dictionaries(
+    _feature_names,
+    st.tuples(st.sampled_from(DTYPES), _shapes, st.booleans(), st.integers(0, 2**16)),
+    min_size=1,
+    max_size=4,
+)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+class FeatureStoreContract:
+    """The contract of :class:`dataflow.FeatureStore`, for a subclass to run on its store.
+
+    A subclass implements :meth:`make_store`; the ``store`` fixture closes
+    what it made after each test.
+    """
+
+    def make_store(self, tmp_path: Path) -> FeatureStore:
+        raise NotImplementedError("a FeatureStoreContract subclass implements make_store")
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[FeatureStore]:
+        made = self.make_store(tmp_path)
+        try:
+            yield made
+        finally:
+            made.close()
+
+    # -- round trips -------------------------------------------------------
+    @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+    def test_round_trip_every_dtype(self, store: FeatureStore, dtype: torch.dtype) -> None:
+        tensor = sample_tensor((3, 5), dtype, seed=7)
+        ref = store.put(_fresh_id(), {"x": tensor})
+        assert ref.specs == {"x": FeatureSpec((3, 5), dtype)}
+        assert_same_tensors(store.get(ref), {"x": tensor})
+
+    def test_zero_dim_and_empty_tensors(self, store: FeatureStore) -> None:
+        tensors = {
+            "scalar": torch.tensor(2.5),
+            "flag": torch.tensor(True),
+            "half": torch.tensor(-1.5, dtype=torch.bfloat16),
+            "none": torch.empty(0),
+            "rows": torch.empty(3, 0, 2, dtype=torch.int64),
+            "nobool": torch.empty(0, dtype=torch.bool),
+        }
+        ref = store.put(_fresh_id(), tensors)
+        assert ref.specs["scalar"].shape == () and ref.specs["rows"].shape == (3, 0, 2)
+        assert_same_tensors(store.get(ref), tensors)
+
+    def test_only_empty_tensors(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"none": torch.empty(0, 4)})
+        assert store.exists(ref)
+        assert_same_tensors(store.get(ref), {"none": torch.empty(0, 4)})
+        empty = store.put(_fresh_id(), {})
+        assert store.get(empty) == {} and store.exists(empty)
+        store.delete(ref)
+        assert not store.exists(ref)
+        with pytest.raises(StaleRefError):
+            store.get(ref)
+
+    def test_non_contiguous_inputs(self, store: FeatureStore) -> None:
+        base = sample_tensor((6, 8), torch.float32, seed=1)
+        tensors = {
+            "transposed": base.t(),
+            "strided": base[::2, 1::3],
+            "column": base[:, 3],
+            "expanded": torch.arange(4.0).expand(3, 4),
+            "permuted": sample_tensor((2, 3, 4), torch.int16, seed=2).permute(2, 0, 1),
+            "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+            "conj": torch.randn(3, 2, dtype=torch.complex64).conj(),
+            "negative": torch.randn(4, dtype=torch.complex64).conj().imag,
+            "bool_view": torch.tensor([[True, False], [False, True]]).t(),
+        }
+        ref = store.put(_fresh_id(), tensors)
+        assert_same_tensors(store.get(ref), tensors)
+
+    def test_several_features_and_partial_reads(self, store: FeatureStore) -> None:
+        tensors = {
+            n: sample_tensor((4, i + 1), DTYPES[i], seed=i)
+            for i, n in enumerate(["a", "b", "c", "d", "e"])
+        }
+        ref = store.put(_fresh_id(), tensors)
+        assert_same_tensors(
+            store.get(ref, names=["d", "b"]), {"b": tensors["b"], "d": tensors["d"]}
+        )
+        assert store.get(ref, names=[]) == {}
+        with pytest.raises(InvalidRefError):
+            store.get(ref, names=["zz"])
+        with pytest.raises(InvalidRefError):
+            store.get(ref, names="a")
+
+    def test_larger_sample(self, store: FeatureStore) -> None:
+        tensors = {
+            "big": sample_tensor((1024, 1024), torch.float32, seed=3),
+            "small": torch.arange(5),
+        }
+        ref = store.put(_fresh_id(), tensors)
+        assert ref.nbytes == 4 * 1024 * 1024 + 40
+        assert_same_tensors(store.get(ref), tensors)
+
+    def test_put_keeps_its_own_copy(self, store: FeatureStore) -> None:
+        tensor = torch.arange(10.0)
+        ref = store.put(_fresh_id(), {"x": tensor})
+        tensor.fill_(-1.0)
+        assert_same_tensor(store.get(ref)["x"], torch.arange(10.0))
+
+    def test_ref_is_tensor_free_and_reads_after_json(self, store: FeatureStore) -> None:
+        metadata = {"label": 3, "split": "train", "weights": [0.5, 1.5], "extra": {"k": None}}
+        tensors = {"x": sample_tensor((2, 3), torch.bfloat16), "y": torch.tensor([1, 2])}
+        ref = store.put(_fresh_id(), tensors, metadata=metadata)
+        assert ref.store == store.uri
+        assert dict(ref.metadata) == metadata
+        again = SampleRef.from_json(ref.to_json())
+        assert again == ref
+        assert_same_tensors(store.get(again), tensors)
+
+    # -- generations -------------------------------------------------------
+    def test_each_put_gets_a_new_larger_generation(self, store: FeatureStore) -> None:
+        sample_id = _fresh_id()
+        generations = [store.put(sample_id, {"x": torch.tensor(i)}).generation for i in range(5)]
+        assert generations == sorted(set(generations))
+
+    def test_superseded_ref_is_stale(self, store: FeatureStore) -> None:
+        sample_id = _fresh_id()
+        old = store.put(sample_id, {"x": torch.tensor([1, 2])})
+        new = store.put(sample_id, {"x": torch.tensor([3, 4, 5])})
+        with pytest.raises(StaleRefError):
+            store.get(old)
+        with pytest.raises(KeyError):  # StaleRefError is a KeyError
+            store.get(old, names=["x"])
+        assert not store.exists(old) and store.exists(new)
+        assert_same_tensor(store.get(new)["x"], torch.tensor([3, 4, 5]))
+
+    def test_deleting_an_old_generation_keeps_the_new_one(self, store: FeatureStore) -> None:
+        sample_id = _fresh_id()
+        old = store.put(sample_id, {"x": torch.tensor(1.0)})
+        store.get(old)
+        new = store.put(sample_id, {"x": torch.tensor(2.0)})
+        store.delete(old)
+        store.delete(old)
+        assert store.exists(new)
+        assert_same_tensor(store.get(new)["x"], torch.tensor(2.0))
+
+    def test_delete_is_idempotent(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"x": torch.ones(3)})
+        other = store.put(_fresh_id(), {"x": torch.zeros(3)})
+        store.get(ref)
+        store.delete(ref)
+        store.delete(ref)
+        assert not store.exists(ref)
+        with pytest.raises(StaleRefError):
+            store.get(ref)
+        assert_same_tensor(store.get(other)["x"], torch.zeros(3))
+
+    def test_put_after_delete_gets_a_newer_generation(self, store: FeatureStore) -> None:
+        sample_id = _fresh_id()
+        first = store.put(sample_id, {"x": torch.tensor(1)})
+        store.delete(first)
+        second = store.put(sample_id, {"x": torch.tensor(2)})
+        assert second.generation > first.generation
+        with pytest.raises(StaleRefError):
+            store.get(first)
+        assert_same_tensor(store.get(second)["x"], torch.tensor(2))
+
+    def test_exists(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"x": torch.ones(2)})
+        assert store.exists(ref)
+        never = SampleRef(_fresh_id(), store.uri, ref.generation, dict(ref.specs))
+        assert not store.exists(never)
+        with pytest.raises(StaleRefError):
+            store.get(never)
+
+    def test_lookalike_ids_stay_apart(self, store: FeatureStore) -> None:
+        refs = {
+            sample_id: store.put(sample_id, {"x": torch.tensor([i])})
+            for i, sample_id in enumerate(LOOKALIKE_SAMPLE_IDS)
+        }
+        for i, sample_id in enumerate(LOOKALIKE_SAMPLE_IDS):
+            assert_same_tensor(store.get(refs[sample_id])["x"], torch.tensor([i]))
+
+    # -- refusals ----------------------------------------------------------
+    @pytest.mark.parametrize("bad", INVALID_SAMPLE_IDS, ids=repr)
+    def test_invalid_sample_id_is_refused(self, store: FeatureStore, bad: object) -> None:
+        before = store.stats()
+        with pytest.raises(InvalidSampleIdError):
+            store.put(bad, {"x": torch.ones(1)})  # type: ignore[arg-type]
+        assert store.stats() == before
+
+    def test_tensors_in_metadata_are_refused(self, store: FeatureStore) -> None:
+        before = store.stats()
+        for metadata in (
+            {"t": torch.ones(1)},
+            {"n": [np.zeros(2)]},
+            {"deep": {"t": torch.ones(1)}},
+        ):
+            with pytest.raises(TensorInRefError):
+                store.put(_fresh_id(), {"x": torch.ones(1)}, metadata=metadata)
+        assert store.stats() == before
+
+    def test_ref_of_another_store_is_refused(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"x": torch.ones(1)})
+        foreign = SampleRef(ref.sample_id, "mem://somewhere-else", ref.generation, ref.specs)
+        with pytest.raises(StoreError):
+            store.get(foreign)
+        with pytest.raises(InvalidRefError):
+            store.get("not a ref")  # type: ignore[arg-type]
+
+    # -- stats, lifecycle, reopening ---------------------------------------
+    def test_stats_counts_live_generations_and_tensor_bytes(self, store: FeatureStore) -> None:
+        assert (store.stats().objects, store.stats().bytes) == (0, 0)
+        a = store.put(_fresh_id(), {"x": torch.ones(4), "y": torch.ones(2, dtype=torch.int64)})
+        b = store.put(_fresh_id(), {"x": torch.ones(8, dtype=torch.float64)})
+        assert (store.stats().objects, store.stats().bytes) == (2, 16 + 16 + 64)
+        store.put(a.sample_id, {"x": torch.ones(1)})
+        assert (store.stats().objects, store.stats().bytes) == (2, 4 + 64)
+        store.delete(b)
+        store.delete(a)  # superseded already: no effect
+        assert (store.stats().objects, store.stats().bytes) == (1, 4)
+
+    def test_closed_store_refuses_everything(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"x": torch.ones(1)})
+        store.close()
+        store.close()
+        for call in (
+            lambda: store.put(_fresh_id(), {"x": torch.ones(1)}),
+            lambda: store.get(ref),
+            lambda: store.delete(ref),
+            lambda: store.exists(ref),
+            store.stats,
+        ):
+            with pytest.raises(StoreClosedError):
+                call()
+
+    def test_refs_reopen_their_store_by_uri(self, store: FeatureStore) -> None:
+        tensors = {"x": sample_tensor((5, 2), torch.float16, seed=4)}
+        ref = SampleRef.from_json(store.put(_fresh_id(), tensors).to_json())
+        reopened = open_store(ref.store)
+        try:
+            assert reopened.uri == store.uri
+            assert_same_tensors(reopened.get(ref), tensors)
+        finally:
+            if reopened is not store:
+                reopened.close()
+
+    # -- concurrency -------------------------------------------------------
+    def test_thread_safety(self, store: FeatureStore) -> None:
+        shared = _fresh_id("shared")
+        shared_puts: dict[int, int] = {}  # generation -> the value put with it
+        lock = threading.Lock()
+
+        def work(i: int) -> None:
+            own = sample_tensor((16, 16), DTYPES[i % len(DTYPES)], seed=i)
+            ref = store.put(_fresh_id("t"), {"x": own})
+            assert_same_tensor(store.get(ref)["x"], own)
+            if i % 2:
+                store.delete(ref)
+                assert not store.exists(ref)
+            shared_ref = store.put(shared, {"i": torch.tensor(i)})
+            with lock:
+                shared_puts[shared_ref.generation] = i
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(work, range(48)))
+        assert len(shared_puts) == 48  # no two puts got the same generation
+        refs = [
+            SampleRef(shared, store.uri, g, {"i": FeatureSpec((), torch.int64)})
+            for g in shared_puts
+        ]
+        current = [ref for ref in refs if store.exists(ref)]
+        assert len(current) == 1
+        assert store.get(current[0])["i"].item() == shared_puts[current[0].generation]
+        assert store.stats().objects == 24 + 1
+
+    # -- properties --------------------------------------------------------
+    # One store serves every example (it is reusable by contract), and every
+    # subclass runs this same method: both health checks are about neither.
+    @settings(
+        max_examples=25,
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.function_scoped_fixture,
+            HealthCheck.differing_executors,
+        ],
+    )
+    @given(features=_features)
+    def test_round_trip_property(self, store: FeatureStore, features: dict) -> None:
+        tensors = {}
+        for name, (dtype, shape, transpose, seed) in features.items():
+            tensor = sample_tensor(shape, dtype, seed)
+            tensors[name] = tensor.t() if transpose and tensor.dim() == 2 else tensor
+        ref = store.put(_fresh_id("p"), tensors)
+        assert {n: (s.shape, s.dtype) for n, s in ref.specs.items()} == {
+            n: (tuple(t.shape), t.dtype) for n, t in tensors.items()
+        }
+        assert_same_tensors(store.get(ref), tensors)
+        store.delete(ref)

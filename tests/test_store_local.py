@@ -1,0 +1,84 @@
+"""LocalFeatureStore: the contract, plus what only an in-process store promises."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from dataflow import StoreError, StoreFullError
+from stores import LocalFeatureStore, open_store
+from stores.testing import FeatureStoreContract
+
+
+class TestLocalFeatureStore(FeatureStoreContract):
+    def make_store(self, tmp_path):
+        return LocalFeatureStore()
+
+
+def test_get_returns_the_stored_tensor_without_a_copy():
+    with LocalFeatureStore() as store:
+        ref = store.put("s", {"x": torch.ones(1 << 20)})
+        first, second = store.get(ref)["x"], store.get(ref)["x"]
+        assert first.data_ptr() == second.data_ptr()
+
+
+def test_max_bytes_bounds_resident_bytes():
+    with LocalFeatureStore(max_bytes=100) as store:
+        ref = store.put("a", {"x": torch.ones(20)})  # 80 bytes
+        with pytest.raises(StoreFullError) as info:
+            store.put("b", {"x": torch.ones(10)})
+        assert isinstance(info.value, MemoryError)
+        store.put("a", {"x": torch.ones(25)})  # replacing "a" frees its old 80 bytes
+        store.delete(store.put("a", {"x": torch.ones(1)}))
+        assert store.stats().bytes == 0
+        store.put("b", {"x": torch.ones(25)})
+        with pytest.raises(StoreError):
+            store.get(ref)
+
+
+def test_max_bytes_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError):
+            LocalFeatureStore(max_bytes=bad)
+
+
+def test_open_store_returns_the_live_store_of_a_name():
+    with LocalFeatureStore("local-named") as store:
+        assert open_store("mem://local-named") is store
+        assert LocalFeatureStore.from_uri("mem://local-named") is store
+
+
+def test_a_second_live_store_with_the_same_name_is_refused():
+    with LocalFeatureStore("local-twice"), pytest.raises(StoreError, match="already live"):
+        LocalFeatureStore("local-twice")
+
+
+def test_a_closed_store_gives_its_name_back():
+    first = LocalFeatureStore("local-reused")
+    ref = first.put("s", {"x": torch.ones(2)})
+    first.close()
+    second = open_store("mem://local-reused")
+    try:
+        assert second is not first
+        assert not second.exists(ref)  # generations are unique in the process
+        assert second.put("s", {"x": torch.ones(2)}).generation != ref.generation
+    finally:
+        second.close()
+
+
+def test_an_unreferenced_store_leaves_the_registry():
+    store = LocalFeatureStore("local-dropped")
+    del store
+    gc.collect()
+    fresh = LocalFeatureStore("local-dropped")
+    fresh.close()
+
+
+def test_bad_names_and_uris():
+    for bad in ("", "a/b", "a b", 3):
+        with pytest.raises(ValueError):
+            LocalFeatureStore(bad)
+    with pytest.raises(ValueError):
+        LocalFeatureStore.from_uri("mem://a/b")
