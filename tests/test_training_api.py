@@ -1,0 +1,185 @@
+"""The public surface of `training`, TrainerConfig, and the Trainer's argument checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import training
+from dataflow import Consumer, Ledger, Producer, replay
+from eval import Evaluator
+from stores import LocalFeatureStore
+from training import CheckpointConfig, CheckpointManager, LoaderConfig, Trainer, TrainerConfig
+
+RUN = "run"
+
+
+def test_exported_names() -> None:
+    assert training.__all__ == sorted(training.__all__)
+    assert set(training.__all__) == {
+        "Batch",
+        "CheckpointConfig",
+        "CheckpointManager",
+        "FeatureLoader",
+        "LoaderConfig",
+        "SavedCheckpoint",
+        "Trainer",
+        "TrainerConfig",
+        "collate",
+    }
+    for name in training.__all__:
+        assert hasattr(training, name), name
+
+
+@pytest.mark.parametrize(
+    "config", [training.CheckpointConfig, training.LoaderConfig, training.TrainerConfig]
+)
+def test_configs_are_keyword_only_frozen_and_documented(config: type) -> None:
+    params = dataclasses.fields(config)
+    assert config.__dataclass_params__.frozen
+    assert all(field.kw_only for field in params)
+    source = Path(training._config.__file__).read_text()
+    for field in params:  # a docstring right under every field
+        assert f"    {field.name}: " in source
+        after = source.split(f"    {field.name}: ", 1)[1].splitlines()[1].strip()
+        assert after.startswith('"""'), field.name
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"max_steps": 0}, "max_steps must be >= 1, got 0"),
+        ({"grad_accum": 0}, "grad_accum must be >= 1, got 0"),
+        ({"grad_accum": True}, "grad_accum must be an int, got bool True"),
+        ({"checkpoint_every": -1}, "checkpoint_every must be >= 0, got -1"),
+        ({"eval_every": 0.5}, "eval_every must be an int, got float 0.5"),
+    ],
+)
+def test_trainer_config_rejects_bad_values(config: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**config)
+
+
+def test_trainer_config_warns_when_checkpoints_miss_the_eval_cadence() -> None:
+    with pytest.warns(UserWarning, match="checkpoint_every=3 is not a multiple of eval_every=2"):
+        TrainerConfig(checkpoint_every=3, eval_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainerConfig(checkpoint_every=4, eval_every=2)
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> dict[str, Any]:
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    store = LocalFeatureStore()
+    producer = Producer(led, store, run_id=RUN)
+    for i in range(8):
+        producer.emit(f"s{i}", {"x": torch.randn(2)})
+    producer.close()
+    yield {
+        "led": led,
+        "store": store,
+        "consumer": Consumer(led, store, run_id=RUN, consumer_id="trainer"),
+        "checkpoints": CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+    }
+    store.close()
+    led.close()
+
+
+def _trainer(parts: dict[str, Any], **overrides: Any) -> Trainer:
+    kwargs = {
+        "step_fn": lambda batch: None,
+        "checkpoints": parts["checkpoints"],
+        "state_fn": lambda: {"w": torch.zeros(1)},
+        **overrides,
+    }
+    return Trainer(parts["consumer"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"step_fn": None}, "step_fn must be callable"),
+        ({"state_fn": "state"}, "state_fn must be callable"),
+        ({"load_fn": 3}, "load_fn must be callable"),
+        ({"checkpoints": "ckpt"}, "checkpoints must be a CheckpointManager"),
+        ({"config": {"grad_accum": 2}}, "config must be a TrainerConfig"),
+        ({"config": TrainerConfig(grad_accum=2)}, "grad_accum=2 needs an optimizer_fn"),
+        ({"evaluator": Evaluator()}, "an evaluator needs an eval_fn"),
+        ({"evaluator": "eval"}, "evaluator must be an eval.Evaluator"),
+        ({"eval_fn": (lambda b: b, iter([1]))}, "an iterator, which the first eval"),
+        ({"eval_fn": [1, 2]}, "eval_fn must be a function"),
+    ],
+)
+def test_trainer_rejects_bad_arguments(parts, overrides: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _trainer(parts, **overrides)
+
+
+def test_trainer_refuses_a_checkpoint_manager_of_another_consumer(parts) -> None:
+    other = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id="other")
+    checkpoints = CheckpointManager(parts["checkpoints"].config, consumer=other)
+    with pytest.raises(ValueError, match="attached to another consumer"):
+        _trainer(parts, checkpoints=checkpoints)
+
+
+def test_trainer_warns_about_an_eval_that_never_runs(parts) -> None:
+    with pytest.warns(UserWarning, match="eval_every=0: evaluation never runs"):
+        _trainer(parts, eval_fn=lambda: [])
+    with pytest.warns(UserWarning, match="eval_every=2 but no eval_fn"):
+        _trainer(parts, config=TrainerConfig(eval_every=2))
+
+
+def test_run_refuses_to_drop_a_resumed_state(parts) -> None:
+    first = _trainer(parts, config=TrainerConfig(max_steps=1))
+    assert first.run() == 1
+    second = _trainer(
+        {**parts, "consumer": Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id="2")},
+        checkpoints=CheckpointManager(parts["checkpoints"].config),
+    )
+    with pytest.raises(ValueError, match="resumed from the checkpoint at step 1, but there is no"):
+        second.run()
+
+
+def test_run_after_an_explicit_resume_continues_the_steps(parts) -> None:
+    steps: list[int] = []
+    one_by_one = LoaderConfig(batch_size=1)
+    first = _trainer(
+        parts,
+        config=TrainerConfig(max_steps=2),
+        optimizer_fn=steps.append,
+        loader_config=one_by_one,
+    )
+    assert first.run() == 2
+    consumer = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id="2")
+    trainer = _trainer(
+        {**parts, "consumer": consumer},
+        optimizer_fn=steps.append,
+        checkpoints=CheckpointManager(parts["checkpoints"].config),
+        loader_config=one_by_one,
+    )
+    assert trainer.resume() == {"w": torch.zeros(1)}
+    assert trainer.step == 2
+    assert trainer.run() == 8
+    assert steps == list(range(1, 9))
+    state = replay(parts["led"], RUN)
+    assert state.verify() == []
+    assert sorted(state.trained.values()) == list(range(1, 9))
+    assert [c.step for c in state.checkpoints] == [2, 8]
+
+
+def test_a_multi_rank_trainer_needs_torch_distributed(parts) -> None:
+    consumer = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id="r0", world_size=2)
+    trainer = _trainer({**parts, "consumer": consumer})
+    with pytest.raises(ValueError, match=r"world_size=2 needs torch\.distributed initialized"):
+        trainer.run()
+
+
+def test_evaluate_without_an_eval_fn(parts) -> None:
+    with pytest.raises(ValueError, match="no eval_fn"):
+        _trainer(parts).evaluate()

@@ -1,0 +1,359 @@
+"""CheckpointManager on a real SQLite ledger: atomic, durable-before-recorded, weights_only."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dataflow import Consumer, Ledger, Producer, StaleEpochError, replay
+from stores import LocalFeatureStore
+from training import CheckpointConfig, CheckpointManager, SavedCheckpoint
+
+RUN = "run"
+ACC = "eval/simulated_acc_len"
+
+
+class Opaque:
+    """Not a tensor, container or scalar: loading it would run arbitrary unpickling."""
+
+
+@pytest.fixture
+def led(sqlite_url: str) -> Iterator[Ledger]:  # conftest has the store fixture
+    with Ledger.open(sqlite_url) as ledger:
+        yield ledger
+
+
+def _consumer(led: Ledger, store: LocalFeatureStore, name: str = "trainer") -> Consumer:
+    return Consumer(led, store, run_id=RUN, consumer_id=name)
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "extra": torch.arange(5),
+        "epoch": 3,
+        "lr": 0.5,
+        "name": "run-a",
+    }
+
+
+def _assert_equal(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_equal(x, y)
+    else:
+        assert a == b
+
+
+def _manager(tmp_path: Path, **config: Any) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", **config))
+
+
+def _step_dirs(tmp_path: Path) -> list[str]:
+    root = tmp_path / "ckpt"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+# -- saving and loading ------------------------------------------------------------------------
+def test_save_then_load_round_trips_state_dicts_tensors_and_scalars(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    state = _state()
+    path = manager.save(7, state, metrics={ACC: 1.5, "eval/avg_loss": torch.tensor(0.25)})
+    assert path == tmp_path / "ckpt" / "step-00000007"
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["step"] == 7
+    assert manifest["metrics"] == {ACC: 1.5, "eval/avg_loss": 0.25}
+    assert manifest["time"] > 0
+    for which in (7, path, str(path), None, manager.latest()):
+        _assert_equal(manager.load(which), state)
+    assert _step_dirs(tmp_path) == ["step-00000007"]  # no temp directory left
+
+
+def test_ledger_records_the_checkpoint_after_the_files(tmp_path: Path, led, store) -> None:
+    consumer = _consumer(led, store)
+    manager = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt"), consumer=consumer)
+    consumer.resume()
+    path = manager.save(2, _state())
+    [recorded] = replay(led, RUN).checkpoints
+    assert (recorded.step, recorded.path) == (2, str(path))
+    assert Path(recorded.path).is_absolute()
+    _assert_equal(manager.load(Path(recorded.path)), _state())
+
+
+class _CrashingManager(CheckpointManager):
+    def _write(self, tmp_dir: Path, state: dict[str, Any]) -> None:
+        super()._write(tmp_dir, state)  # the files are there ...
+        raise OSError("disk failed")  # ... and then the save dies
+
+
+def test_a_crash_inside_the_write_leaves_no_checkpoint_and_no_ledger_entry(
+    tmp_path: Path, led, store
+) -> None:
+    consumer = _consumer(led, store)
+    consumer.resume()
+    manager = _CrashingManager(CheckpointConfig(root=tmp_path / "ckpt"), consumer=consumer)
+    with pytest.raises(OSError, match="disk failed"):
+        manager.save(1, _state())
+    assert _step_dirs(tmp_path) == []
+    assert manager.latest() is None
+    assert replay(led, RUN).checkpoints == []
+
+
+def test_a_state_weights_only_loading_would_refuse_is_refused_at_save(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    with pytest.raises(ValueError, match="weights_only"):
+        manager.save(1, {"counter": Opaque()})
+    assert _step_dirs(tmp_path) == []
+
+
+def test_load_uses_weights_only(tmp_path: Path) -> None:
+    """A checkpoint holding an arbitrary pickled object is never unpickled."""
+    manager = _manager(tmp_path)
+    path = manager.save(1, {"w": torch.ones(2)})
+    torch.save({"w": Opaque()}, path / "state.pt")  # tampered with
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        manager.load(1)
+
+
+class _PlainPickleFormat(CheckpointManager):
+    """A subclass with its own file format: only the hooks change."""
+
+    def _write(self, tmp_dir: Path, state: dict[str, Any]) -> None:
+        torch.save({k: v.tolist() for k, v in state.items()}, tmp_dir / "lists.pt")
+
+    def _read(self, path: Path) -> Any:
+        loaded = torch.load(path / "lists.pt", weights_only=True)
+        return {k: torch.tensor(v) for k, v in loaded.items()}
+
+
+def test_a_subclass_changes_the_format_through_the_hooks(tmp_path: Path) -> None:
+    manager = _PlainPickleFormat(CheckpointConfig(root=tmp_path / "ckpt"))
+    path = manager.save(3, {"w": torch.tensor([1.0, 2.0])}, metrics={ACC: 1.0})
+    assert sorted(p.name for p in path.iterdir()) == ["lists.pt", "manifest.json"]
+    assert torch.equal(manager.load(3)["w"], torch.tensor([1.0, 2.0]))
+    assert manager.best().step == 3
+
+
+# -- latest, best, retention -------------------------------------------------------------------
+def test_latest_is_the_newest_save(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    assert manager.latest() is None and manager.best() is None and manager.saved() == []
+    for step in (1, 5, 3):  # 3 after 5: a resume from an older checkpoint
+        manager.save(step, {"step": step})
+    assert [c.step for c in manager.saved()] == [1, 5, 3]
+    assert manager.latest().step == 3
+    assert manager.load() == {"step": 3}
+
+
+def test_best_ignores_missing_and_empty_metrics(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    manager.save(1, {}, metrics={})  # an eval that saw no batch
+    manager.save(2, {}, metrics=None)
+    manager.save(3, {}, metrics={"eval/avg_loss": 0.1})  # no simulated_acc_len
+    assert manager.best() is None
+    manager.save(4, {}, metrics={ACC: 0.5})
+    manager.save(5, {}, metrics={ACC: float("nan")})
+    manager.save(6, {}, metrics={ACC: 0.25})
+    best = manager.best()
+    assert isinstance(best, SavedCheckpoint)
+    assert (best.step, best.metrics) == (4, {ACC: 0.5})
+
+
+def test_best_mode_min_and_ties_go_to_the_latest(tmp_path: Path) -> None:
+    manager = _manager(tmp_path, best_metric="eval/avg_loss", best_mode="min")
+    for step, loss in [(1, 2.0), (2, 0.5), (3, 0.9), (4, 0.5)]:
+        manager.save(step, {}, metrics={"eval/avg_loss": loss, ACC: 1.0 / step})
+    assert manager.best().step == 4
+
+
+def test_retention_keeps_the_latest_k_and_the_best(tmp_path: Path) -> None:
+    manager = _manager(tmp_path, keep_latest_k=2)
+    for step, acc in [(1, 0.1), (2, 0.9), (3, 0.2), (4, 0.3), (5, 0.4)]:
+        manager.save(step, {"step": step}, metrics={ACC: acc})
+    assert [c.step for c in manager.saved()] == [2, 4, 5]
+    assert _step_dirs(tmp_path) == ["step-00000002", "step-00000004", "step-00000005"]
+    assert manager.best().step == 2
+
+
+def test_retention_without_keep_best(tmp_path: Path) -> None:
+    manager = _manager(tmp_path, keep_latest_k=1, keep_best=False)
+    for step, acc in [(1, 0.9), (2, 0.1), (3, 0.2)]:
+        manager.save(step, {}, metrics={ACC: acc})
+    assert [c.step for c in manager.saved()] == [3]
+
+
+def test_keep_latest_k_zero_keeps_everything(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    for step in range(1, 6):
+        manager.save(step, {})
+    assert [c.step for c in manager.saved()] == [1, 2, 3, 4, 5]
+
+
+# -- resume ------------------------------------------------------------------------------------
+def test_resume_from_scratch_latest_and_an_older_checkpoint(tmp_path: Path, led, store) -> None:
+    Producer(led, store, run_id=RUN).emit("a", {"x": torch.ones(1)})
+    manager = _manager(tmp_path)
+    plan, state = manager.resume(_consumer(led, store, "first"))
+    assert plan.checkpoint is None and state is None
+    assert manager.consumer.consumer_id == "first"
+    manager.save(1, {"step": 1})
+    manager.save(2, {"step": 2})
+
+    manager = _manager(tmp_path)
+    plan, state = manager.resume(_consumer(led, store, "second"))
+    assert (plan.checkpoint.step, state) == (2, {"step": 2})
+    plan, state = manager.resume(_consumer(led, store, "third"), 1)
+    assert (plan.checkpoint.step, state) == (1, {"step": 1})
+
+    # Back at 1, step 2 is saved again: the abandoned step-2 directory is replaced.
+    manager.save(2, {"step": "2 again"})
+    assert manager.load(2) == {"step": "2 again"}
+    assert manager.latest().step == 2
+    lineage = replay(led, RUN).checkpoints
+    assert [c.step for c in lineage] == [1, 2, 2]
+    assert _step_dirs(tmp_path) == ["step-00000001", "step-00000002"]
+
+
+def test_resume_from_a_checkpoint_whose_files_are_gone(tmp_path: Path, led, store) -> None:
+    manager = _manager(tmp_path)
+    manager.resume(_consumer(led, store, "first"))
+    path = manager.save(1, {"w": torch.ones(1)})
+    (path / "state.pt").unlink()
+    (path / "manifest.json").unlink()
+    path.rmdir()
+    with pytest.raises(FileNotFoundError, match="step-00000001"):
+        manager.resume(_consumer(led, store, "second"))
+
+
+def test_resume_sweeps_what_a_killed_save_left(tmp_path: Path, led, store) -> None:
+    root = tmp_path / "ckpt"
+    (root / ".tmp-step-00000004-dead").mkdir(parents=True)
+    (root / ".tmp-step-00000004-dead" / "state.pt").write_bytes(b"half")
+    manager = _manager(tmp_path)
+    manager.resume(_consumer(led, store))
+    assert _step_dirs(tmp_path) == []
+
+
+def test_a_fenced_off_trainer_saves_nothing(tmp_path: Path, led, store) -> None:
+    zombie = _manager(tmp_path)
+    zombie.resume(_consumer(led, store, "zombie"))
+    _manager(tmp_path).resume(_consumer(led, store, "live"))
+    with pytest.raises(StaleEpochError, match="nothing was saved"):
+        zombie.save(1, {"w": torch.ones(1)})
+    assert _step_dirs(tmp_path) == []
+
+
+# -- bad inputs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
+def test_save_rejects_a_bad_step(tmp_path: Path, step: object) -> None:
+    with pytest.raises(ValueError, match=f"step must be .*{step!r}"):
+        _manager(tmp_path).save(step, {})
+    assert _step_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("state", "metrics", "match"),
+    [
+        ([1, 2], None, "state must be a dict"),
+        ({}, [1.0], "metrics must be a dict"),
+        ({}, {ACC: "high"}, "metric 'eval/simulated_acc_len' must be a number, got 'high'"),
+        ({}, {1: 1.0}, "metric names must be strs, got 1"),
+        ({}, {ACC: True}, "must be a number, got True"),
+    ],
+)
+def test_save_rejects_bad_state_or_metrics(
+    tmp_path: Path, state: object, metrics: object, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        _manager(tmp_path).save(1, state, metrics=metrics)
+    assert _step_dirs(tmp_path) == []
+
+
+def test_save_refuses_a_step_not_after_the_lineages_checkpoint(tmp_path: Path, led, store) -> None:
+    manager = _manager(tmp_path)
+    manager.resume(_consumer(led, store))
+    manager.save(4, {})
+    for step in (4, 3):
+        with pytest.raises(ValueError, match=f"step {step}: .* already has one at step 4"):
+            manager.save(step, {})
+    assert _step_dirs(tmp_path) == ["step-00000004"]
+
+
+def test_save_with_a_consumer_that_has_not_resumed(tmp_path: Path, led, store) -> None:
+    manager = CheckpointManager(
+        CheckpointConfig(root=tmp_path / "ckpt"), consumer=_consumer(led, store)
+    )
+    with pytest.raises(ValueError, match="has not resumed"):
+        manager.save(1, {})
+    assert _step_dirs(tmp_path) == []
+
+
+def test_load_names_what_is_missing(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+        manager.load()
+    manager.save(1, {})
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 99 .* saved steps: \[1\]"):
+        manager.load(99)
+    missing = tmp_path / "elsewhere"
+    with pytest.raises(FileNotFoundError, match="elsewhere"):
+        manager.load(missing)
+    with pytest.raises(ValueError, match="step must be >= 0, got -2"):
+        manager.load(-2)
+    with pytest.raises(ValueError, match=r"step must be an int, got float 1\.0"):
+        manager.load(1.0)
+
+
+def test_resume_rejects_bad_arguments(tmp_path: Path, led, store) -> None:
+    manager = _manager(tmp_path)
+    with pytest.raises(ValueError, match=r"consumer must be a dataflow\.Consumer"):
+        manager.resume("trainer")
+    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+        manager.resume(_consumer(led, store), -1)
+    with pytest.raises(ValueError, match="step must be an int, got str 'newest'"):
+        manager.resume(_consumer(led, store), "newest")
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"root": ""}, "root must be a non-empty path"),
+        ({"keep_latest_k": -1}, "keep_latest_k must be >= 0, got -1"),
+        ({"keep_latest_k": 1.0}, "keep_latest_k must be an int"),
+        ({"best_mode": "avg"}, "best_mode must be one of"),
+        ({"best_metric": ""}, "best_metric must be a non-empty str"),
+        ({"keep_best": 1}, "keep_best must be a bool"),
+    ],
+)
+def test_config_rejects_bad_values(tmp_path: Path, config: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CheckpointConfig(**{"root": tmp_path, **config})
+
+
+def test_config_is_keyword_only_and_frozen(tmp_path: Path) -> None:
+    with pytest.raises(TypeError):
+        CheckpointConfig(tmp_path)  # type: ignore[misc]
+    config = CheckpointConfig(root=str(tmp_path / "x" / ".." / "ckpt"))
+    assert config.root == (tmp_path / "x" / ".." / "ckpt").absolute()
+    with pytest.raises(AttributeError):
+        config.keep_latest_k = 3  # type: ignore[misc]

@@ -1,0 +1,172 @@
+"""FeatureLoader on a real SQLite ledger and LocalFeatureStore."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dataflow import Consumer, Ledger, Producer, replay
+from stores import LocalFeatureStore
+from training import Batch, FeatureLoader, LoaderConfig, collate
+
+RUN = "run"
+
+
+@pytest.fixture
+def led(sqlite_url: str) -> Iterator[Ledger]:  # conftest has the store fixture
+    with Ledger.open(sqlite_url) as ledger:
+        yield ledger
+
+
+def _emit(led: Ledger, store: LocalFeatureStore, n: int, *, close: bool = True, ragged=False):
+    producer = Producer(led, store, run_id=RUN)
+    for i in range(n):
+        length = 2 + i % 3 if ragged else 3
+        producer.emit(
+            f"s{i:02d}",
+            {"x": torch.full((length,), float(i)), "y": torch.tensor(i), "mask": torch.ones(2)},
+        )
+    if close:
+        producer.close()
+    return producer
+
+
+def _consumer(led: Ledger, store: LocalFeatureStore, name: str = "trainer") -> Consumer:
+    consumer = Consumer(led, store, run_id=RUN, consumer_id=name)
+    consumer.resume()
+    return consumer
+
+
+def _train_all(loader: FeatureLoader, consumer: Consumer) -> list[Batch]:
+    batches = []
+    for step, batch in enumerate(loader, start=1):
+        batches.append(batch)
+        consumer.ack(batch.refs, step=step)
+    return batches
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_batches_stack_and_cover_every_sample_once(led, store, prefetch: int) -> None:
+    _emit(led, store, 10)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=4, prefetch=prefetch))
+    batches = _train_all(loader, consumer)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [sid for b in batches for sid in b.sample_ids] == [f"s{i:02d}" for i in range(10)]
+    first = batches[0].features
+    assert set(first) == {"x", "y", "mask"}
+    assert first["x"].shape == (4, 3)
+    assert torch.equal(first["y"], torch.tensor([0, 1, 2, 3]))
+    assert torch.equal(first["x"][:, 0], torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    assert consumer.finished
+    assert replay(led, RUN).verify() == []
+    assert len(replay(led, RUN).trained) == 10
+
+
+def test_ragged_features_become_lists_and_names_restrict(led, store) -> None:
+    _emit(led, store, 3, ragged=True)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=3, names=["x", "y"]))
+    batch = loader.next_batch()
+    assert set(batch.features) == {"x", "y"}
+    assert [t.shape[0] for t in batch.features["x"]] == [2, 3, 4]
+    assert batch.features["y"].shape == (3,)
+
+
+def test_a_collate_fn_replaces_the_default(led, store) -> None:
+    _emit(led, store, 3, ragged=True)
+    consumer = _consumer(led, store)
+
+    def pad(samples: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence([s["x"] for s in samples], batch_first=True)
+
+    batch = FeatureLoader(consumer, config=LoaderConfig(batch_size=3), collate_fn=pad).next_batch()
+    assert batch.features.shape == (3, 4)
+
+
+def test_collate_refuses_samples_with_different_features() -> None:
+    with pytest.raises(ValueError, match="different features"):
+        collate([{"x": torch.ones(1)}, {"y": torch.ones(1)}])
+    mixed = collate([{"x": torch.ones(2)}, {"x": torch.ones(2, dtype=torch.int64)}])
+    assert isinstance(mixed["x"], list)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_ref_whose_features_are_gone_is_nacked_and_skipped(led, store, prefetch) -> None:
+    _emit(led, store, 6)
+    consumer = _consumer(led, store)
+    store.delete(consumer.state.ref("s01"))
+    store.delete(consumer.state.ref("s05"))
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=3, prefetch=prefetch))
+    with pytest.warns(UserWarning, match=r"features of 's0[15]' are gone") as caught:
+        first = loader.next_batch()
+        consumer.ack(first.refs, step=1)
+        second = loader.next_batch()
+    assert first.sample_ids == ["s00", "s02"]
+    assert second.sample_ids == ["s03", "s04"]
+    assert ["'s01'" in str(w.message) for w in caught] == [True, False]
+    events = [e for e in led.events(RUN) if e.kind == "nack"]
+    assert [e.sample_id for e in events] == ["s01", "s05"]
+    assert all(e.payload["retryable"] for e in events)
+    assert "features gone" in events[0].payload["reason"]
+    assert replay(led, RUN).verify() == []
+
+
+def test_the_last_batch_comes_while_earlier_refs_are_still_unacked(led, store) -> None:
+    """Gradient accumulation: refs are acked after the last micro-batch, not before."""
+    _emit(led, store, 5)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=2))
+    held = [loader.next_batch() for _ in range(3)]
+    assert loader.next_batch() is None  # does not wait for this consumer's own leases
+    consumer.ack([ref for batch in held for ref in batch.refs], step=1)
+    assert consumer.finished
+
+
+def test_lease_timeout_stops_an_unfinished_run_with_a_warning(led, store) -> None:
+    producer = _emit(led, store, 2, close=False)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=4, lease_timeout=0.1))
+    batch = loader.next_batch()
+    assert len(batch) == 2
+    with pytest.warns(UserWarning, match="lease_timeout=0.1s .* not finished"):
+        assert loader.next_batch() is None
+    # Called again after None, the loader picks up what came meanwhile.
+    producer.emit("late", {"x": torch.ones(3), "y": torch.tensor(9), "mask": torch.ones(2)})
+    assert loader.next_batch().sample_ids == ["late"]
+
+
+def test_next_batch_needs_a_resumed_consumer(led, store) -> None:
+    consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+    with pytest.raises(ValueError, match="has not resumed"):
+        FeatureLoader(consumer).next_batch()
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
+        ({"batch_size": 2.0}, "batch_size must be an int"),
+        ({"lease_timeout": -1}, "lease_timeout must be a number >= 0 or None, got -1"),
+        ({"lease_timeout": "1"}, "lease_timeout must be a number"),
+        ({"names": "x"}, "got the str 'x'"),
+        ({"names": []}, "names must hold non-empty strs"),
+        ({"names": ["x", ""]}, "names must hold non-empty strs"),
+        ({"prefetch": 2}, "prefetch must be 0 or 1, got 2"),
+    ],
+)
+def test_loader_config_rejects_bad_values(config, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LoaderConfig(**config)
+
+
+def test_loader_rejects_bad_arguments(led, store) -> None:
+    consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+    with pytest.raises(ValueError, match=r"consumer must be a dataflow\.Consumer"):
+        FeatureLoader(store)
+    with pytest.raises(ValueError, match="config must be a LoaderConfig"):
+        FeatureLoader(consumer, config={"batch_size": 2})
+    with pytest.raises(ValueError, match="collate_fn must be callable"):
+        FeatureLoader(consumer, collate_fn="stack")

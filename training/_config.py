@@ -1,0 +1,126 @@
+"""The configs of the training components: keyword-only, frozen, validated on creation."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+
+BEST_MODES = ("max", "min")
+
+
+def _int_field(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where checkpoints go, how many stay, and which one is best."""
+
+    root: str | os.PathLike[str]
+    """Directory holding one ``step-XXXXXXXX`` directory per checkpoint; created on first save.
+
+    Kept as an absolute ``Path``: the ledger records absolute checkpoint paths.
+    """
+
+    keep_latest_k: int = 0
+    """Keep the ``k`` most recently saved checkpoints (plus the best); 0 keeps all."""
+
+    best_metric: str = "eval/simulated_acc_len"
+    """The manifest metric that ranks checkpoints for ``CheckpointManager.best``."""
+
+    best_mode: str = "max"
+    """``"max"``: the highest ``best_metric`` is best; ``"min"``: the lowest (for a loss)."""
+
+    keep_best: bool = True
+    """Retention never deletes the best checkpoint (when False, only the latest is protected)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.root, os.PathLike):
+            object.__setattr__(self, "root", os.fspath(self.root))
+        if not isinstance(self.root, str) or not self.root.strip():
+            raise ValueError(f"root must be a non-empty path, got {self.root!r}")
+        object.__setattr__(self, "root", Path(self.root).expanduser().absolute())
+        _int_field("keep_latest_k", self.keep_latest_k, minimum=0)
+        if not isinstance(self.best_metric, str) or not self.best_metric:
+            raise ValueError(f"best_metric must be a non-empty str, got {self.best_metric!r}")
+        if self.best_mode not in BEST_MODES:
+            raise ValueError(f"best_mode must be one of {BEST_MODES}, got {self.best_mode!r}")
+        if not isinstance(self.keep_best, bool):
+            raise ValueError(f"keep_best must be a bool, got {self.keep_best!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """How a FeatureLoader leases and reads batches."""
+
+    batch_size: int = 8
+    """Refs leased per batch; a batch holds fewer when less is pending."""
+
+    lease_timeout: float | None = None
+    """Seconds to wait for refs to arrive. ``None`` waits until some come or the run is
+    finished; when a number runs out first, the loader stops early, with a warning."""
+
+    names: tuple[str, ...] | None = None
+    """Features to read from the store; ``None`` reads every feature of a ref."""
+
+    prefetch: int = 0
+    """1: read the next batch's features in a background thread while the current one
+    trains (leasing and acking stay on the caller's thread); 0: read on demand."""
+
+    def __post_init__(self) -> None:
+        _int_field("batch_size", self.batch_size, minimum=1)
+        timeout = self.lease_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
+        ):
+            raise ValueError(f"lease_timeout must be a number >= 0 or None, got {timeout!r}")
+        if self.names is not None:
+            if isinstance(self.names, str):
+                raise ValueError(
+                    f"names must be a collection of feature names, got the str {self.names!r}"
+                )
+            names = tuple(self.names)
+            bad = [n for n in names if not isinstance(n, str) or not n]
+            if bad or not names:
+                raise ValueError(f"names must hold non-empty strs, got {self.names!r}")
+            object.__setattr__(self, "names", names)
+        if self.prefetch not in (0, 1) or isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be 0 or 1, got {self.prefetch!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The cadences of a Trainer's loop, in optimizer steps."""
+
+    max_steps: int | None = None
+    """Stop after this optimizer step (counted across resumes); ``None``: train until the
+    run is finished."""
+
+    grad_accum: int = 1
+    """Micro-batches per optimizer step; their refs are acked together at that step."""
+
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many optimizer steps; 0: only the final one."""
+
+    eval_every: int = 0
+    """Evaluate every this many optimizer steps (and before the final checkpoint); 0: never."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None:
+            _int_field("max_steps", self.max_steps, minimum=1)
+        _int_field("grad_accum", self.grad_accum, minimum=1)
+        _int_field("checkpoint_every", self.checkpoint_every, minimum=0)
+        _int_field("eval_every", self.eval_every, minimum=0)
+        if self.checkpoint_every and self.eval_every and self.checkpoint_every % self.eval_every:
+            warnings.warn(
+                f"checkpoint_every={self.checkpoint_every} is not a multiple of "
+                f"eval_every={self.eval_every}: checkpoints saved between evals carry no "
+                "metrics, so they can never be the best",
+                stacklevel=3,
+            )

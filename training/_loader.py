@@ -1,0 +1,214 @@
+"""FeatureLoader: leased batches of features from a Consumer, collated for a training step."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dataflow import Consumer, SampleRef, StaleRefError
+from training._config import LoaderConfig
+
+Features = dict[str, torch.Tensor]
+CollateFn = Callable[[list[Features]], Any]
+
+_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Leased refs and their collated features.
+
+    ``features`` maps each feature name to the stacked tensors of the batch
+    (``[len(batch), *shape]``) when every sample's tensor has the same shape and
+    dtype, else to the list of tensors; with a ``collate_fn`` it is whatever that
+    returns. Listed tensors may be the store's own memory: treat them as read-only.
+    An empty batch (no refs) reaches a rank whose share ran out while its peers
+    still train.
+    """
+
+    refs: tuple[SampleRef, ...] = ()
+    features: Any = field(default_factory=dict)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [ref.sample_id for ref in self.refs]
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+
+def collate(samples: list[Features]) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """Stack each feature when shapes and dtypes match across samples, else list it."""
+    names = list(samples[0])
+    for sample in samples[1:]:
+        if set(sample) != set(names):
+            raise ValueError(
+                f"samples of one batch have different features: {sorted(names)} and "
+                f"{sorted(sample)}; pass LoaderConfig(names=...) or a collate_fn"
+            )
+    batch: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+    for name in names:
+        tensors = [sample[name] for sample in samples]
+        first = tensors[0]
+        if all(t.shape == first.shape and t.dtype == first.dtype for t in tensors):
+            batch[name] = torch.stack(tensors)
+        else:
+            batch[name] = tensors
+    return batch
+
+
+@dataclass
+class _Read:
+    """What reading a leased batch gave: the refs that loaded, collated, and the stale ones."""
+
+    refs: list[SampleRef]
+    features: Any
+    stale: list[tuple[SampleRef, str]]
+
+
+class FeatureLoader:
+    """Iterates over leased, loaded, collated batches until the run is finished for this rank.
+
+    Each batch leases up to ``batch_size`` refs and reads their features from the
+    consumer's store. The loader never acks: the trainer acks a batch's refs at
+    the optimizer step that trained them. A ref whose features are gone
+    (StaleRefError) is nacked as retryable, with the reason, and skipped, with a
+    warning.
+
+    With ``prefetch=1`` the next batch is leased (only if refs are ready now)
+    right after the current one is handed out, and its features are read in a
+    background thread while the current one trains. Leasing, nacking and acking
+    stay on the caller's thread, since a Consumer is not thread-safe. Refs leased
+    ahead and not yet handed out stay leased when the loader stops; the next
+    resume requeues them.
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        *,
+        config: LoaderConfig | None = None,
+        collate_fn: CollateFn | None = None,
+    ) -> None:
+        if not isinstance(consumer, Consumer):
+            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+        config = LoaderConfig() if config is None else config
+        if not isinstance(config, LoaderConfig):
+            raise ValueError(f"config must be a LoaderConfig, got {type(config).__name__}")
+        if collate_fn is not None and not callable(collate_fn):
+            raise ValueError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+        self.consumer = consumer
+        self.config = config
+        self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: Future[_Read] | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        try:
+            while (batch := self.next_batch()) is not None:
+                yield batch
+        finally:
+            self.close()
+
+    def __enter__(self) -> FeatureLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def next_batch(self) -> Batch | None:
+        """The next batch, or None when the run is finished for this rank (or
+        ``lease_timeout`` ran out). It may be called again after None: work that came
+        back meanwhile (a nack, a regeneration) is picked up."""
+        if self.consumer.epoch is None:
+            raise ValueError(
+                f"consumer {self.consumer.consumer_id!r} has not resumed; call resume() first"
+            )
+        while True:
+            if self._ahead is not None:
+                read, self._ahead = self._ahead.result(), None
+            else:
+                refs = self._lease(timeout=self.config.lease_timeout)
+                if not refs:
+                    return None
+                read = self._read(refs)
+            self._settle_stale(read.stale)
+            if self.config.prefetch:
+                self._lease_ahead()
+            if read.refs:
+                return Batch(tuple(read.refs), read.features)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (refs it leased ahead stay leased until a resume)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._ahead is not None and self._ahead.cancelled():
+            self._ahead = None
+
+    # -- internals ----------------------------------------------------------------
+    def _lease(self, *, timeout: float | None) -> list[SampleRef]:
+        # Not consumer.lease(timeout=None): it also waits for this consumer's own leases to
+        # be acked, and the refs of an accumulation are acked only after the last batch.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = 0.0
+        while True:
+            refs = self.consumer.lease(self.config.batch_size, timeout=wait)
+            if refs or self._drained():
+                return refs
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                warnings.warn(
+                    f"no refs came within lease_timeout={timeout}s and run "
+                    f"{self.consumer.run_id!r} is not finished for rank {self.consumer.rank}: "
+                    "the loader stops early (resume later to train the rest)",
+                    stacklevel=3,
+                )
+                return []
+            wait = _POLL_S if remaining is None else min(_POLL_S, remaining)
+
+    def _drained(self) -> bool:
+        """Nothing more will come unless refs this consumer holds are nacked."""
+        consumer = self.consumer
+        if consumer.finished:
+            return True
+        done = (
+            consumer.state.producers_done if consumer.stream is None else consumer.stream.exhausted
+        )
+        return done and next(consumer.state.pending_for(consumer.rank), None) is None
+
+    def _lease_ahead(self) -> None:
+        # Only what is ready now: waiting here would hold back the batch being handed out.
+        refs = self.consumer.lease(self.config.batch_size, timeout=0)
+        if refs:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="feature-prefetch")
+            self._ahead = self._pool.submit(self._read, refs)
+
+    def _read(self, refs: Sequence[SampleRef]) -> _Read:
+        loaded: list[SampleRef] = []
+        samples: list[Features] = []
+        stale: list[tuple[SampleRef, str]] = []
+        for ref in refs:
+            try:
+                samples.append(self.consumer.load(ref, names=self.config.names))
+            except StaleRefError as exc:
+                stale.append((ref, str(exc)))
+            else:
+                loaded.append(ref)
+        return _Read(loaded, self.collate_fn(samples) if samples else None, stale)
+
+    def _settle_stale(self, stale: list[tuple[SampleRef, str]]) -> None:
+        for ref, reason in stale:
+            warnings.warn(
+                f"features of {ref.sample_id!r} are gone from {ref.store} ({reason}); "
+                "nacked as retryable and skipped",
+                stacklevel=3,
+            )
+            self.consumer.nack([ref], retryable=True, reason=f"features gone: {reason}"[:1000])

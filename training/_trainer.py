@@ -1,0 +1,265 @@
+"""Trainer: the resume -> lease -> step -> ack -> eval -> checkpoint loop of a custom trainer."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dataflow import Checkpoint, Consumer, ReconcilePlan, SampleRef
+from eval import Evaluator
+from training._checkpoint import CheckpointManager
+from training._config import LoaderConfig, TrainerConfig
+from training._loader import Batch, CollateFn, FeatureLoader
+
+log = logging.getLogger("training")
+
+#: A zero-argument function returning the per-batch eval output dicts, or a
+#: ``(model_fn, batches)`` pair for ``Evaluator.evaluate``.
+EvalFn = Callable[[], Iterable[Mapping[str, Any]]] | tuple[Callable[[Any], Mapping[str, Any]], Any]
+
+
+def _check_callable(name: str, fn: object, *, optional: bool = False) -> None:
+    if (fn is not None or not optional) and not callable(fn):
+        raise ValueError(f"{name} must be callable, got {type(fn).__name__}")
+
+
+def _check_eval_fn(eval_fn: object) -> None:
+    if eval_fn is None or callable(eval_fn):
+        return
+    if isinstance(eval_fn, tuple) and len(eval_fn) == 2 and callable(eval_fn[0]):
+        batches = eval_fn[1]
+        if isinstance(batches, Iterator):
+            raise ValueError(
+                "the batches of eval_fn=(model_fn, batches) are an iterator, which the first "
+                "eval would exhaust; pass a list, or a function returning the batches"
+            )
+        if callable(batches) or isinstance(batches, Iterable):
+            return
+    raise ValueError(
+        "eval_fn must be a function returning the per-batch eval output dicts, or a "
+        f"(model_fn, batches) pair; got {eval_fn!r:.80}"
+    )
+
+
+def _flag_device() -> torch.device:
+    # The device the default group communicates from: CUDA for NCCL, else the CPU.
+    if "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Trainer:
+    """Runs the loop of a custom trainer over a Consumer's run; the model stays yours.
+
+    ``run()`` resumes (unless ``resume`` was called), then per micro-batch calls
+    ``step_fn(batch)`` (forward and backward; its return value, e.g. the loss, is
+    kept as ``last_loss``). Every ``grad_accum`` micro-batches it calls
+    ``optimizer_fn(step)`` (optimizer step, zero_grad, scheduler) and acks the refs
+    of all those micro-batches at that step, in one transaction; then, on their
+    cadences, evaluates and saves ``state_fn()`` through the CheckpointManager,
+    which records the checkpoint in the ledger once its files are durable. When
+    the run is finished (or ``max_steps`` is reached) it saves a final checkpoint
+    if a step was taken since the last one. With ``grad_accum=1``, ``step_fn`` may
+    do the optimizer step itself and ``optimizer_fn`` may be omitted.
+
+    Steps continue from the checkpoint resumed from, so every ack names a step
+    later than it, as the ledger requires.
+
+    Several ranks (``Consumer(rank=r, world_size=n)``) need torch.distributed
+    initialized: before each micro-batch the ranks agree whether any of them still
+    has data, so they take the same steps, evaluate and checkpoint together, and
+    stop together. A rank whose share ran out while its peers still train gets an
+    empty Batch (``len(batch) == 0``), so a ``step_fn`` that joins collectives
+    (DDP) can contribute nothing instead of hanging its peers.
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        *,
+        step_fn: Callable[[Batch], Any],
+        checkpoints: CheckpointManager,
+        state_fn: Callable[[], Mapping[str, Any]],
+        optimizer_fn: Callable[[int], object] | None = None,
+        load_fn: Callable[[dict], object] | None = None,
+        evaluator: Evaluator | None = None,
+        eval_fn: EvalFn | None = None,
+        config: TrainerConfig | None = None,
+        loader_config: LoaderConfig | None = None,
+        collate_fn: CollateFn | None = None,
+    ) -> None:
+        if not isinstance(consumer, Consumer):
+            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+        if not isinstance(checkpoints, CheckpointManager):
+            raise ValueError(
+                f"checkpoints must be a CheckpointManager, got {type(checkpoints).__name__}"
+            )
+        if checkpoints.consumer is not None and checkpoints.consumer is not consumer:
+            raise ValueError("checkpoints is attached to another consumer than this trainer's")
+        config = TrainerConfig() if config is None else config
+        if not isinstance(config, TrainerConfig):
+            raise ValueError(f"config must be a TrainerConfig, got {type(config).__name__}")
+        _check_callable("step_fn", step_fn)
+        _check_callable("state_fn", state_fn)
+        _check_callable("optimizer_fn", optimizer_fn, optional=True)
+        _check_callable("load_fn", load_fn, optional=True)
+        if config.grad_accum > 1 and optimizer_fn is None:
+            raise ValueError(
+                f"grad_accum={config.grad_accum} needs an optimizer_fn: step_fn cannot tell "
+                "which micro-batch ends an optimizer step"
+            )
+        if evaluator is not None and not isinstance(evaluator, Evaluator):
+            raise ValueError(f"evaluator must be an eval.Evaluator, got {type(evaluator).__name__}")
+        if evaluator is not None and eval_fn is None:
+            raise ValueError("an evaluator needs an eval_fn producing what it evaluates")
+        _check_eval_fn(eval_fn)
+        if eval_fn is not None and config.eval_every == 0:
+            warnings.warn("eval_fn is set but eval_every=0: evaluation never runs", stacklevel=2)
+        if eval_fn is None and config.eval_every:
+            warnings.warn(
+                f"eval_every={config.eval_every} but no eval_fn: evaluation is skipped",
+                stacklevel=2,
+            )
+        self.consumer = consumer
+        self.checkpoints = checkpoints
+        self.config = config
+        self.step_fn = step_fn
+        self.state_fn = state_fn
+        self.optimizer_fn = optimizer_fn
+        self.load_fn = load_fn
+        self.evaluator = evaluator if evaluator is not None or eval_fn is None else Evaluator()
+        self.eval_fn = eval_fn
+        self.loader = FeatureLoader(consumer, config=loader_config, collate_fn=collate_fn)
+        #: The last optimizer step taken (or resumed from).
+        self.step = 0
+        #: The plan of the resume, None before it.
+        self.plan: ReconcilePlan | None = None
+        #: The metrics of the last eval, and the step it ran at.
+        self.metrics: dict[str, float] | None = None
+        self.metrics_step: int | None = None
+        #: What step_fn returned for the last micro-batch.
+        self.last_loss: Any = None
+        self._saved_step = 0
+
+    def resume(self, checkpoint: int | str | Checkpoint | None = "latest") -> dict | None:
+        """Resume the consumer from ``checkpoint`` and return the state to apply (None from
+        scratch); ``load_fn``, when given, is called with it. Steps continue from there."""
+        plan, state = self.checkpoints.resume(self.consumer, checkpoint)
+        self.plan = plan
+        self.step = self._saved_step = plan.checkpoint.step if plan.checkpoint else 0
+        if state is not None and self.load_fn is not None:
+            self.load_fn(state)
+        if plan.regenerate:
+            warnings.warn(
+                f"{len(plan.regenerate)} samples of run {self.consumer.run_id!r} must be "
+                "trained again but their features were released: a producer must "
+                "regenerate them (Producer.regenerate) before the run can finish",
+                stacklevel=2,
+            )
+        return state
+
+    def run(self) -> int:
+        """Train until the run is finished for every rank, or ``max_steps``; return the step."""
+        distributed = self._distributed()
+        if self.plan is None:
+            state = self.resume()
+            if state is not None and self.load_fn is None:
+                raise ValueError(
+                    f"resumed from the checkpoint at step {self.step}, but there is no load_fn "
+                    "to apply its state: pass load_fn, or call resume() and apply what it "
+                    "returns before run()"
+                )
+        max_steps = self.config.max_steps
+        if max_steps is not None and self.step >= max_steps:
+            warnings.warn(
+                f"resumed at step {self.step}, max_steps={max_steps}: nothing to train",
+                stacklevel=2,
+            )
+        accumulated: list[SampleRef] = []
+        micro_batches = 0
+        try:
+            while max_steps is None or self.step < max_steps:
+                batch = self._next_batch(distributed)
+                if batch is None:
+                    break
+                self.last_loss = self.step_fn(batch)
+                accumulated.extend(batch.refs)
+                micro_batches += 1
+                if micro_batches == self.config.grad_accum:
+                    self._optimizer_step(accumulated)
+                    accumulated, micro_batches = [], 0
+            if micro_batches:
+                # The data ended inside an accumulation: a short last optimizer step.
+                self._optimizer_step(accumulated)
+            if self.step > self._saved_step:
+                if self._eval_enabled and self.metrics_step != self.step:
+                    self._evaluate()
+                self._save()
+        finally:
+            self.loader.close()
+        return self.step
+
+    def evaluate(self) -> dict[str, float]:
+        """Run the eval now (every rank must call it together); return and keep the metrics."""
+        if self.eval_fn is None or self.evaluator is None:
+            raise ValueError("this trainer has no eval_fn")
+        if isinstance(self.eval_fn, tuple):
+            model_fn, batches = self.eval_fn
+            metrics = self.evaluator.evaluate(model_fn, batches() if callable(batches) else batches)
+        else:
+            metrics = self.evaluator.run(self.eval_fn())
+        self.metrics, self.metrics_step = metrics, self.step
+        return metrics
+
+    # -- internals ----------------------------------------------------------------
+    @property
+    def _eval_enabled(self) -> bool:
+        return self.eval_fn is not None and self.config.eval_every > 0
+
+    def _distributed(self) -> bool:
+        if self.consumer.world_size == 1:
+            return False
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"a Trainer with world_size={self.consumer.world_size} needs torch.distributed "
+                "initialized: the ranks agree on steps and checkpoints through it"
+            )
+        return True
+
+    def _next_batch(self, distributed: bool) -> Batch | None:
+        batch = self.loader.next_batch()
+        if not distributed:
+            return batch
+        flag = torch.tensor([0 if batch is None else 1], device=_flag_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        return Batch() if batch is None else batch
+
+    def _optimizer_step(self, refs: list[SampleRef]) -> None:
+        self.step += 1
+        if self.optimizer_fn is not None:
+            self.optimizer_fn(self.step)
+        if refs:
+            self.consumer.ack(refs, step=self.step)
+        if self._eval_enabled and self.step % self.config.eval_every == 0:
+            self._evaluate()
+        if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+            self._save()
+
+    def _evaluate(self) -> None:
+        metrics = self.evaluate()
+        if not metrics:
+            log.warning("eval at step %d saw no batch: no metrics", self.step)
+
+    def _save(self) -> None:
+        # Only metrics of this very step describe the state being saved.
+        metrics = self.metrics if self.metrics_step == self.step else None
+        path = self.checkpoints.save(self.step, self.state_fn(), metrics=metrics)
+        self._saved_step = self.step
+        log.info("checkpoint at step %d: %s", self.step, path)
