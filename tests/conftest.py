@@ -2,8 +2,9 @@
 and the two roles writing one run.
 
 PostgreSQL comes from ``DATAFLOW_TEST_POSTGRES_URL`` when set, else from a
-throw-away server started once per session. Where neither is possible the
-PostgreSQL tests skip, except under ``CI=true``, where they fail.
+throw-away server started once per session; Mooncake from a real
+``mooncake_master`` started once per session. Where that is impossible the
+tests skip, except under ``CI=true``, where they fail.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from dataflow import Consumer, Ledger, Producer, SampleRef
+from dataflow import Consumer, Ledger, Producer, SampleRef, StoreDependencyError
 from dataflow.testing._postgres import (
     PostgresServer,
     create_database,
@@ -23,6 +24,14 @@ from dataflow.testing._postgres import (
     postgres_url_from_env,
 )
 from stores import LocalFeatureStore
+from stores.mooncake_master import MooncakeMaster, find_master_binary
+
+
+def unavailable(reason: str) -> None:
+    """Skip for a missing real component, but fail under CI=true, where all must run."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: every real component must be available)")
+    pytest.skip(reason)
 
 
 @pytest.fixture
@@ -41,14 +50,28 @@ def postgres_server() -> Iterator[str]:
         server = PostgresServer()
         server.start()
     except (RuntimeError, OSError) as exc:
-        reason = f"no PostgreSQL server for the ledger tests: {exc}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)  # outside CI only: under CI=true PostgreSQL must run
+        unavailable(f"no PostgreSQL server for the ledger tests: {exc}")
     try:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_installed() -> None:
+    try:
+        import mooncake.store  # noqa: F401
+
+        find_master_binary()
+    except (ImportError, StoreDependencyError) as exc:
+        unavailable(f"Mooncake is not usable here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(mooncake_installed) -> Iterator[MooncakeMaster]:
+    """A real mooncake_master with its HTTP metadata server, on free loopback ports."""
+    with MooncakeMaster(lease_ttl_ms=200) as master:
+        yield master
 
 
 @pytest.fixture

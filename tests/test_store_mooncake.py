@@ -6,7 +6,6 @@ session. Without Mooncake the tests skip, except under CI=true, where they fail.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -44,33 +43,16 @@ class Cluster:
         )
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI=true: Mooncake must be installed)")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
-def mooncake_installed() -> None:
-    try:
-        import mooncake.store  # noqa: F401
-
-        find_master_binary()
-    except StoreDependencyError as exc:
-        _unavailable(f"Mooncake is not usable here: {exc}")
-
-
-@pytest.fixture(scope="session")
-def cluster(mooncake_installed):
-    with MooncakeMaster(lease_ttl_ms=200) as master:
-        anchor = MooncakeFeatureStore(
-            master.master_address,
-            metadata=master.metadata_url,
-            namespace="anchor",
-            segment_size=512 << 20,
-        )
-        yield Cluster(master, anchor)
-        anchor.close()
+def cluster(mooncake_master):
+    anchor = MooncakeFeatureStore(
+        mooncake_master.master_address,
+        metadata=mooncake_master.metadata_url,
+        namespace="anchor",
+        segment_size=512 << 20,
+    )
+    yield Cluster(mooncake_master, anchor)
+    anchor.close()
 
 
 class TestMooncakeFeatureStore(FeatureStoreContract):
