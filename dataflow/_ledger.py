@@ -70,6 +70,7 @@ def _newest_commits(
         stmt = select(events.c.sample_id, events.c.revision, events.c.payload).where(
             events.c.run_id == run_id,
             events.c.kind == Kind.COMMIT,
+            events.c.revision.isnot(None),  # lets the planner use the partial commit index
             events.c.sample_id.in_(chunk),
         )
         for sample_id, revision, payload in conn.execute(stmt):

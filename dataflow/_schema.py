@@ -48,9 +48,9 @@ events = Table(
     Column("run_id", String(256), nullable=False),
     Column("kind", String(16), nullable=False),
     Column("sample_id", String(256)),
-    # Set on commits only (0, then 1, 2 ... for regenerations); NULL elsewhere,
-    # and NULLs never collide in a unique index, so the index below is the
-    # database's own dedup of commits.
+    # Set on commits only (0, then 1, 2 ... for regenerations); NULL elsewhere.
+    # The partial unique index below is the database's own dedup of commits;
+    # lease and ack rows (most of a run) skip it entirely.
     Column("revision", Integer),
     Column("epoch", Integer, nullable=False),
     Column("step", BigInteger),
@@ -66,4 +66,6 @@ Index(
     events.c.sample_id,
     events.c.revision,
     unique=True,
+    sqlite_where=events.c.revision.isnot(None),
+    postgresql_where=events.c.revision.isnot(None),
 )

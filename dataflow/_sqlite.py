@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, select
@@ -10,6 +12,21 @@ from sqlalchemy.engine import make_url
 
 from dataflow._db import WRITE_OPTION, Backend
 from dataflow._schema import runs
+
+
+def _enable_wal(cur: Any, timeout_s: float) -> None:
+    # Switching a fresh file to WAL needs an exclusive lock and SQLite does
+    # not run the busy handler for it: processes opening a new ledger at the
+    # same moment get "database is locked" at once. Retry within the timeout.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
 
 
 class SQLiteBackend(Backend):
@@ -32,9 +49,9 @@ class SQLiteBackend(Backend):
             # on the lock upgrade (SQLITE_BUSY, no busy-wait).
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute(f"PRAGMA synchronous={synchronous}")
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+            _enable_wal(cur, busy_timeout_s)
+            cur.execute(f"PRAGMA synchronous={synchronous}")
             cur.close()
 
         @event.listens_for(engine, "begin")
