@@ -470,10 +470,7 @@ class RunState:
     def _on_ack(
         self, seq: int, sid: str, _r: int | None, _e: int, step: int, actor: str, _p: str | None
     ) -> None:
-        if self.leased.get(sid) != actor:
-            self.violations.append(
-                f"seq {seq}: ack of {sid!r} by {actor!r}, which did not lease it"
-            )
+        if not self._holds_lease(seq, "ack", sid, actor):
             return
         if sid in self.trained:
             self.violations.append(
@@ -483,6 +480,12 @@ class RunState:
         self.trained[sid] = step
         self._unreleased_acks[sid] = step
         self._epochs[self.epoch].acks.append((seq, sid, step, self.data_epoch))
+
+    def _holds_lease(self, seq: int, kind: str, sid: str, actor: str) -> bool:
+        if self.leased.get(sid) == actor:
+            return True
+        self.violations.append(f"seq {seq}: {kind} of {sid!r} by {actor!r}, which did not lease it")
+        return False
 
     def _on_nack(
         self,
@@ -494,10 +497,7 @@ class RunState:
         actor: str,
         payload: str | None,
     ) -> None:
-        if self.leased.get(sid) != actor:
-            self.violations.append(
-                f"seq {seq}: nack of {sid!r} by {actor!r}, which did not lease it"
-            )
+        if not self._holds_lease(seq, "nack", sid, actor):
             return
         p = load_payload(payload)
         del self.leased[sid]
