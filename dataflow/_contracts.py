@@ -479,6 +479,14 @@ class RefReceiver(ABC):
     def exhausted(self) -> bool:
         """True once every producer closed and every received ref was handed out."""
 
+    def mark_producer_closed(self, producer_id: str) -> None:  # noqa: B027 - optional
+        """Count ``producer_id`` as closed though its end of stream never arrived here.
+
+        Called by the Consumer for every producer whose ``close`` event is in
+        the ledger, so a consumer restarted after a producer closed still sees
+        the stream end.
+        """
+
     @abstractmethod
     def close(self) -> None:
         """Release sockets; idempotent."""

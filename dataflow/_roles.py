@@ -27,9 +27,11 @@ from dataflow._contracts import (
     validate_sample_id,
 )
 from dataflow._errors import (
+    BackpressureError,
     DataflowError,
     LedgerStateError,
     StaleEpochError,
+    StreamIdleError,
     UnknownCheckpointError,
 )
 from dataflow._events import Kind, dump_payload
@@ -182,10 +184,26 @@ class Producer:
             self._settle_duplicate(newest[sid], revision, SampleRef.from_json(payload))
         fresh_ids = {id(ref) for ref in fresh}
         results = [ref if id(ref) in fresh_ids else None for ref in refs]
-        if self.stream is not None:
-            for ref in fresh:
-                self.stream.send(ref)
+        self._send(fresh)
         return results
+
+    def _send(self, refs: Sequence[SampleRef]) -> None:
+        """Push committed refs to the stream; the ledger already holds them."""
+        if self.stream is None:
+            return
+        for n, ref in enumerate(refs):
+            try:
+                self.stream.send(ref)
+            except BackpressureError as exc:
+                # Committed is committed: the unsent refs stay pending in the
+                # ledger, and consumers lease them from it once the stream has
+                # ended (or at their next resume). Raising here would make the
+                # caller believe the emit failed.
+                log.warning(
+                    "stream backpressure: %d committed refs of run %r not sent, they stay "
+                    "pending in the ledger (%s)", len(refs) - n, self.run_id, exc,
+                )
+                return
 
     def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
         """Another producer committed this id first; keep whichever features are live.
@@ -255,8 +273,7 @@ class Producer:
         except BaseException:
             self.store.delete(ref)
             raise
-        if self.stream is not None:
-            self.stream.send(ref)
+        self._send([ref])
         return ref
 
     def _check_regenerable(
@@ -338,6 +355,7 @@ class Consumer:
         self.state = RunState(run_id)
         self.epoch: int | None = None
         self._from_stream: set[str] = set()
+        self._marked_closed: set[str] = set()
 
     # -- internals -----------------------------------------------------------
     def _sync(self, tx: WriteTransaction) -> None:
@@ -345,6 +363,10 @@ class Consumer:
 
     def _catch_up(self) -> None:
         self.state.apply_rows(self.ledger.rows(self.run_id, after_seq=self.state.head_seq))
+        if self.stream is not None:
+            for producer_id in self.state.closed - self._marked_closed:
+                self.stream.mark_producer_closed(producer_id)
+                self._marked_closed.add(producer_id)
 
     def _require_epoch(self) -> int:
         if self.epoch is None:
@@ -400,7 +422,10 @@ class Consumer:
             _check_int("checkpoint step", checkpoint)
         epoch = self._start_epoch(checkpoint) if self.rank == 0 else self._join_epoch()
         self.epoch = epoch
-        self._from_stream.clear()
+        # Stream refs of the old epoch are finished by this resume: they go
+        # back through reconcile, so their slots go back to the window.
+        self._credit(list(self._from_stream))
+        self._catch_up()
         plan = self.state.plans[epoch]
         if self.rank == 0 and plan.released:
             with self._write("release") as tx:
@@ -553,7 +578,12 @@ class Consumer:
         if self.stream is None or self.stream.exhausted:
             return []
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        received = self.stream.receive(max_refs, timeout=wait)
+        try:
+            received = self.stream.receive(max_refs, timeout=wait)
+        except StreamIdleError:
+            if deadline is None:
+                raise
+            return []  # lease(timeout=...) answers an idle stream with no refs
         if not received:
             return []
         return self._lease_ids([r.sample_id for r in received], streamed=True)
