@@ -6,8 +6,12 @@ import subprocess
 import sys
 
 import dataflow
+import dataflow.streams
+import dataflow.testing
 import eval as eval_pkg
 import stores
+import stores.testing
+import training
 
 REQUIRED = {
     "Ledger",
@@ -31,7 +35,7 @@ def test_required_names_are_exported() -> None:
 
 
 def test_all_is_sorted() -> None:
-    for module in (dataflow, stores, eval_pkg):
+    for module in (dataflow, dataflow.streams, dataflow.testing, stores, eval_pkg, training):
         assert list(module.__all__) == sorted(module.__all__), module.__name__
 
 

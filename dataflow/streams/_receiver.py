@@ -1,0 +1,409 @@
+"""ZmqRefReceiver: a consumer rank's end of a ZeroMQ ref stream; it binds a ROUTER socket.
+
+The receiver grants credit to each producer session it knows and accepts a ref
+only against credit, so that refs received and not yet credited, plus credit
+granted and not yet used, never exceed the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+
+from dataflow._contracts import RefReceiver, SampleRef
+from dataflow._errors import BadFrameError, StreamError
+from dataflow.streams._security import (
+    DEFAULT_ENDPOINT,
+    CurveServerConfig,
+    bind_address,
+    secure_server,
+    warn_if_exposed,
+)
+from dataflow.streams._ticker import Ticker
+from dataflow.streams._window import ReceiverStats, Window, check_count, check_timeout
+from dataflow.streams._wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MALFORMED,
+    CreditFrame,
+    EofAckFrame,
+    EofFrame,
+    Frame,
+    HeartbeatFrame,
+    RefFrame,
+    decode,
+    encode,
+)
+
+log = logging.getLogger("dataflow.streams")
+
+# Frames beyond the window a producer's pipe may hold (heartbeats, EOF) before
+# ZeroMQ stops reading from that producer: the second bound after credit.
+_CONTROL_SLACK = 256
+_DRAIN = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReceiverConfig:
+    """How a consumer rank's receiver listens and bounds its in-flight work."""
+
+    endpoint: str = DEFAULT_ENDPOINT
+    """Where to bind. Loopback on a free port by default; read the port from ``.endpoint``."""
+    window: int = 64
+    """Most refs in flight: received and not yet credited, plus credit granted and unused."""
+    expected_producers: int = 1
+    """Distinct producer ids that must close (EOF) before the stream ends."""
+    idle_timeout: float = 60.0
+    """``receive`` raises StreamIdleError when no ref came for this long (default timeout)."""
+    heartbeat_interval: float = 0.5
+    """Seconds between credit frames to each producer (they double as heartbeats)."""
+    heartbeat_timeout: float = 10.0
+    """A producer silent for this long without closing is lost (ProducerLostError)."""
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """Larger frames are counted as bad (``oversized``) and dropped."""
+    curve: CurveServerConfig | None = None
+    """CURVE keys; None means plain text (keep it on loopback then)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ValueError(f"endpoint must look like 'tcp://127.0.0.1:0', got {self.endpoint!r}")
+        check_count("window", self.window, minimum=1)
+        check_count("expected_producers", self.expected_producers, minimum=1)
+        check_count("max_frame_bytes", self.max_frame_bytes, minimum=256)
+        for name in ("idle_timeout", "heartbeat_interval", "heartbeat_timeout"):
+            check_timeout(name, getattr(self, name))
+        if self.heartbeat_interval <= 0:
+            raise ValueError("heartbeat_interval must be positive")
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed two heartbeat "
+                f"intervals ({self.heartbeat_interval}), or a live producer looks lost"
+            )
+        if self.curve is not None and not isinstance(self.curve, CurveServerConfig):
+            raise ValueError(f"curve must be a CurveServerConfig, got {type(self.curve).__name__}")
+
+
+_LIVE, _CLOSED, _LOST, _REPLACED = "live", "closed", "lost", "replaced"
+
+
+@dataclass
+class _Session:
+    """One producer session (a sender's lifetime) as this receiver sees it.
+
+    Credit is cumulative per line: ``granted`` only grows, so a lost or
+    repeated credit frame does no harm. A new line starts when the session
+    (re)appears; refs sent against an older line count as unsolicited.
+    """
+
+    line: int
+    last_heard: float
+    producer_id: str | None = None
+    state: str = _LIVE
+    granted: int = 0
+    received: int = 0
+    announced: int = -1
+
+    @property
+    def outstanding(self) -> int:
+        return self.granted - self.received if self.state == _LIVE else 0
+
+    def end(self, state: str) -> None:
+        """Stop the session; its unused credit returns to the window."""
+        self.granted = self.received
+        self.state = state
+
+
+class ZmqRefReceiver(RefReceiver):
+    """Receives refs for one consumer rank from every producer's ZmqRefSender.
+
+    Use one per rank, each on its own endpoint, and give every sender all the
+    endpoints. A restarted consumer binds the same endpoint again; producers
+    reconnect on their own and the new receiver grants them fresh credit.
+    """
+
+    def __init__(self, config: ReceiverConfig | None = None) -> None:
+        self.config = cfg = ReceiverConfig() if config is None else config
+        if not isinstance(cfg, ReceiverConfig):
+            raise TypeError(f"config must be a ReceiverConfig, got {type(cfg).__name__}")
+        self.session = uuid.uuid4().hex
+        self._window = Window(cfg.window, cfg.expected_producers)
+        self._sessions: dict[bytes, _Session] = {}
+        self._seen: set[str] = set()
+        self._lines = itertools.count(1)
+        self._grant_chunk = max(1, cfg.window // 8)
+        self._tick = cfg.heartbeat_interval / 2
+        self._next_beat = 0.0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._ctx = zmq.Context()
+        self._auth = None
+        sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            sock.linger = 0
+            sock.router_handover = 1
+            sock.rcvhwm = cfg.window + _CONTROL_SLACK
+            if cfg.curve is not None:
+                self._auth = secure_server(self._ctx, sock, cfg.curve)
+            warn_if_exposed(cfg.endpoint, cfg.curve)
+            sock.bind(bind_address(cfg.endpoint))
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._stop_context()
+            raise StreamError(f"cannot bind a ref receiver to {cfg.endpoint}: {exc}") from exc
+        self._sock = sock
+        #: The bound address, with the actual port (``tcp://127.0.0.1:41437``).
+        self.endpoint: str = sock.last_endpoint.decode()
+        self._ticker = Ticker(
+            f"dataflow-receiver[{self.endpoint}]", self._tick, self._lock, lambda: self._pump(0)
+        )
+
+    # -- RefReceiver -----------------------------------------------------------
+    def receive(self, max_refs: int, *, timeout: float | None = None) -> list[SampleRef]:
+        check_timeout("timeout", timeout, allow_none=True)
+        timeout = self.config.idle_timeout if timeout is None else timeout
+        with self._lock:
+            self._check_open()
+            self._pump(0)
+            return self._window.next_batch(max_refs, timeout, self._wait)
+
+    def credit(self, count: int) -> None:
+        with self._lock:
+            self._check_open()
+            self._window.credit(count)
+            self._grant(force=False)
+
+    @property
+    def exhausted(self) -> bool:
+        with self._lock:
+            return self._window.exhausted
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._ticker.stop()
+        self._sock.close(linger=0)
+        self._stop_context()
+
+    # -- extras ----------------------------------------------------------------
+    def mark_producer_closed(self, producer_id: str) -> None:
+        """Count ``producer_id`` as closed though its EOF never reached this receiver.
+
+        For a consumer restarted after a producer closed: the ledger's close
+        event is the record, so the stream can still end.
+        """
+        with self._lock:
+            self._window.mark_closed(producer_id)
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return self._window.stats()
+
+    def __enter__(self) -> ZmqRefReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ZmqRefReceiver({self.endpoint!r}, window={self.config.window})"
+
+    # -- the protocol ------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StreamError(f"{self!r} is closed")
+
+    def _stop_context(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+    def _wait(self, remaining: float) -> None:
+        self._pump(min(remaining, self._tick))
+        # Let other threads in between slices (stats(), exhausted): receive
+        # holds the lock for its whole wait otherwise.
+        self._lock.release()
+        time.sleep(0)
+        self._lock.acquire()
+        self._check_open()
+
+    def _pump(self, wait: float) -> None:
+        """Handle what arrived (waiting up to ``wait`` s for it), then the timed duties."""
+        if self._closed:
+            return
+        if wait <= 0 or self._sock.poll(math.ceil(wait * 1000)):
+            for _ in range(_DRAIN):
+                try:
+                    parts = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(parts)
+        now = time.monotonic()
+        beat = now >= self._next_beat
+        if beat:
+            self._next_beat = now + self.config.heartbeat_interval
+            self._check_liveness(now)
+        self._grant(force=beat)
+
+    def _handle(self, parts: list[bytes]) -> None:
+        rid, body = parts[0], parts[1:]
+        if body == [b""]:  # ZMQ_PROBE_ROUTER: a producer (re)connected
+            self._session(rid)
+            return
+        try:
+            frame: Frame = decode(body, max_bytes=self.config.max_frame_bytes)
+        except BadFrameError as exc:
+            self._window.count_bad(exc.kind)  # type: ignore[attr-defined]
+            log.warning("dropped a bad frame from %s on %s: %s", _name(rid), self.endpoint, exc)
+            return
+        session = self._session(rid)
+        if isinstance(frame, RefFrame):
+            self._on_ref(session, frame)
+        elif isinstance(frame, HeartbeatFrame):
+            self._introduce(rid, session, frame.producer)
+        elif isinstance(frame, EofFrame):
+            self._introduce(rid, session, frame.producer)
+            self._on_eof(rid, session)
+        else:
+            self._window.count_bad(MALFORMED)
+            log.warning(
+                "dropped a %s frame from %s: it is for producers", type(frame).__name__, _name(rid)
+            )
+
+    def _session(self, rid: bytes) -> _Session:
+        now = time.monotonic()
+        session = self._sessions.get(rid)
+        if session is None:
+            session = self._sessions[rid] = _Session(line=next(self._lines), last_heard=now)
+        elif session.state in (_LOST, _REPLACED):
+            log.info("producer %s is back on %s", session.producer_id or _name(rid), self.endpoint)
+            session.state = _LIVE
+            session.line = next(self._lines)
+            session.granted = session.received = 0
+            session.announced = -1
+        session.last_heard = now
+        return session
+
+    def _introduce(self, rid: bytes, session: _Session, producer_id: str) -> None:
+        if session.producer_id == producer_id:
+            return
+        if session.producer_id is not None:
+            self._window.count_bad(MALFORMED)
+            log.warning("session %s changed its producer id; frame dropped", _name(rid))
+            return
+        session.producer_id = producer_id
+        for other in self._sessions.values():
+            if other is not session and other.producer_id == producer_id and other.state == _LIVE:
+                log.info("producer %r restarted; reclaiming its old session's credit", producer_id)
+                other.end(_REPLACED)
+        if session.state == _LIVE and producer_id in self._window.closed:
+            self._window.closed.discard(producer_id)  # it was closed, now it emits again
+        self._seen.add(producer_id)
+        if len(self._seen) == self.config.expected_producers + 1:
+            log.warning(
+                "%s has seen %d producer ids but expects %d: the stream may end early",
+                self,
+                len(self._seen),
+                self.config.expected_producers,
+            )
+
+    def _on_ref(self, session: _Session, frame: RefFrame) -> None:
+        if (
+            session.state == _LIVE
+            and frame.receiver == self.session
+            and frame.line == session.line
+            and session.received < session.granted
+        ):
+            session.received += 1
+            self._window.accept(frame.ref)
+        elif self._window.has_room(self._outstanding()):
+            self._window.accept(frame.ref)
+        else:
+            self._window.drop()
+            log.warning(
+                "dropped ref %r from %s: it came without credit and the window is full "
+                "(the ledger still holds it)",
+                frame.ref.sample_id,
+                session.producer_id,
+            )
+
+    def _on_eof(self, rid: bytes, session: _Session) -> None:
+        if session.state != _CLOSED:
+            session.end(_CLOSED)
+            if session.producer_id is not None:
+                self._window.mark_closed(session.producer_id)
+        self._send(rid, EofAckFrame(self.session))
+
+    def _check_liveness(self, now: float) -> None:
+        for rid, session in list(self._sessions.items()):
+            if session.state != _LIVE or now - session.last_heard <= self.config.heartbeat_timeout:
+                continue
+            session.end(_LOST)
+            producer_id = session.producer_id
+            if producer_id is None:
+                del self._sessions[rid]  # connected, never spoke: nothing to report
+                continue
+            if producer_id in self._window.closed or any(
+                s.state == _LIVE and s.producer_id == producer_id for s in self._sessions.values()
+            ):
+                continue
+            log.warning(
+                "producer %r on %s sent nothing for %.1fs and did not close: lost",
+                producer_id,
+                self.endpoint,
+                now - session.last_heard,
+            )
+            self._window.mark_lost(producer_id)
+
+    def _outstanding(self) -> int:
+        return sum(s.outstanding for s in self._sessions.values())
+
+    def _grant(self, *, force: bool) -> None:
+        """Hand free window slots to live sessions, the least-credited first."""
+        live = [(rid, s) for rid, s in self._sessions.items() if s.state == _LIVE]
+        if not live:
+            return
+        free = self._window.size - self._window.in_flight - self._outstanding()
+        starving = any(s.outstanding == 0 for _, s in live)
+        if free > 0 and (force or starving or free >= self._grant_chunk):
+            shares = water_fill([s.outstanding for _, s in live], free)
+            for (_, s), share in zip(live, shares, strict=True):
+                s.granted += share
+        for rid, s in live:
+            if force or s.granted != s.announced:
+                self._send(rid, CreditFrame(self.session, s.line, s.granted))
+                s.announced = s.granted
+
+    def _send(self, rid: bytes, frame: Frame) -> None:
+        # Credit is cumulative and repeated every heartbeat: a dropped frame loses nothing.
+        with contextlib.suppress(zmq.Again):
+            self._sock.send_multipart([rid, encode(frame)], zmq.NOBLOCK)
+
+
+def water_fill(levels: list[int], amount: int) -> list[int]:
+    """How to split ``amount`` over ``levels`` so that the lowest rise first, evenly."""
+    order = sorted(range(len(levels)), key=levels.__getitem__)
+    low = [levels[i] for i in order]
+    total = 0
+    for count in range(1, len(low) + 1):
+        total += low[count - 1]
+        level = (total + amount) // count
+        if count == len(low) or level <= low[count]:
+            break
+    extra = total + amount - level * count  # fewer than count: one more each for the first
+    shares = [0] * len(levels)
+    for j in range(count):
+        shares[order[j]] = level - low[j] + (j < extra)
+    return shares
+
+
+def _name(rid: bytes) -> str:
+    return rid.decode("ascii", "replace")[:40] if rid.isascii() else rid.hex()[:40]

@@ -1,0 +1,151 @@
+"""The consumer-side window both receivers share: what is in flight, what ended, the stats."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from dataflow._contracts import SampleRef
+from dataflow._errors import ProducerLostError, StreamIdleError
+from dataflow.streams._wire import BAD_FRAME_KINDS
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """Counters of one receiver since it started."""
+
+    received: int
+    """Refs accepted into the window."""
+    delivered: int
+    """Refs handed out by ``receive``."""
+    credited: int
+    """Refs finished through ``credit``."""
+    in_flight: int
+    """Refs accepted and not yet credited (buffered or handed out); never above the window."""
+    max_in_flight: int
+    """The highest ``in_flight`` seen."""
+    dropped_refs: int
+    """Refs that came without credit while the window was full (the ledger requeues them)."""
+    bad_frames: int
+    """Frames dropped as malformed, oversized, of an unknown version, or carrying a tensor."""
+    bad_frame_kinds: Mapping[str, int] = field(default_factory=dict)
+    """``bad_frames`` by kind: ``malformed``, ``oversized``, ``tensor``, ``version``."""
+    producers_closed: int = 0
+    producers_lost: int = 0
+
+
+def check_timeout(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+
+
+def check_count(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class Window:
+    """Refs accepted and not yet credited, bounded by ``size``; which producers closed.
+
+    Not thread-safe: each receiver guards it with its own lock.
+    """
+
+    def __init__(self, size: int, expected_producers: int) -> None:
+        self.size = size
+        self.expected_producers = expected_producers
+        self.buffer: deque[SampleRef] = deque()
+        self.in_flight = 0
+        self.closed: set[str] = set()
+        self.lost: list[str] = []
+        self._counts: Counter[str] = Counter()
+        self._bad: Counter[str] = Counter({kind: 0 for kind in BAD_FRAME_KINDS})
+        self._max_in_flight = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return len(self.closed) >= self.expected_producers and not self.buffer
+
+    def has_room(self, reserved: int = 0) -> bool:
+        return self.in_flight + reserved < self.size
+
+    def accept(self, ref: SampleRef) -> None:
+        self.buffer.append(ref)
+        self.in_flight += 1
+        self._counts["received"] += 1
+        self._max_in_flight = max(self._max_in_flight, self.in_flight)
+
+    def drop(self) -> None:
+        self._counts["dropped_refs"] += 1
+
+    def count_bad(self, kind: str) -> None:
+        self._bad[kind] += 1
+
+    def mark_closed(self, producer_id: str) -> None:
+        if producer_id not in self.closed:
+            self.closed.add(producer_id)
+            self._counts["producers_closed"] += 1
+
+    def mark_lost(self, producer_id: str) -> None:
+        self.lost.append(producer_id)
+        self._counts["producers_lost"] += 1
+
+    def credit(self, count: int) -> None:
+        check_count("credit count", count, minimum=0)
+        handed_out = self.in_flight - len(self.buffer)
+        if count > handed_out:
+            raise ValueError(
+                f"credit({count}) but only {handed_out} received refs are unfinished; "
+                "credit only refs that receive() handed out, once each"
+            )
+        self.in_flight -= count
+        self._counts["credited"] += count
+
+    def next_batch(
+        self, max_refs: int, timeout: float, wait: Callable[[float], object]
+    ) -> list[SampleRef]:
+        """The receive loop: buffered refs, [] at end of stream, or wait up to ``timeout``.
+
+        ``wait(seconds)`` lets refs arrive (polls sockets or waits on a condition).
+        """
+        check_count("max_refs", max_refs, minimum=1)
+        check_timeout("timeout", timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.lost:
+                producer = self.lost.pop(0)
+                raise ProducerLostError(
+                    f"producer {producer!r} stopped heart-beating without closing its stream; "
+                    "its refs stay committed in the ledger and come back through reconcile"
+                )
+            if self.buffer:
+                count = min(max_refs, len(self.buffer))
+                self._counts["delivered"] += count
+                return [self.buffer.popleft() for _ in range(count)]
+            if self.exhausted:
+                return []
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StreamIdleError(
+                    f"no ref arrived within {timeout:g}s "
+                    f"({len(self.closed)} of {self.expected_producers} producers closed)"
+                )
+            wait(remaining)
+
+    def stats(self) -> ReceiverStats:
+        c = self._counts
+        return ReceiverStats(
+            received=c["received"],
+            delivered=c["delivered"],
+            credited=c["credited"],
+            in_flight=self.in_flight,
+            max_in_flight=self._max_in_flight,
+            dropped_refs=c["dropped_refs"],
+            bad_frames=sum(self._bad.values()),
+            bad_frame_kinds=dict(self._bad),
+            producers_closed=c["producers_closed"],
+            producers_lost=c["producers_lost"],
+        )

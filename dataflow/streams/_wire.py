@@ -1,0 +1,277 @@
+"""Wire format of ref streams, version 1: one UTF-8 JSON object per ZeroMQ frame.
+
+Nothing is pickled: frames are JSON, decoded into SampleRefs through
+``SampleRef.from_dict``, which rejects anything that is not plain data.
+docs/streams.md describes every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+from dataflow._contracts import (
+    FeatureSpec,
+    SampleRef,
+    assert_no_tensors,
+    validate_feature_name,
+    validate_sample_id,
+)
+from dataflow._errors import BadFrameError, DataflowError, InvalidRefError, TensorInRefError
+
+WIRE_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+
+# Kinds of bad frames: the keys of ReceiverStats.bad_frame_kinds.
+OVERSIZED = "oversized"
+MALFORMED = "malformed"
+VERSION = "version"
+TENSOR = "tensor"
+BAD_FRAME_KINDS = (MALFORMED, OVERSIZED, TENSOR, VERSION)
+
+# Magic bytes of the usual ways a tensor travels as bytes: pickle (also
+# torch.save's legacy format), torch.save's zip archive, numpy's .npy.
+_TENSOR_MAGIC = (b"\x80", b"PK\x03\x04", b"\x93NUMPY")
+_MAX_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class RefFrame:
+    """Producer to consumer: one ref, sent against credit line ``line`` of ``receiver``."""
+
+    receiver: str
+    line: int
+    ref: SampleRef
+
+
+@dataclass(frozen=True)
+class HeartbeatFrame:
+    """Producer to consumer: ``producer`` is alive (also its introduction)."""
+
+    producer: str
+
+
+@dataclass(frozen=True)
+class EofFrame:
+    """Producer to consumer: ``producer`` closed; nothing follows on this connection."""
+
+    producer: str
+
+
+@dataclass(frozen=True)
+class CreditFrame:
+    """Consumer to producer: cumulative credit ``granted`` on line ``line`` (also a heartbeat)."""
+
+    receiver: str
+    line: int
+    granted: int
+
+
+@dataclass(frozen=True)
+class EofAckFrame:
+    """Consumer to producer: ``receiver`` has seen this producer's EOF."""
+
+    receiver: str
+
+
+Frame = RefFrame | HeartbeatFrame | EofFrame | CreditFrame | EofAckFrame
+
+_FIELDS: dict[str, tuple[type, frozenset[str]]] = {
+    "ref": (RefFrame, frozenset({"v", "type", "receiver", "line", "ref"})),
+    "hb": (HeartbeatFrame, frozenset({"v", "type", "producer"})),
+    "eof": (EofFrame, frozenset({"v", "type", "producer"})),
+    "credit": (CreditFrame, frozenset({"v", "type", "receiver", "line", "granted"})),
+    "eof_ack": (EofAckFrame, frozenset({"v", "type", "receiver"})),
+}
+_TYPE_OF = {cls: name for name, (cls, _) in _FIELDS.items()}
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+_decoder = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _loads(data: bytes) -> object:
+    return _decoder.decode(data.decode())
+
+
+def bad_frame(kind: str, message: str) -> BadFrameError:
+    """A BadFrameError carrying its kind (one of BAD_FRAME_KINDS) for the stats."""
+    error = BadFrameError(message)
+    error.kind = kind  # type: ignore[attr-defined]
+    return error
+
+
+def encode_ref_body(ref: SampleRef) -> bytes:
+    """The JSON of ``ref``; raises TensorInRefError if a tensor hides in it."""
+    try:
+        return _fast_ref_json(ref).encode()
+    except (TypeError, ValueError, AttributeError):
+        pass  # something in the ref is not plain data: find out what, precisely
+    assert_no_tensors(ref)
+    try:
+        return ref.to_json().encode()
+    except (TypeError, ValueError) as exc:
+        raise bad_frame(MALFORMED, f"ref {ref.sample_id!r} is not JSON-able: {exc}") from exc
+
+
+# Encoding and decoding refs is most of a stream's CPU time, so both avoid the
+# generic paths: SampleRef.to_json sorts keys and rebuilds every spec, and
+# SampleRef.__post_init__ re-checks, for tensors and by a JSON round trip,
+# metadata that json.loads has just built (and so is plain JSON by
+# construction). The fast paths check the same rules; a test compares them
+# with SampleRef.to_json/from_dict, and they fall back to the generic paths
+# if SampleRef ever grows another field.
+_REF_FIELDS = ("sample_id", "store", "generation", "specs", "metadata")
+_FAST = tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_dump_str = json.encoder.encode_basestring_ascii  # what _dumps does for a str, minus the checks
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_json(name: str, spec: FeatureSpec) -> str:
+    return f"{_dumps(name)}:{_dumps(spec.to_dict())}"
+
+
+def _fast_ref_json(ref: SampleRef) -> str:
+    if not _FAST or type(ref.generation) is not int or type(ref.store) is not str:
+        raise TypeError("no fast path")
+    specs = []
+    for name, spec in ref.specs.items():
+        if type(name) is not str or type(spec) is not FeatureSpec:
+            raise TypeError("not plain data")
+        specs.append(_spec_json(name, spec))
+    return (
+        f'{{"sample_id":{_dump_str(ref.sample_id)},"store":{_dump_str(ref.store)},'
+        f'"generation":{ref.generation},"specs":{{{",".join(specs)}}},'
+        f'"metadata":{_dumps(ref.metadata)}}}'
+    )
+
+
+def encode_ref(receiver: str, line: int, body: bytes) -> bytes:
+    """A ref frame around a body from :func:`encode_ref_body`.
+
+    Splicing the body in saves encoding a ref again for each attempt to send it.
+    """
+    head = f'{{"v":{WIRE_VERSION},"type":"ref","receiver":{json.dumps(receiver)},"line":{line},'
+    return b'%s"ref":%s}' % (head.encode(), body)
+
+
+def encode(frame: Frame) -> bytes:
+    """The bytes of a frame (for a RefFrame, prefer encode_ref with a cached body)."""
+    if isinstance(frame, RefFrame):
+        return encode_ref(frame.receiver, frame.line, encode_ref_body(frame.ref))
+    data = {"v": WIRE_VERSION, "type": _TYPE_OF[type(frame)], **frame.__dict__}
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
+    """Decode one message (its frames, routing id removed); raise BadFrameError on any flaw."""
+    if len(parts) != 1:
+        raise bad_frame(
+            TENSOR,
+            f"message has {len(parts)} frames, expected 1: extra binary frames "
+            "(the usual way a tensor is smuggled) are never accepted",
+        )
+    data = parts[0]
+    if len(data) > max_bytes:
+        raise bad_frame(
+            OVERSIZED, f"frame of {len(data)} bytes exceeds max_frame_bytes={max_bytes}"
+        )
+    if data.startswith(_TENSOR_MAGIC):
+        raise bad_frame(TENSOR, "binary payload (pickle, torch.save or .npy); never unpickled")
+    try:
+        obj = _loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise bad_frame(MALFORMED, f"frame is not UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise bad_frame(MALFORMED, f"frame is a JSON {type(obj).__name__}, expected an object")
+    version = obj.get("v")
+    if not _is_int(version):
+        raise bad_frame(MALFORMED, f"frame has no integer version field 'v': {version!r}")
+    if version != WIRE_VERSION:
+        raise bad_frame(VERSION, f"frame version {version}; this receiver speaks {WIRE_VERSION}")
+    kind = obj.get("type")
+    if kind not in _FIELDS:
+        raise bad_frame(MALFORMED, f"unknown frame type {kind!r}")
+    cls, fields = _FIELDS[kind]
+    if obj.keys() != fields:
+        raise bad_frame(
+            MALFORMED, f"{kind} frame needs the fields {sorted(fields)}, got {sorted(obj)}"
+        )
+    for name in ("producer", "receiver"):
+        if name in obj:
+            _check_id(name, obj[name])
+    for name in ("line", "granted"):
+        if name in obj and not (_is_int(obj[name]) and obj[name] >= 0):
+            raise bad_frame(MALFORMED, f"{name} must be a non-negative int, got {obj[name]!r}")
+    if cls is RefFrame:
+        return RefFrame(obj["receiver"], obj["line"], _decode_ref(obj["ref"]))
+    return cls(**{k: v for k, v in obj.items() if k not in ("v", "type")})
+
+
+def _decode_ref(data: object) -> SampleRef:
+    try:
+        return _fast_ref(data) if _FAST else SampleRef.from_dict(data)
+    except TensorInRefError as exc:  # unreachable from JSON; kept for the generic path
+        raise bad_frame(TENSOR, str(exc)) from None
+    except (DataflowError, ValueError, TypeError, RecursionError) as exc:
+        raise bad_frame(MALFORMED, f"bad ref: {exc}") from None
+
+
+_REF_KEYS = frozenset(_REF_FIELDS)
+_specs: dict[tuple[str, str, tuple[int, ...]], FeatureSpec] = {}
+_MAX_CACHED_SPECS = 4096
+
+
+def _fast_ref(data: object) -> SampleRef:
+    """SampleRef.from_dict for a dict fresh from json.loads, with the same checks."""
+    if type(data) is not dict or data.keys() != _REF_KEYS:
+        return SampleRef.from_dict(data)  # raises the precise error
+    sample_id, store, generation = data["sample_id"], data["store"], data["generation"]
+    specs, metadata = data["specs"], data["metadata"]
+    validate_sample_id(sample_id)
+    if type(store) is not str or not store:
+        raise InvalidRefError(f"SampleRef.store must be a non-empty URI, got {store!r}")
+    if type(generation) is not int or generation < 0:
+        raise InvalidRefError(f"SampleRef.generation must be an int >= 0, got {generation!r}")
+    if type(specs) is not dict or type(metadata) is not dict:
+        return SampleRef.from_dict(data)
+    decoded = {name: _spec(name, spec) for name, spec in specs.items()}
+    ref = object.__new__(SampleRef)
+    values = (sample_id, store, generation, decoded, metadata)
+    for field, value in zip(_REF_FIELDS, values, strict=True):
+        object.__setattr__(ref, field, value)
+    return ref
+
+
+def _spec(name: str, spec: object) -> FeatureSpec:
+    """A validated FeatureSpec, cached by exact value (FeatureSpecs are immutable)."""
+    key = None
+    if type(spec) is dict and spec.keys() == {"shape", "dtype"}:
+        shape, dtype = spec["shape"], spec["dtype"]
+        if type(shape) is list and type(dtype) is str and all(type(d) is int for d in shape):
+            key = (name, dtype, tuple(shape))
+            cached = _specs.get(key)
+            if cached is not None:
+                return cached
+    validate_feature_name(name)
+    result = FeatureSpec.from_dict(spec)
+    if key is not None:
+        if len(_specs) >= _MAX_CACHED_SPECS:
+            _specs.clear()
+        _specs[key] = result
+    return result
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_id(name: str, value: object) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
+        raise bad_frame(MALFORMED, f"{name} must be a str of 1-{_MAX_ID_CHARS} characters")

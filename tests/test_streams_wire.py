@@ -1,0 +1,239 @@
+"""The ref stream wire format: round trips, a property test, and every kind of bad frame."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dataflow.streams
+from dataflow import BadFrameError, DataflowError, FeatureSpec, SampleRef, TensorInRefError
+from dataflow.streams import _wire
+from dataflow.streams._wire import (
+    WIRE_VERSION,
+    CreditFrame,
+    EofAckFrame,
+    EofFrame,
+    HeartbeatFrame,
+    RefFrame,
+    decode,
+    encode,
+    encode_ref,
+    encode_ref_body,
+)
+
+RECEIVER = "0" * 32
+
+
+def make_ref(sample_id: str = "s-1", **metadata: object) -> SampleRef:
+    specs = {"x": FeatureSpec((2, 3), torch.float32), "mask": FeatureSpec((), torch.bool)}
+    return SampleRef(sample_id, "mem://store", 7, specs=specs, metadata=metadata)
+
+
+def kind_of(parts: list[bytes], max_bytes: int = 1 << 20) -> str:
+    with pytest.raises(BadFrameError) as info:
+        decode(parts, max_bytes=max_bytes)
+    return info.value.kind  # type: ignore[attr-defined]
+
+
+def test_public_names() -> None:
+    assert dataflow.streams.__all__ == sorted(dataflow.streams.__all__)
+    assert set(dataflow.streams.__all__) == {
+        "CurveClientConfig",
+        "CurveServerConfig",
+        "MemoryRefReceiver",
+        "MemoryRefSender",
+        "MemoryStream",
+        "ReceiverConfig",
+        "ReceiverStats",
+        "SenderConfig",
+        "SenderStats",
+        "ZmqRefReceiver",
+        "ZmqRefSender",
+    }
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        RefFrame(RECEIVER, 3, make_ref(step=1, tags=["a", "b"], nested={"f": 0.5})),
+        HeartbeatFrame("p0"),
+        EofFrame("p0"),
+        CreditFrame(RECEIVER, 1, 64),
+        EofAckFrame(RECEIVER),
+    ],
+)
+def test_round_trip(frame: object) -> None:
+    data = encode(frame)  # type: ignore[arg-type]
+    obj = json.loads(data)
+    assert obj["v"] == WIRE_VERSION == 1
+    assert decode([data]) == frame
+
+
+def test_ref_frame_layout() -> None:
+    ref = make_ref()
+    obj = json.loads(encode_ref(RECEIVER, 2, encode_ref_body(ref)))
+    assert obj == {"v": 1, "type": "ref", "receiver": RECEIVER, "line": 2, "ref": ref.to_dict()}
+
+
+def test_sender_side_refuses_tensors() -> None:
+    ref = make_ref()
+    ref.metadata["hidden"] = torch.ones(2)  # type: ignore[index]
+    with pytest.raises(TensorInRefError):
+        encode_ref_body(ref)
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+sample_ids = st.from_regex(r"[A-Za-z0-9_:-][A-Za-z0-9._:/-]{0,60}", fullmatch=True).filter(
+    lambda s: ".." not in s
+)
+specs = st.dictionaries(
+    st.from_regex(r"[A-Za-z0-9_.-]{1,16}", fullmatch=True),
+    st.builds(
+        FeatureSpec,
+        st.lists(st.integers(0, 4096), max_size=4).map(tuple),
+        st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]),
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sample_id=sample_ids,
+    generation=st.integers(0, 2**62),
+    specs=specs,
+    metadata=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+    line=st.integers(0, 2**40),
+)
+def test_ref_round_trip_property(
+    sample_id: str, generation: int, specs: dict, metadata: dict, line: int
+) -> None:
+    ref = SampleRef(sample_id, "dir:///tmp/store", generation, specs=specs, metadata=metadata)
+    frame = decode([encode_ref(RECEIVER, line, encode_ref_body(ref))])
+    assert frame == RefFrame(RECEIVER, line, ref)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sample_id=sample_ids, generation=st.integers(0, 2**62), specs=specs, metadata=json_values)
+def test_fast_codec_matches_sample_ref_json(
+    sample_id: str, generation: int, specs: dict, metadata: object
+) -> None:
+    ref = SampleRef(sample_id, "mem://s", generation, specs=specs, metadata={"m": metadata})
+    assert json.loads(encode_ref_body(ref)) == json.loads(ref.to_json())
+    assert _wire._fast_ref(json.loads(ref.to_json())) == SampleRef.from_json(ref.to_json())
+
+
+maybe_bad = st.one_of(
+    json_values,
+    st.sampled_from(["s-1", "", "../x", "/abs", "a b", 0, -1, 2**70, True, 1.5, [], {}]),
+)
+spec_dicts = st.one_of(
+    st.fixed_dictionaries({"shape": st.lists(maybe_bad, max_size=3), "dtype": maybe_bad}),
+    st.fixed_dictionaries(
+        {
+            "shape": st.lists(st.integers(-2, 9), max_size=3),
+            "dtype": st.sampled_from(["float32", "bool", "int8", "Tensor", "float"]),
+        }
+    ),
+    maybe_bad,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sample_id=maybe_bad,
+    store=maybe_bad,
+    generation=maybe_bad,
+    specs=st.one_of(
+        st.dictionaries(st.sampled_from(["x", "y.z", "", "bad name"]), spec_dicts, max_size=3),
+        maybe_bad,
+    ),
+    metadata=maybe_bad,
+)
+def test_fast_decode_accepts_exactly_what_sample_ref_accepts(**fields: object) -> None:
+    data = json.loads(json.dumps(fields))
+    try:
+        expected: object = SampleRef.from_dict(json.loads(json.dumps(data)))
+    except (DataflowError, ValueError, TypeError):
+        expected = "refused"
+    try:
+        got: object = _wire._fast_ref(data)
+    except (DataflowError, ValueError, TypeError):
+        got = "refused"
+    assert got == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_decode_only_ever_raises_bad_frame(data: bytes) -> None:
+    try:
+        decode([data])
+    except BadFrameError as exc:
+        assert exc.kind in {"malformed", "oversized", "tensor", "version"}  # type: ignore[attr-defined]
+
+
+def good_ref_frame() -> dict:
+    return {"v": 1, "type": "ref", "receiver": RECEIVER, "line": 1, "ref": make_ref().to_dict()}
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize(
+    ("parts", "kind"),
+    [
+        ([b"\xff\xfe not utf-8"], "malformed"),
+        ([b"{not json"], "malformed"),
+        ([b"[1, 2]"], "malformed"),
+        ([b"[" * 100_000], "malformed"),
+        ([dumps({"type": "hb", "producer": "p"})], "malformed"),
+        ([dumps({"v": "1", "type": "hb", "producer": "p"})], "malformed"),
+        ([dumps({"v": 1, "type": "gossip", "producer": "p"})], "malformed"),
+        ([dumps({"v": 1, "type": "hb", "producer": "p", "extra": 1})], "malformed"),
+        ([dumps({"v": 1, "type": "hb", "producer": ""})], "malformed"),
+        (
+            [dumps({"v": 1, "type": "credit", "receiver": RECEIVER, "line": 1, "granted": -1})],
+            "malformed",
+        ),
+        ([dumps({**good_ref_frame(), "ref": {"sample_id": "../etc"}})], "malformed"),
+        ([dumps({**good_ref_frame(), "line": True})], "malformed"),
+        ([dumps({"v": 2, "type": "hb", "producer": "p"})], "version"),
+        ([dumps({"v": 0, "type": "ref"})], "version"),
+        ([dumps(good_ref_frame()), b"\x00" * 64], "tensor"),
+        ([pickle.dumps(torch.ones(3))], "tensor"),
+        ([pickle.dumps(np.ones(3))], "tensor"),
+        ([b"\x93NUMPY\x01\x00"], "tensor"),
+        ([b"PK\x03\x04 torch.save archive"], "tensor"),
+    ],
+)
+def test_bad_frames_are_classified(parts: list[bytes], kind: str) -> None:
+    assert kind_of(parts) == kind
+
+
+def test_oversized_frame() -> None:
+    data = dumps({**good_ref_frame(), "ref": make_ref(blob="x" * 5000).to_dict()})
+    assert kind_of([data], max_bytes=4096) == "oversized"
+    assert isinstance(decode([data], max_bytes=len(data)), RefFrame)
+
+
+def test_tensor_metadata_spelled_as_json_is_only_data() -> None:
+    # JSON cannot carry a tensor object; lists of numbers are plain metadata.
+    frame = decode([dumps({**good_ref_frame(), "ref": make_ref(v=[1.0, 2.0]).to_dict()})])
+    assert frame.ref.metadata == {"v": [1.0, 2.0]}  # type: ignore[union-attr]

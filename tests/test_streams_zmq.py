@@ -1,0 +1,512 @@
+"""The ZeroMQ stream on real loopback sockets, in one process: credit, EOF, bad frames, CURVE."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+import zmq.auth
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataflow import (
+    BackpressureError,
+    ProducerLostError,
+    SampleRef,
+    StreamError,
+    StreamIdleError,
+    TensorInRefError,
+)
+from dataflow.streams import (
+    CurveClientConfig,
+    CurveServerConfig,
+    ReceiverConfig,
+    SenderConfig,
+    ZmqRefReceiver,
+    ZmqRefSender,
+)
+from dataflow.streams._receiver import water_fill
+
+FAST = {"heartbeat_interval": 0.05, "heartbeat_timeout": 1.0}
+
+
+def ref(i: int | str) -> SampleRef:
+    return SampleRef(f"s-{i}", "mem://test", 1, metadata={"i": str(i)})
+
+
+@pytest.fixture
+def ends() -> Iterator[tuple[Callable[..., ZmqRefReceiver], Callable[..., ZmqRefSender]]]:
+    made: list[ZmqRefReceiver | ZmqRefSender] = []
+
+    def receiver(**kwargs: object) -> ZmqRefReceiver:
+        made.append(ZmqRefReceiver(ReceiverConfig(**{**FAST, **kwargs})))  # type: ignore[arg-type]
+        return made[-1]  # type: ignore[return-value]
+
+    def sender(*receivers: ZmqRefReceiver, **kwargs: object) -> ZmqRefSender:
+        endpoints = tuple(r.endpoint for r in receivers)
+        config = {**FAST, "close_timeout": 2.0, "send_timeout": 5.0, **kwargs}
+        made.append(ZmqRefSender(SenderConfig(endpoints=endpoints, **config)))  # type: ignore[arg-type]
+        return made[-1]  # type: ignore[return-value]
+
+    yield receiver, sender
+    for end in reversed(made):
+        end.close()
+
+
+def drain(receiver: ZmqRefReceiver, timeout: float = 10) -> list[str]:
+    ids = []
+    while refs := receiver.receive(64, timeout=timeout):
+        ids += [r.sample_id for r in refs]
+        receiver.credit(len(refs))
+    return ids
+
+
+def test_send_receive_and_end_of_stream(ends) -> None:
+    receiver, sender = ends
+    r = receiver()
+    assert r.endpoint.startswith("tcp://127.0.0.1:") and not r.endpoint.endswith(":0")
+    s = sender(r, producer_id="p0")
+    for i in range(64):  # the default window
+        s.send(ref(i))
+    s.close()
+    assert drain(r) == [f"s-{i}" for i in range(64)]
+    assert r.exhausted
+    stats = r.stats()
+    assert (stats.received, stats.credited, stats.in_flight) == (64, 64, 0)
+    assert stats.producers_closed == 1 and stats.bad_frames == 0
+    assert s.stats().sent == 64
+
+
+def test_two_producers_two_ranks_each_ref_once(ends) -> None:
+    receiver, sender = ends
+    ranks = [receiver(window=8, expected_producers=2) for _ in range(2)]
+    got: list[list[str]] = [[], []]
+
+    def produce(name: str) -> None:
+        s = sender(*ranks, producer_id=name)
+        for i in range(1000):
+            s.send(ref(f"{name}-{i}"))
+        s.close()
+
+    def consume(rank: int) -> None:
+        got[rank] = drain(ranks[rank])
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in ("a", "b")]
+    threads += [threading.Thread(target=consume, args=(k,)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    everything = got[0] + got[1]
+    assert len(everything) == len(set(everything)) == 2000
+    assert got[0] and got[1]
+    assert all(r.stats().max_in_flight <= 8 for r in ranks)
+
+
+def test_early_eof_does_not_end_the_stream(ends) -> None:
+    receiver, sender = ends
+    r = receiver(expected_producers=2)
+    sender(r, producer_id="early").close()
+    late = sender(r, producer_id="late")
+    with pytest.raises(StreamIdleError):
+        r.receive(1, timeout=0.3)
+    assert not r.exhausted
+    late.send(ref(1))
+    late.close()
+    assert drain(r) == ["s-1"]
+    assert r.stats().producers_closed == 2
+
+
+def test_backpressure_holds_the_window_while_a_consumer_stalls(ends) -> None:
+    receiver, sender = ends
+    r = receiver(window=4)
+    s = sender(r)
+    for i in range(4):
+        s.send(ref(i))
+    with pytest.raises(BackpressureError, match="credit"):
+        s.send(ref(4), timeout=0.3)
+    assert r.stats().in_flight <= 4
+    refs = r.receive(10, timeout=5)
+    assert len(refs) == 4
+    with pytest.raises(BackpressureError):  # received but not finished: still in flight
+        s.send(ref(4), timeout=0.3)
+    r.credit(4)
+    s.send(ref(4), timeout=5)
+    assert r.stats().max_in_flight == 4
+    assert s.stats().backpressure_errors == 2
+
+
+def test_in_flight_never_exceeds_window_under_a_slow_consumer(ends) -> None:
+    receiver, sender = ends
+    r = receiver(window=5)
+    s = sender(r)
+    seen_in_flight: list[int] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        for i in range(200):
+            s.send(ref(i), timeout=10)
+        s.close()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen_in_flight.append(r.stats().in_flight)
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=produce), threading.Thread(target=watch)]
+    for thread in threads:
+        thread.start()
+    count = 0
+    while refs := r.receive(3, timeout=10):
+        time.sleep(0.002)  # a slow training step
+        count += len(refs)
+        r.credit(len(refs))
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert count == 200
+    assert max(seen_in_flight) <= 5 and r.stats().max_in_flight <= 5
+    assert s.stats().waited > 0
+
+
+def test_other_threads_get_in_while_send_and_receive_wait(ends) -> None:
+    receiver, sender = ends
+    r = receiver(window=1)
+    s = sender(r)
+    s.send(ref(0))
+    errors: list[Exception] = []
+
+    def blocked_send() -> None:
+        try:
+            s.send(ref(1), timeout=30)
+        except StreamError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked_send)
+    thread.start()
+    while s.stats().waited == 0:  # stats() gets the lock while send waits
+        time.sleep(0.01)
+    s.close()  # ends the waiting send: nothing may follow the EOF
+    thread.join(30)
+    assert len(errors) == 1 and "closed" in str(errors[0])
+    other = receiver(idle_timeout=30)
+    waiting = threading.Thread(target=lambda: errors.extend(_catch(other.receive, 1)))
+    waiting.start()
+    time.sleep(0.1)
+    assert other.stats().received == 0 and not other.exhausted
+    other.close()  # ends the waiting receive
+    waiting.join(30)
+    assert isinstance(errors[1], StreamError) and "closed" in str(errors[1])
+
+
+def _catch(fn: Callable[..., object], *args: object) -> list[Exception]:
+    try:
+        fn(*args)
+    except Exception as exc:
+        return [exc]
+    return []
+
+
+def test_no_consumer_means_backpressure(ends) -> None:
+    receiver, _ = ends
+    r = receiver()
+    endpoint = r.endpoint
+    r.close()
+    s = ZmqRefSender(SenderConfig(endpoints=(endpoint,), close_timeout=0.2, **FAST))
+    try:
+        with pytest.raises(BackpressureError, match="never heard"):
+            s.send(ref(0), timeout=0.3)
+    finally:
+        s.close()  # waits close_timeout for an acknowledgement that cannot come
+
+
+def test_idle_timeout(ends) -> None:
+    receiver, sender = ends
+    r = receiver(idle_timeout=0.2)
+    sender(r)
+    with pytest.raises(StreamIdleError):
+        r.receive(1)
+    with pytest.raises(StreamIdleError):
+        r.receive(1, timeout=0)
+
+
+def raw_peer(endpoint: str, routing_id: bytes = b"raw-peer") -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.routing_id = routing_id
+    sock.connect(endpoint)
+    return ctx, sock
+
+
+def frame(**fields: object) -> bytes:
+    return json.dumps({"v": 1, **fields}).encode()
+
+
+def test_silent_producer_is_lost_not_a_hang(ends) -> None:
+    receiver, _ = ends
+    r = receiver(heartbeat_interval=0.05, heartbeat_timeout=0.5)
+    ctx, sock = raw_peer(r.endpoint)
+    try:
+        sock.send(frame(type="hb", producer="ghost"))  # says hello, then dies silently
+        with pytest.raises(ProducerLostError, match="ghost"):
+            r.receive(1, timeout=5)
+        assert r.stats().producers_lost == 1
+        with pytest.raises(StreamIdleError):  # reported once, then only idle
+            r.receive(1, timeout=0.2)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_bad_frames_are_counted_and_dropped(ends, caplog) -> None:
+    receiver, _ = ends
+    r = receiver(max_frame_bytes=4096, heartbeat_timeout=30.0)
+    good = {"type": "ref", "receiver": "x" * 32, "line": 1}
+    bad = [
+        [b"{definitely not json"],
+        [frame(type="hb", producer="p", extra=True)],
+        [json.dumps({"v": 9, "type": "hb", "producer": "p"}).encode()],
+        [frame(**good, ref=ref(0).to_dict()) + b" " * 5000],
+        [pickle.dumps(torch.arange(4))],
+        [frame(**good, ref=ref(0).to_dict()), torch.arange(4).numpy().tobytes()],
+        [frame(**good, ref={**ref(0).to_dict(), "specs": {"x": {"shape": [1], "dtype": "nope"}}})],
+    ]
+    ctx, sock = raw_peer(r.endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dataflow.streams"):
+            for parts in bad:
+                sock.send_multipart(parts)
+            sock.send(frame(**good, ref=ref("fine").to_dict()))  # no credit, but room: kept
+            refs = r.receive(5, timeout=5)
+    finally:
+        ctx.destroy(linger=0)
+    assert [x.sample_id for x in refs] == ["s-fine"]
+    stats = r.stats()
+    assert stats.bad_frames == 7
+    assert stats.bad_frame_kinds == {"malformed": 3, "version": 1, "oversized": 1, "tensor": 2}
+    assert sum("bad frame" in rec.message for rec in caplog.records) == 7
+
+
+def test_refs_without_credit_are_dropped_when_the_window_is_full(ends) -> None:
+    receiver, _ = ends
+    r = receiver(window=2, heartbeat_timeout=30.0)
+    ctx, sock = raw_peer(r.endpoint)
+    try:
+        for i in range(5):
+            sock.send(frame(type="ref", receiver="x" * 32, line=1, ref=ref(i).to_dict()))
+        assert len(r.receive(5, timeout=5)) == 2
+        deadline = time.monotonic() + 5
+        while r.stats().dropped_refs < 3 and time.monotonic() < deadline:
+            with pytest.raises(StreamIdleError):
+                r.receive(1, timeout=0.05)
+    finally:
+        ctx.destroy(linger=0)
+    assert r.stats().dropped_refs == 3
+    assert r.stats().max_in_flight == 2
+
+
+def test_consumer_restart_on_the_same_endpoint(ends) -> None:
+    receiver, sender = ends
+    first = receiver(window=4)
+    endpoint = first.endpoint
+    s = sender(first, producer_id="p0")
+    for i in range(4):
+        s.send(ref(i))
+    first.close()  # dies with 4 refs in flight: the ledger requeues them
+    second = receiver(window=4, endpoint=endpoint)
+    got: list[str] = []
+    consumer = threading.Thread(target=lambda: got.extend(drain(second)))
+    consumer.start()
+    for i in range(4, 40):
+        s.send(ref(i), timeout=10)
+    s.close()
+    consumer.join(30)
+    assert [x for x in got if x not in {"s-0", "s-1", "s-2", "s-3"}] == [
+        f"s-{i}" for i in range(4, 40)
+    ]
+    assert second.stats().max_in_flight <= 4
+
+
+def test_connections_are_introduced_without_waiting_for_a_heartbeat(ends) -> None:
+    receiver, sender = ends
+    slow = {"heartbeat_interval": 30.0, "heartbeat_timeout": 100.0}
+
+    def receive_one(r: ZmqRefReceiver, into: list) -> threading.Thread:
+        def run() -> None:
+            with contextlib.suppress(StreamIdleError):
+                into.extend(r.receive(1, timeout=10))
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    first = receiver(**slow)
+    got: list[SampleRef] = []
+    waiting = receive_one(first, got)  # a consumer waiting in receive grants at once
+    s = sender(first, close_timeout=0.2, **slow)  # nobody pumps second for its EOF ack
+    s.send(ref(0), timeout=10)  # long before the first heartbeat is due
+    waiting.join(10)
+    endpoint = first.endpoint
+    first.close()
+    second = receiver(endpoint=endpoint, **slow)
+    waiting = receive_one(second, got)
+    # Refs sent while the old connection is going down are lost (the ledger
+    # has them), so keep sending until one arrives.
+    deadline, i = time.monotonic() + 10, 1
+    while waiting.is_alive() and time.monotonic() < deadline:
+        s.send(ref(i), timeout=10)
+        i += 1
+        time.sleep(0.02)
+    waiting.join(10)
+    assert len(got) == 2
+    assert s._links[0].receiver == second.session  # the new receiver granted credit
+
+
+def test_producer_restart_replaces_its_old_session(ends) -> None:
+    receiver, sender = ends
+    r = receiver(heartbeat_timeout=0.5)
+    crashed = sender(r, producer_id="p0")
+    crashed.send(ref(0))
+    assert [x.sample_id for x in r.receive(1, timeout=5)] == ["s-0"]
+    r.credit(1)
+    crashed._shutdown(linger=0)  # no EOF: as if killed
+    restarted = sender(r, producer_id="p0")
+    restarted.send(ref(1))
+    time.sleep(0.7)  # past the heartbeat timeout of the crashed session
+    restarted.close()
+    assert drain(r) == ["s-1"]  # and no ProducerLostError
+    assert r.stats().producers_lost == 0
+
+
+def test_late_consumer_gets_the_eof_while_the_producer_lingers(ends) -> None:
+    receiver, _ = ends
+    r = receiver()
+    endpoint = r.endpoint
+    r.close()
+    s = ZmqRefSender(SenderConfig(endpoints=(endpoint,), close_timeout=10.0, **FAST))
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    time.sleep(0.2)
+    late = receiver(endpoint=endpoint)
+    assert late.receive(1, timeout=5) == []
+    closer.join(10)
+    assert not closer.is_alive()
+
+
+def test_mark_producer_closed(ends) -> None:
+    receiver, _ = ends
+    r = receiver(expected_producers=2)
+    r.mark_producer_closed("a")
+    assert not r.exhausted
+    r.mark_producer_closed("b")
+    assert r.exhausted and r.receive(1, timeout=0) == []
+
+
+def test_misuse_is_refused(ends) -> None:
+    receiver, sender = ends
+    r = receiver()
+    s = sender(r)
+    with pytest.raises(ValueError, match="credit"):
+        r.credit(1)
+    bad = ref(0)
+    bad.metadata["t"] = torch.ones(1)  # type: ignore[index]
+    with pytest.raises(TensorInRefError):
+        s.send(bad)
+    with pytest.raises(ValueError):
+        SenderConfig(endpoints="tcp://127.0.0.1:5555")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ReceiverConfig(window=0)
+    with pytest.raises(ValueError):
+        ReceiverConfig(heartbeat_interval=1.0, heartbeat_timeout=1.5)
+    with pytest.raises(StreamError, match="cannot bind"):
+        receiver(endpoint=r.endpoint)
+    s.close()
+    with pytest.raises(StreamError):
+        s.send(ref(1))
+    r.close()
+    with pytest.raises(StreamError):
+        r.receive(1)
+
+
+def test_binding_beyond_loopback_without_curve_warns(ends, caplog) -> None:
+    receiver, _ = ends
+    with caplog.at_level(logging.WARNING, logger="dataflow.streams"):
+        r = receiver(endpoint="tcp://0.0.0.0:0")
+    assert "without CURVE" in caplog.text
+    assert r.endpoint.startswith("tcp://0.0.0.0:")
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    (tmp_path / "other").mkdir()
+    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "consumer")
+    producer_public, producer_secret = zmq.auth.create_certificates(tmp_path, "producer")
+    (authorized / "producer.key").write_bytes(Path(producer_public).read_bytes())
+    _, stranger_secret = zmq.auth.create_certificates(tmp_path / "other", "stranger")
+    return {
+        "server_public": Path(server_public),
+        "server_secret": Path(server_secret),
+        "authorized": authorized,
+        "producer_secret": Path(producer_secret),
+        "stranger_secret": Path(stranger_secret),
+    }
+
+
+def test_curve_admits_the_key_holder_and_refuses_others(ends, keys) -> None:
+    receiver, sender = ends
+    server = CurveServerConfig(
+        secret_key_file=keys["server_secret"], authorized_keys_dir=keys["authorized"]
+    )
+    r = receiver(curve=server, heartbeat_timeout=30.0)
+
+    def client(secret: str) -> CurveClientConfig:
+        return CurveClientConfig(
+            secret_key_file=keys[secret], server_public_key_file=keys["server_public"]
+        )
+
+    stranger = sender(r, curve=client("stranger_secret"), close_timeout=0.2)
+    plain = sender(r, close_timeout=0.2)
+    ctx, raw = raw_peer(r.endpoint)  # no CURVE at all, pushing a frame blindly
+    try:
+        raw.send(frame(type="ref", receiver="x" * 32, line=1, ref=ref("raw").to_dict()))
+        for refused in (stranger, plain):
+            with pytest.raises(BackpressureError):  # no credit ever reaches them
+                refused.send(ref("intruder"), timeout=0.5)
+        with pytest.raises(StreamIdleError):  # and none of their frames arrive
+            r.receive(1, timeout=0.3)
+        trusted = sender(r, curve=client("producer_secret"))
+        trusted.send(ref("trusted"))
+        assert [x.sample_id for x in r.receive(5, timeout=5)] == ["s-trusted"]
+    finally:
+        ctx.destroy(linger=0)
+    assert r.stats().received == 1 and r.stats().bad_frames == 0
+
+
+def test_curve_key_files_are_checked(keys, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="secret"):
+        CurveServerConfig(secret_key_file=keys["server_public"], authorized_keys_dir=tmp_path)
+    with pytest.raises(ValueError, match="certificate"):
+        CurveClientConfig(
+            secret_key_file=tmp_path / "missing", server_public_key_file=keys["server_public"]
+        )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 100), min_size=1, max_size=8), st.integers(0, 500))
+def test_free_credit_goes_to_the_least_credited_first(levels: list[int], amount: int) -> None:
+    shares = water_fill(levels, amount)
+    assert sum(shares) == amount and min(shares) >= 0
+    final = [level + share for level, share in zip(levels, shares, strict=True)]
+    raised = [f for f, share in zip(final, shares, strict=True) if share]
+    assert not raised or max(raised) <= min(final) + 1
