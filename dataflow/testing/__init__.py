@@ -25,8 +25,8 @@ from dataflow.testing._strategies import (
 
 __all__ = [
     "DTYPES",
-    "PROFILES",
     "LedgerMachine",
+    "PROFILES",
     "PostgresServer",
     "feature_dicts",
     "invalid_sample_ids",
