@@ -160,7 +160,7 @@ def test_one_host_sync_per_pass(monkeypatch, num_batches):
     assert metrics["eval/simulated_acc_len"] == pytest.approx(0.75 + 0.75 * 0.25)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI machines have no GPU)")
 def test_counts_stay_on_the_outputs_device_without_syncing():
     first = {key: torch.as_tensor(value).cuda() for key, value in WORKED_EXAMPLE[0].items()}
     outputs = [first, WORKED_EXAMPLE[1]]  # Python numbers and CPU tensors join the GPU
