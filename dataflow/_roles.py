@@ -180,6 +180,9 @@ class Producer:
             for ref in refs:
                 self.store.delete(ref)
             raise
+        for ref in refs:
+            if newest[ref.sample_id] is not ref:
+                self.store.delete(ref)  # an older put of an id repeated in this batch
         for sid, (revision, payload) in known.items():
             self._settle_duplicate(newest[sid], revision, SampleRef.from_json(payload))
         fresh_ids = {id(ref) for ref in fresh}

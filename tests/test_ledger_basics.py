@@ -452,3 +452,23 @@ def test_durability_levels_are_accepted(ledger_url, store, run_id, durability):
 def test_unknown_durability_is_refused(ledger_url, durability):
     with pytest.raises(ValueError, match=f"got {durability!r}"):
         Ledger.open(ledger_url, durability=durability)
+
+
+def test_an_id_repeated_in_one_commit_frees_the_older_put(ledger, run_id):
+    class RecordingStore(LocalFeatureStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.deleted: list[int] = []
+
+        def _delete(self, ref: SampleRef) -> None:
+            self.deleted.append(ref.generation)
+            super()._delete(ref)
+
+    with RecordingStore() as store:
+        producer = Producer(ledger, store, run_id=run_id)
+        older = store.put("a", {"x": torch.zeros(2)})
+        newer = store.put("a", {"x": torch.ones(2)})
+        assert producer.commit([older, newer]) == [None, newer]
+        assert store.deleted == [older.generation]  # a store keeping generations frees it
+        assert store.exists(newer)
+        assert torch.equal(store.get(replay(ledger, run_id).committed["a"])["x"], torch.ones(2))
