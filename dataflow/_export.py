@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dataflow._durable import fsync_path
+
 if TYPE_CHECKING:
     from dataflow._ledger import Ledger
 
@@ -49,9 +51,9 @@ def export_parquet(ledger: Ledger, run_id: str, path: str | os.PathLike[str]) ->
             if batch or count == 0:
                 writer.write_table(_table(batch))
                 count += len(batch)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        fsync_path(tmp)
         os.replace(tmp, target)
+        fsync_path(target.parent, directory=True)
     finally:
         tmp.unlink(missing_ok=True)
     return count

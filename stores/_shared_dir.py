@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoreStats
+from dataflow._durable import fsync_path
 from dataflow._errors import CorruptFeatureError, InvalidRefError, StaleRefError
 from stores import _tensors
 from stores._pool import ChunkPool
@@ -77,14 +78,6 @@ def sample_file_name(sample_id: str) -> str:
 
 def _bucket(sample_id: str) -> str:
     return f"{zlib.crc32(sample_id.encode()) % _BUCKETS:02x}"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _writev_all(fd: int, buffers: list[memoryview]) -> None:
@@ -129,7 +122,7 @@ class SharedDirFeatureStore(FeatureStore):
                 os.makedirs(f"{self._samples}/{bucket:02x}")
                 created = True
         if created:
-            _fsync_dir(self._samples)
+            fsync_path(self._samples, directory=True)
         self._pool = ChunkPool(recycle_bytes)
         self._last_generation = 0
         self._generation_lock = threading.Lock()
@@ -174,7 +167,7 @@ class SharedDirFeatureStore(FeatureStore):
             raise
         finally:
             os.close(fd)
-        _fsync_dir(os.path.dirname(path))
+        fsync_path(os.path.dirname(path), directory=True)
         return SampleRef(sample_id, self.uri, generation, specs, metadata)
 
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:

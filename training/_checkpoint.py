@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dataflow import Checkpoint, Consumer, ReconcilePlan, StaleEpochError
+from dataflow._durable import fsync_path, fsync_tree
 from training._config import CheckpointConfig
 
 log = logging.getLogger("training")
@@ -101,23 +102,6 @@ def _check_current(consumer: Consumer) -> None:
             f"{consumer.run_id!r}, but the run moved to epoch {state.epoch}: a newer trainer "
             "resumed; this one must stop (nothing was saved)"
         )
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for folder, _, files in os.walk(root, topdown=False):
-        for name in files:
-            path = Path(folder, name)
-            if not path.is_symlink():
-                _fsync(path, os.O_RDONLY)
-        _fsync(Path(folder), os.O_RDONLY | os.O_DIRECTORY)
 
 
 class CheckpointManager:
@@ -340,7 +324,7 @@ class CheckpointManager:
             self._write(tmp, state)
             manifest = {"step": step, "metrics": metrics, "time": time.time(), "serial": serial}
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             target = self._step_dir(step)
             if target.exists():
                 # Not in the current lineage (save checked the step against it): left by
@@ -349,7 +333,7 @@ class CheckpointManager:
                 log.info("replacing %s, which is not in the current lineage", target)
                 self._discard(target)
             os.rename(tmp, target)
-            _fsync(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            fsync_path(self.root, directory=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
