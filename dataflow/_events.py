@@ -16,13 +16,18 @@ class Kind:
     LEASE = "lease"  # a consumer took a sample
     ACK = "ack"  # the sample was trained into optimizer step `step`
     NACK = "nack"  # the sample was given back (payload: retryable, reason)
-    CHECKPOINT = "checkpoint"  # a durable checkpoint at `step` (payload: path)
+    CHECKPOINT = "checkpoint"  # a durable checkpoint at `step` (payload: path, digest)
     RELEASE = "release"  # the sample's features were freed from the store
     DATA_EPOCH = "data_epoch"  # every live sample is pending again (payload: seed)
+    #: A checkpoint's files were deleted (payload: checkpoint_seq, reason); it cannot be resumed.
+    CHECKPOINT_REMOVED = "ckpt_removed"
 
-    ALL = frozenset({COMMIT, CLOSE, RESUME, LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH})
+    ALL = frozenset(
+        {COMMIT, CLOSE, RESUME, LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH}
+        | {CHECKPOINT_REMOVED}
+    )
     #: Kinds written by consumers, and so fenced by their epoch.
-    FENCED = frozenset({LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH})
+    FENCED = frozenset({LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH, CHECKPOINT_REMOVED})
 
 
 @dataclass(frozen=True)

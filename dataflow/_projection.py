@@ -39,6 +39,8 @@ class Checkpoint:
     step: int
     path: str
     data_epoch: int
+    #: The sha256 of the checkpoint's manifest, when its writer recorded one.
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ class RunState:
     consumer id), ``trained`` (id -> step, in the current lineage and data
     epoch), ``released`` (ids whose features were freed), ``dead`` (id ->
     reason), ``regenerate`` (ids to train again whose features are gone),
-    ``checkpoints``, ``epoch``, ``data_epoch``, ``head_seq``.
+    ``checkpoints``, ``removed_checkpoints`` (seq -> reason), ``epoch``,
+    ``data_epoch``, ``head_seq``.
     """
 
     def __init__(self, run_id: str) -> None:
@@ -139,6 +142,8 @@ class RunState:
         self.attempts: dict[str, int] = {}
         self.regenerate: dict[str, None] = {}
         self.checkpoints: list[Checkpoint] = []
+        #: seq of a checkpoint whose files were removed -> why (retention, rewind).
+        self.removed_checkpoints: dict[int, str] = {}
         self.producers: set[str] = set()
         self.closed: set[str] = set()
         self.plans: dict[int, ReconcilePlan] = {}
@@ -203,16 +208,20 @@ class RunState:
         return sample_id in self._queue_pos
 
     def checkpoint_for(self, which: object) -> Checkpoint | None:
-        """Resolve ``"latest"`` or a step to a checkpoint, preferring the current lineage."""
-        lineage = self._lineage_checkpoints()
+        """Resolve ``"latest"`` or a step to a checkpoint, preferring the current lineage.
+
+        Checkpoints whose files were removed (``removed_checkpoints``) are never chosen.
+        """
+        lineage = [c for c in self.lineage_checkpoints() if c.seq not in self.removed_checkpoints]
         if which == "latest":
             return lineage[-1] if lineage else None
         matches = [c for c in lineage if c.step == which] or [
-            c for c in self.checkpoints if c.step == which
+            c for c in self.checkpoints if c.step == which and c.seq not in self.removed_checkpoints
         ]
         return matches[-1] if matches else None
 
-    def _lineage_checkpoints(self) -> list[Checkpoint]:
+    def lineage_checkpoints(self) -> list[Checkpoint]:
+        """The checkpoints of the current lineage (removed ones included), oldest first."""
         chain = self._chain(self.epoch, None, None)
         cuts = {node.number: cut_seq for node, _, cut_seq in chain}
         return [
@@ -236,6 +245,7 @@ class RunState:
             "dead": dict(self.dead),
             "regenerate": list(self.regenerate),
             "checkpoints": list(self.checkpoints),
+            "removed_checkpoints": dict(self.removed_checkpoints),
             "closed": sorted(self.closed),
             "plans": dict(self.plans),
         }
@@ -352,6 +362,11 @@ class RunState:
         if p.get("checkpoint_seq") is not None and ckpt is None:
             self.violations.append(
                 f"seq {seq}: resume from unknown checkpoint seq {p.get('checkpoint_seq')}"
+            )
+        elif ckpt is not None and ckpt.seq in self.removed_checkpoints:
+            self.violations.append(
+                f"seq {seq}: resume from checkpoint seq {ckpt.seq} (step {ckpt.step}), whose "
+                f"files were removed ({self.removed_checkpoints[ckpt.seq]})"
             )
             return
         if ckpt is None:
@@ -532,9 +547,27 @@ class RunState:
             self.violations.append(f"seq {seq}: checkpoint before any resume")
             return
         node.last_checkpoint_step = step
+        p = load_payload(payload)
         self.checkpoints.append(
-            Checkpoint(seq, epoch, step, load_payload(payload).get("path", ""), self.data_epoch)
+            Checkpoint(seq, epoch, step, p.get("path", ""), self.data_epoch, p.get("digest"))
         )
+
+    def _on_checkpoint_removed(
+        self,
+        seq: int,
+        _sid: str | None,
+        _r: int | None,
+        _e: int,
+        _s: int | None,
+        _a: str,
+        payload: str | None,
+    ) -> None:
+        p = load_payload(payload)
+        target = p.get("checkpoint_seq")
+        if not any(c.seq == target for c in self.checkpoints):
+            self.violations.append(f"seq {seq}: removal of unknown checkpoint seq {target}")
+            return
+        self.removed_checkpoints[target] = str(p.get("reason") or "removed")
 
     def _on_release(
         self,
@@ -636,6 +669,7 @@ _HANDLERS = {
     Kind.CHECKPOINT: RunState._on_checkpoint,
     Kind.RELEASE: RunState._on_release,
     Kind.DATA_EPOCH: RunState._on_data_epoch,
+    Kind.CHECKPOINT_REMOVED: RunState._on_checkpoint_removed,
 }
 
 

@@ -204,7 +204,10 @@ class Producer:
                 # caller believe the emit failed.
                 log.warning(
                     "stream backpressure: %d committed refs of run %r not sent, they stay "
-                    "pending in the ledger (%s)", len(refs) - n, self.run_id, exc,
+                    "pending in the ledger (%s)",
+                    len(refs) - n,
+                    self.run_id,
+                    exc,
                 )
                 return
 
@@ -474,6 +477,12 @@ class Consumer:
         if isinstance(checkpoint, Checkpoint):
             if checkpoint not in self.state.checkpoints:
                 raise UnknownCheckpointError(f"{checkpoint} is not recorded in run {self.run_id!r}")
+            removed = self.state.removed_checkpoints.get(checkpoint.seq)
+            if removed is not None:
+                raise UnknownCheckpointError(
+                    f"the checkpoint at step {checkpoint.step} (seq {checkpoint.seq}) of run "
+                    f"{self.run_id!r} was removed ({removed}); resume from another one"
+                )
             return checkpoint
         found = self.state.checkpoint_for(checkpoint)
         if found is None and checkpoint != "latest":
@@ -681,17 +690,21 @@ class Consumer:
             self._sync(tx)
         self._credit(ids)
 
-    def checkpoint(self, step: int, path: str) -> Checkpoint | None:
+    def checkpoint(self, step: int, path: str, *, digest: str | None = None) -> Checkpoint | None:
         """Record a durable checkpoint at ``step``; release features per the policy.
 
         Call it after the checkpoint files are durable. Every rank calls it:
         with torch.distributed initialized the ranks meet in a barrier first,
         so rank 0 appends only once every rank's acks up to ``step`` are in
-        the ledger. Returns the Checkpoint on rank 0, None elsewhere.
+        the ledger. ``digest`` (e.g. the sha256 of the checkpoint's manifest)
+        is recorded so a resume can check it loads exactly these bytes.
+        Returns the Checkpoint on rank 0, None elsewhere.
         """
         _check_int("step", step)
         if not isinstance(path, str) or not path:
             raise ValueError(f"checkpoint path must be a non-empty str, got {path!r}")
+        if digest is not None and (not isinstance(digest, str) or not digest):
+            raise ValueError(f"checkpoint digest must be a non-empty str or None, got {digest!r}")
         self._require_epoch()
         if _dist_group_active(self.world_size):
             torch.distributed.barrier()
@@ -711,7 +724,9 @@ class Consumer:
                         self.consumer_id,
                         epoch=tx.epoch,
                         step=step,
-                        payload=dump_payload({"path": path}),
+                        payload=dump_payload(
+                            {"path": path} if digest is None else {"path": path, "digest": digest}
+                        ),
                     )
                 ]
             )
@@ -723,6 +738,41 @@ class Consumer:
             self._sync(tx)
         self._delete_features(release)
         return self.state.checkpoints[-1]
+
+    def remove_checkpoints(self, checkpoints: Iterable[Checkpoint], *, reason: str) -> None:
+        """Record that these checkpoints' files are being deleted (rank 0, before deleting).
+
+        Once recorded, a checkpoint is never chosen by ``resume`` again and a
+        resume naming it fails before anything is written; ``replay`` lists it
+        under ``removed_checkpoints``. Already removed ones are skipped.
+        """
+        if not isinstance(reason, str) or not reason:
+            raise ValueError(f"reason must be a non-empty str, got {reason!r}")
+        if self.rank != 0:
+            raise LedgerStateError("only rank 0 records removed checkpoints")
+        checkpoints = list(checkpoints)
+        for c in checkpoints:
+            if not isinstance(c, Checkpoint):
+                raise ValueError(f"expected dataflow.Checkpoint objects, got {c!r}")
+        with self._write("checkpoint removal") as tx:
+            events = []
+            for c in checkpoints:
+                if c not in self.state.checkpoints:
+                    raise UnknownCheckpointError(f"{c} is not recorded in run {self.run_id!r}")
+                if c.seq in self.state.removed_checkpoints:
+                    continue
+                payload = {"checkpoint_seq": c.seq, "step": c.step, "reason": reason}
+                events.append(
+                    NewEvent(
+                        Kind.CHECKPOINT_REMOVED,
+                        self.consumer_id,
+                        epoch=tx.epoch,
+                        step=c.step,
+                        payload=dump_payload(payload),
+                    )
+                )
+            tx.append(events)
+            self._sync(tx)
 
     def start_data_epoch(self, *, seed: int | None = None) -> int:
         """Make every live committed sample pending again, in a seeded order (rank 0).

@@ -23,14 +23,21 @@ def test_exported_names() -> None:
     assert training.__all__ == sorted(training.__all__)
     assert set(training.__all__) == {
         "Batch",
+        "COMPONENTS",
         "CheckpointConfig",
+        "CheckpointError",
         "CheckpointManager",
+        "CheckpointNotFoundError",
+        "CorruptCheckpointError",
         "FeatureLoader",
         "LoaderConfig",
         "SavedCheckpoint",
         "Trainer",
         "TrainerConfig",
+        "TrainingError",
         "collate",
+        "rng_state",
+        "set_rng_state",
     }
     for name in training.__all__:
         assert hasattr(training, name), name

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,12 @@ import torch
 
 from dataflow import Consumer, Ledger, Producer, StaleEpochError, replay
 from stores import LocalFeatureStore
-from training import CheckpointConfig, CheckpointManager, SavedCheckpoint
+from training import (
+    CheckpointConfig,
+    CheckpointManager,
+    CorruptCheckpointError,
+    SavedCheckpoint,
+)
 
 RUN = "run"
 ACC = "eval/simulated_acc_len"
@@ -65,11 +72,12 @@ def _assert_equal(a: Any, b: Any) -> None:
 
 
 def _manager(tmp_path: Path, **config: Any) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", **config))
+    return CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", **{"run_id": RUN, **config}))
 
 
 def _step_dirs(tmp_path: Path) -> list[str]:
-    root = tmp_path / "ckpt"
+    """The entries of the run's checkpoint directory (temporary ones included)."""
+    root = tmp_path / "ckpt" / RUN
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
@@ -78,10 +86,11 @@ def test_save_then_load_round_trips_state_dicts_tensors_and_scalars(tmp_path: Pa
     manager = _manager(tmp_path)
     state = _state()
     path = manager.save(7, state, metrics={ACC: 1.5, "eval/avg_loss": torch.tensor(0.25)})
-    assert path == tmp_path / "ckpt" / "step-00000007"
+    assert path == tmp_path / "ckpt" / RUN / "step-00000007"
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["step"] == 7
+    assert manifest["files"]["state.pt"]["size"] == (path / "state.pt").stat().st_size
     assert manifest["metrics"] == {ACC: 1.5, "eval/avg_loss": 0.25}
     assert manifest["time"] > 0
     for which in (7, path, str(path), None, manager.latest()):
@@ -92,17 +101,20 @@ def test_save_then_load_round_trips_state_dicts_tensors_and_scalars(tmp_path: Pa
 def test_ledger_records_the_checkpoint_after_the_files(tmp_path: Path, led, store) -> None:
     consumer = _consumer(led, store)
     manager = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt"), consumer=consumer)
+    assert manager.run_id == RUN  # taken from the consumer
     consumer.resume()
     path = manager.save(2, _state())
     [recorded] = replay(led, RUN).checkpoints
     assert (recorded.step, recorded.path) == (2, str(path))
+    assert path.name == "step-00000002-epoch-1"
+    assert recorded.digest == hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
     assert Path(recorded.path).is_absolute()
     _assert_equal(manager.load(Path(recorded.path)), _state())
 
 
 class _CrashingManager(CheckpointManager):
-    def _write(self, tmp_dir: Path, state: dict[str, Any]) -> None:
-        super()._write(tmp_dir, state)  # the files are there ...
+    def _write(self, file: Path, obj: dict[str, Any]) -> None:
+        super()._write(file, obj)  # the files are there ...
         raise OSError("disk failed")  # ... and then the save dies
 
 
@@ -130,7 +142,13 @@ def test_load_uses_weights_only(tmp_path: Path) -> None:
     """A checkpoint holding an arbitrary pickled object is never unpickled."""
     manager = _manager(tmp_path)
     path = manager.save(1, {"w": torch.ones(2)})
-    torch.save({"w": Opaque()}, path / "state.pt")  # tampered with
+    torch.save({"w": Opaque()}, path / "state.pt")  # tampered with ...
+    with pytest.raises(CorruptCheckpointError, match=r"state\.pt is corrupt"):
+        manager.load(1)
+    manifest = json.loads((path / "manifest.json").read_text())  # ... and the manifest too
+    data = (path / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         manager.load(1)
 
@@ -138,18 +156,19 @@ def test_load_uses_weights_only(tmp_path: Path) -> None:
 class _PlainPickleFormat(CheckpointManager):
     """A subclass with its own file format: only the hooks change."""
 
-    def _write(self, tmp_dir: Path, state: dict[str, Any]) -> None:
-        torch.save({k: v.tolist() for k, v in state.items()}, tmp_dir / "lists.pt")
+    def _write(self, file: Path, obj: dict[str, Any]) -> None:
+        torch.save({k: v.tolist() for k, v in obj.items()}, file)
 
-    def _read(self, path: Path) -> Any:
-        loaded = torch.load(path / "lists.pt", weights_only=True)
+    def _read(self, file: Path) -> Any:
+        loaded = torch.load(file, weights_only=True)
         return {k: torch.tensor(v) for k, v in loaded.items()}
 
 
 def test_a_subclass_changes_the_format_through_the_hooks(tmp_path: Path) -> None:
-    manager = _PlainPickleFormat(CheckpointConfig(root=tmp_path / "ckpt"))
+    manager = _PlainPickleFormat(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
     path = manager.save(3, {"w": torch.tensor([1.0, 2.0])}, metrics={ACC: 1.0})
-    assert sorted(p.name for p in path.iterdir()) == ["lists.pt", "manifest.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.pt"]
+    assert torch.load(path / "state.pt", weights_only=True) == {"w": [1.0, 2.0]}
     assert torch.equal(manager.load(3)["w"], torch.tensor([1.0, 2.0]))
     assert manager.best().step == 3
 
@@ -192,6 +211,8 @@ def test_retention_keeps_the_latest_k_and_the_best(tmp_path: Path) -> None:
         manager.save(step, {"step": step}, metrics={ACC: acc})
     assert [c.step for c in manager.saved()] == [2, 4, 5]
     assert _step_dirs(tmp_path) == ["step-00000002", "step-00000004", "step-00000005"]
+    assert os.readlink(tmp_path / "ckpt" / f"{RUN}-best") == f"{RUN}/step-00000002"
+    assert os.readlink(tmp_path / "ckpt" / f"{RUN}-latest") == f"{RUN}/step-00000005"
     assert manager.best().step == 2
 
 
@@ -225,13 +246,15 @@ def test_resume_from_scratch_latest_and_an_older_checkpoint(tmp_path: Path, led,
     plan, state = manager.resume(_consumer(led, store, "third"), 1)
     assert (plan.checkpoint.step, state) == (1, {"step": 1})
 
-    # Back at 1, step 2 is saved again: the abandoned step-2 directory is replaced.
+    # Back at 1, step 2 is saved again into a directory of its own lineage; the
+    # abandoned step-2 directory is removed (a rewind), and the ledger says so.
     manager.save(2, {"step": "2 again"})
     assert manager.load(2) == {"step": "2 again"}
     assert manager.latest().step == 2
-    lineage = replay(led, RUN).checkpoints
-    assert [c.step for c in lineage] == [1, 2, 2]
-    assert _step_dirs(tmp_path) == ["step-00000001", "step-00000002"]
+    run = replay(led, RUN)
+    assert [(c.step, c.epoch) for c in run.checkpoints] == [(1, 1), (2, 1), (2, 3)]
+    assert run.removed_checkpoints == {run.checkpoints[1].seq: "rewind"}
+    assert _step_dirs(tmp_path) == ["step-00000001-epoch-1", "step-00000002-epoch-3"]
 
 
 def test_resume_from_a_checkpoint_whose_files_are_gone(tmp_path: Path, led, store) -> None:
@@ -242,11 +265,12 @@ def test_resume_from_a_checkpoint_whose_files_are_gone(tmp_path: Path, led, stor
     (path / "manifest.json").unlink()
     path.rmdir()
     with pytest.raises(FileNotFoundError, match="step-00000001"):
-        manager.resume(_consumer(led, store, "second"))
+        manager.resume(_consumer(led, store, "second"), 1)
+    assert replay(led, RUN).epoch == 1  # nobody was fenced off by the failed resume
 
 
 def test_resume_sweeps_what_a_killed_save_left(tmp_path: Path, led, store) -> None:
-    root = tmp_path / "ckpt"
+    root = tmp_path / "ckpt" / RUN
     (root / ".tmp-step-00000004-dead").mkdir(parents=True)
     (root / ".tmp-step-00000004-dead" / "state.pt").write_bytes(b"half")
     manager = _manager(tmp_path)
@@ -296,7 +320,7 @@ def test_save_refuses_a_step_not_after_the_lineages_checkpoint(tmp_path: Path, l
     for step in (4, 3):
         with pytest.raises(ValueError, match=f"step {step}: .* already has one at step 4"):
             manager.save(step, {})
-    assert _step_dirs(tmp_path) == ["step-00000004"]
+    assert _step_dirs(tmp_path) == ["step-00000004-epoch-1"]
 
 
 def test_save_with_a_consumer_that_has_not_resumed(tmp_path: Path, led, store) -> None:
@@ -310,10 +334,10 @@ def test_save_with_a_consumer_that_has_not_resumed(tmp_path: Path, led, store) -
 
 def test_load_names_what_is_missing(tmp_path: Path) -> None:
     manager = _manager(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint of run 'run' under"):
         manager.load()
     manager.save(1, {})
-    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 99 .* saved steps: \[1\]"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 99 .* saved: \[1\]"):
         manager.load(99)
     missing = tmp_path / "elsewhere"
     with pytest.raises(FileNotFoundError, match="elsewhere"):

@@ -119,7 +119,7 @@ def test_trainer_trains_every_sample_once_with_evals_and_checkpoints(tmp_path: P
     emit(Producer(led, store, run_id=RUN), 64)
     consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
     task = Task(grad_accum=2)
-    checkpoints = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt"))
+    checkpoints = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
     trainer = Trainer(
         consumer,
         step_fn=task.step_fn,
@@ -148,7 +148,14 @@ def test_trainer_trains_every_sample_once_with_evals_and_checkpoints(tmp_path: P
     assert [len(acks[s]) for s in range(1, 12)] == [6] * 10 + [4]
 
     saved = checkpoints.saved()
-    assert [c.step for c in saved] == [4, 8, 11]  # the cadence, then the final one
+    # The cadence, the final one, and every eval (each second step) that beat all before it.
+    assert {4, 8, 11} <= {c.step for c in saved}
+    best_so_far = float("-inf")
+    for checkpoint in saved:
+        acc = checkpoint.metrics["eval/simulated_acc_len"]
+        if checkpoint.step not in (4, 8, 11):
+            assert checkpoint.step % 2 == 0 and acc > best_so_far
+        best_so_far = max(best_so_far, acc)
     assert [(c.step, c.path) for c in state.checkpoints] == [(c.step, str(c.path)) for c in saved]
     for checkpoint in saved:
         assert "eval/simulated_acc_len" in checkpoint.metrics
@@ -179,7 +186,7 @@ def test_max_steps_stops_then_a_new_trainer_continues(tmp_path: Path) -> None:
             Consumer(led, store, run_id=RUN, consumer_id=consumer_id),
             step_fn=task.step_fn,
             optimizer_fn=task.optimizer_fn,
-            checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+            checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN)),
             state_fn=task.state_fn,
             load_fn=task.load_fn,
             config=TrainerConfig(max_steps=max_steps, checkpoint_every=2),
@@ -228,7 +235,7 @@ def _train_in_child(args: dict[str, Any]) -> None:
         consumer,
         step_fn=task.step_fn,
         optimizer_fn=optimizer_fn,
-        checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"])),
+        checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"], run_id=RUN)),
         state_fn=state_fn,
         evaluator=Evaluator(),
         eval_fn=(task.model_fn, eval_batches()),
@@ -323,7 +330,7 @@ def test_sigkilled_trainer_resumes_from_latest_and_from_an_older_checkpoint(
     assert third_steps == list(range(4, 4 + len(third_steps)))
     assert {step for s, step in state.trained.items() if step > 3} <= set(third_steps)
     # The final checkpoint of the lineage is the latest save, and it loads.
-    checkpoints = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt"))
+    checkpoints = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
     latest = checkpoints.latest()
     assert latest is not None and str(latest.path) == state.checkpoints[-1].path
     assert latest.step == third_steps[-1]
@@ -377,7 +384,7 @@ def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
             Consumer(led, store, run_id=RUN, consumer_id=f"rank{rank}", rank=rank, world_size=2),
             step_fn=step_fn,
             optimizer_fn=optimizer_fn,
-            checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"])),
+            checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"], run_id=RUN)),
             state_fn=task.state_fn,
             load_fn=task.load_fn,
             evaluator=Evaluator(),
@@ -420,9 +427,10 @@ def test_two_gloo_ranks_train_their_shares_once(tmp_path: Path) -> None:
     # Lockstep: micro-batches 1-2, 3-4, then 5 (rank 1 joined with an empty batch).
     assert [r["steps"] for r in results] == [[1, 2, 3], [1, 2, 3]]
     assert results[0]["metrics"] == results[1]["metrics"]  # summed over both eval shards
-    assert [c.step for c in state.checkpoints] == [2, 3]
+    # Step 1's eval is the first, so the best: saved off the cadence; then 2 and the final 3.
+    assert [c.step for c in state.checkpoints] == [1, 2, 3]
     _assert_same_model(tmp_path / "model-rank0.pt", tmp_path / "model-rank1.pt")
-    final = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")).load(3)
+    final = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN)).load(3)
     _assert_same_model(tmp_path / "model-rank0.pt", _saved_model(tmp_path, final))
 
 

@@ -6,19 +6,34 @@ records them; ``FeatureLoader`` turns a Consumer's leases into collated batches;
 own step function. docs/training.md walks through a custom trainer.
 """
 
-from training._checkpoint import CheckpointManager, SavedCheckpoint
-from training._config import CheckpointConfig, LoaderConfig, TrainerConfig
+from training._checkpoint import CheckpointManager
+from training._config import COMPONENTS, CheckpointConfig, LoaderConfig, TrainerConfig
+from training._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    TrainingError,
+)
+from training._layout import SavedCheckpoint
 from training._loader import Batch, FeatureLoader, collate
+from training._rng import rng_state, set_rng_state
 from training._trainer import Trainer
 
 __all__ = [
     "Batch",
+    "COMPONENTS",
     "CheckpointConfig",
+    "CheckpointError",
     "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
     "FeatureLoader",
     "LoaderConfig",
     "SavedCheckpoint",
     "Trainer",
     "TrainerConfig",
+    "TrainingError",
     "collate",
+    "rng_state",
+    "set_rng_state",
 ]

@@ -1,19 +1,23 @@
-"""CheckpointManager: durable, atomic checkpoints that the ledger records only once on disk.
+"""CheckpointManager: per-rank, digest-checked checkpoints that the ledger records once durable.
 
-Layout under ``root``::
+A save is four meetings of every rank (see ``training._dist.agree``), so an
+error on any rank is raised on all of them:
 
-    step-00000008/             a published checkpoint; complete by construction
-        state.pt               the state dict (``torch.save``; read with weights_only=True)
-        manifest.json          {"step", "metrics", "time", "serial"}
-    .tmp-step-00000012-<hex>/  a checkpoint being written
-    .trash-<hex>/              a checkpoint on its way out
+1. validate; rank 0 checks the ledger (fenced? step after the lineage's last?)
+   and creates a fresh ``.tmp-*`` directory;
+2. every rank writes and fsyncs its files (rank 0 ``state.pt``, each rank its
+   ``rank-XXXXX.pt``) and reports their sizes and sha256 digests;
+3. rank 0 writes ``manifest.json`` listing them, fsyncs, renames the directory
+   to its final, lineage-unique name and fsyncs the parent;
+4. the consumer records the checkpoint with the manifest's digest; then rank 0
+   moves the pointers, the best record, and applies retention and rewind,
+   recording every removal in the ledger before deleting.
 
-A save writes into a fresh ``.tmp-*`` directory, fsyncs every file and the
-directory, renames it to ``step-XXXXXXXX`` and fsyncs ``root``; only then does
-the consumer record the checkpoint in the ledger. A crash at any point leaves
-either no checkpoint, or a complete one the ledger may not know about (it is
-never resumed from, and a later save of that step replaces it): never a ledger
-entry pointing at missing or partial files.
+A crash at any point leaves the previous checkpoints and either nothing new,
+or a complete directory the ledger may not know (never resumed from, swept at
+the next resume). ``resume`` checks the manifest against the ledger's digest
+and every file against the manifest before the resume event is appended.
+The layout is described in ``training._layout``.
 """
 
 from __future__ import annotations
@@ -25,38 +29,46 @@ import numbers
 import os
 import secrets
 import shutil
+import threading
 import time
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from dataflow import Checkpoint, Consumer, ReconcilePlan, StaleEpochError
-from dataflow._durable import fsync_path, fsync_tree
-from training._config import CheckpointConfig
+from dataflow import Checkpoint, Consumer, ReconcilePlan, StaleEpochError, UnknownCheckpointError
+from dataflow._durable import fsync_path
+from training._config import COMPONENTS, CheckpointConfig
+from training._dist import agree, dist_active
+from training._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from training._layout import (
+    FORMAT,
+    MANIFEST_FILE,
+    NO_MODEL_FILE,
+    STATE_FILE,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    SavedCheckpoint,
+    checkpoint_dir_name,
+    file_digest,
+    parse_dir_name,
+    point,
+    rank_file,
+    read_manifest,
+    run_dir_name,
+    unpoint,
+    verify_files,
+    write_atomic,
+)
 
 log = logging.getLogger("training")
 
-STATE_FILE = "state.pt"
-MANIFEST_FILE = "manifest.json"
-_PREFIX = "step-"
-_TMP_PREFIX = ".tmp-step-"
-_TRASH_PREFIX = ".trash-"
-
-
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """A checkpoint directory on disk, as its manifest describes it."""
-
-    path: Path
-    step: int
-    metrics: dict[str, float] | None
-    #: Unix time of the save.
-    time: float
-    #: Save order under the root: each save gets one more than the newest before it.
-    serial: int = field(repr=False)
+#: What an absent (None) entry is stored as, so every save writes the same entries.
+ABSENT = {"__dataflow_training__": "absent"}
+Which = int | str | os.PathLike[str] | SavedCheckpoint | Checkpoint | None
 
 
 def _check_step(step: object) -> int:
@@ -86,14 +98,24 @@ def _check_metrics(metrics: object) -> dict[str, float] | None:
     return checked
 
 
+def _check_state(name: str, state: object) -> dict[str, Any]:
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"{name} must be a dict (of state dicts, tensors, scalars), got {type(state).__name__}"
+        )
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"the keys of {name} must be strs, got {bad[:5]}")
+    return dict(state)
+
+
 def _check_current(consumer: Consumer) -> None:
     """Refuse before writing anything when ``consumer`` cannot record a checkpoint."""
     if consumer.epoch is None:
         raise ValueError(
             f"consumer {consumer.consumer_id!r} has not resumed; call resume() before saving"
         )
-    # Catch up with the log (the consumer's own writes do this too), so that a fenced-off
-    # trainer learns it before it writes over a step directory of the live one.
+    # Catch up with the log, so that a fenced-off trainer learns it before it writes.
     state = consumer.state
     state.apply_rows(consumer.ledger.rows(consumer.run_id, after_seq=state.head_seq))
     if state.epoch != consumer.epoch:
@@ -104,133 +126,243 @@ def _check_current(consumer: Consumer) -> None:
         )
 
 
+def _stage(value: Any) -> Any:
+    """A copy whose tensors live in CPU memory of their own (for a background write)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _stage(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_stage(v) for v in value)
+    return value
+
+
+def _decode(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: None if v == ABSENT else v for k, v in state.items()}
+
+
 class CheckpointManager:
-    """Saves and loads a trainer's state dict; tells the ledger once the files are durable.
+    """Saves and loads a run's checkpoints; tells the ledger once every rank's files are durable.
 
-    ``save`` validates, then writes, then calls ``consumer.checkpoint(step, path)``
-    when a consumer is attached (``consumer=`` or ``resume``). With several ranks,
-    every rank calls ``save``: rank 0 writes the (replicated) state, then all ranks
-    meet in the ledger's checkpoint barrier, so rank 0 records the checkpoint only
-    after every rank's acks up to ``step`` are in the ledger.
-
-    The public methods do the guarding (validation, atomic publish, ledger
-    ordering, retention); the private hooks ``_write(tmp_dir, state)`` and
-    ``_read(path)`` only do the I/O, so a subclass can change the file format by
-    overriding them. Overriding ``save`` or ``load`` instead would bypass the
-    guards: a subclass could record a checkpoint whose files are not durable, or
-    load without ``weights_only``.
+    Every rank calls ``save``, ``resume``, ``is_best`` and ``wait`` together.
+    The public methods do the guarding (validation, agreement between ranks,
+    digests, atomic publish, ledger ordering, retention); the private hooks
+    ``_write(file, obj)`` and ``_read(file)`` only do the I/O of one file, so
+    a subclass can change the file format by overriding them.
     """
 
     def __init__(self, config: CheckpointConfig, *, consumer: Consumer | None = None) -> None:
         if not isinstance(config, CheckpointConfig):
             raise ValueError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        if consumer is not None and not isinstance(consumer, Consumer):
-            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
         self.config = config
         self.root: Path = Path(config.root)
-        self.consumer = consumer
+        self.consumer: Consumer | None = None
+        self.run_id: str | None = config.run_id
+        self._known_entries: dict[str, frozenset[str]] | None = None
+        self._best_meta: dict[str, Any] | None = None
+        self._pending: threading.Thread | None = None
+        self._pending_result: dict[str, Any] = {}
+        self._async_group: Any = None
+        if consumer is not None:
+            self._attach(consumer)
+        elif self.run_id is not None:
+            self._best_meta = self._load_best_meta()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.root)!r})"
+        return f"{type(self).__name__}({str(self.root)!r}, run_id={self.run_id!r})"
 
-    # -- public, guarded ------------------------------------------------------
+    # -- where -------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        """``{root}/{run_id}``: this run's checkpoints."""
+        if self.run_id is None:
+            raise ValueError(
+                "CheckpointConfig.run_id is None and no consumer is attached: pass "
+                "CheckpointConfig(run_id=...) or a consumer"
+            )
+        return self.root / run_dir_name(self.run_id)
+
+    def _pointer(self, name: str) -> Path:
+        return self.root / f"{run_dir_name(self.run_id or '')}-{name}"
+
+    @property
+    def _best_meta_file(self) -> Path:
+        return self.root / f"{run_dir_name(self.run_id or '')}.best_meta.json"
+
+    # -- public, guarded ----------------------------------------------------------------
     def save(
         self,
         step: int,
         state: Mapping[str, Any],
         *,
+        rank_state: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> Path:
-        """Write ``state`` as the checkpoint of optimizer step ``step``; return its directory.
+        """Write the checkpoint of optimizer step ``step`` on every rank; return its directory.
 
-        ``state`` holds state dicts, tensors and Python scalars (what
-        ``torch.load(weights_only=True)`` reads back). ``metrics`` (e.g. the eval
-        metrics of this step) go into the manifest and rank checkpoints for
-        ``best``. With a consumer attached, ``step`` must be later than the
-        lineage's last checkpoint; this is checked before anything is written.
+        Rank 0's ``state`` (the replicated state: model, optimizer, ...) goes into
+        ``state.pt``; each rank's ``rank_state`` (its optimizer shard, RNG, data
+        position) into its own ``rank-XXXXX.pt``. Values are state dicts, tensors
+        and Python scalars (what ``torch.load(weights_only=True)`` reads back); a
+        None entry is stored as a typed "absent" marker and loads as None. The
+        checkpoint is published once every rank's files are durable, then the
+        ledger records it with the manifest's digest. With a consumer, ``step``
+        must be later than the lineage's last checkpoint; this is checked before
+        anything is written. With ``async_save`` the files are written in the
+        background and this returns at once; the ledger records the checkpoint
+        at the next call (or ``wait()``), where a background error is raised.
         """
-        step = _check_step(step)
-        if not isinstance(state, Mapping):
-            raise ValueError(
-                f"state must be a dict (of state dicts, tensors, scalars), "
-                f"got {type(state).__name__}"
-            )
-        checked_metrics = _check_metrics(metrics)
-        consumer = self.consumer
-        path = self._step_dir(step)
-        if consumer is not None:
-            _check_current(consumer)
-            floor = consumer.state.last_checkpoint_step
-            if step <= floor:
+        self._finish_pending()
+        rank, world_size = self._rank()
+        error: Exception | None = None
+        started: dict[str, Any] | None = None
+        try:
+            step = _check_step(step)
+            state = _check_state("state", state)
+            rank_state = None if rank_state is None else _check_state("rank_state", rank_state)
+            checked_metrics = _check_metrics(metrics)
+            self._check_components(state, rank_state)
+            if world_size > 1 and not dist_active(world_size):
                 raise ValueError(
-                    f"cannot save a checkpoint at step {step}: run {consumer.run_id!r} already "
-                    f"has one at step {floor} in this lineage; checkpoint steps must increase"
+                    f"saving with world_size={world_size} needs torch.distributed initialized"
                 )
-            if consumer.rank != 0:
-                # Rank 0 writes; this rank only meets it in the ledger's barrier.
-                consumer.checkpoint(step, str(path))
-                return path
-        self._publish(step, dict(state), checked_metrics)
-        if consumer is not None:
-            consumer.checkpoint(step, str(path))
-        self._retain()
-        return path
+            if rank == 0:
+                started = self._start(step)
+        except Exception as exc:
+            error = exc
+        started = agree(error, started, **self._meeting(f"checkpoint save at step {step}"))[0]
+        assert started is not None
+        entries = self._entries(state, rank_state)
+        state = {k: ABSENT if state.get(k) is None else state[k] for k in entries["state"]}
+        if rank_state is not None:
+            rank_state = {
+                k: ABSENT if rank_state.get(k) is None else rank_state[k] for k in entries["rank"]
+            }
+        job = {
+            "step": step,
+            "tmp": Path(started["tmp"]),
+            "final": Path(started["final"]),
+            "serial": started["serial"],
+            "metrics": checked_metrics,
+            "entries": {k: sorted(v) for k, v in entries.items()},
+        }
+        if self.config.async_save:
+            if dist_active(world_size) and self._async_group is None:
+                self._async_group = dist.new_group(backend="gloo")
+            job["state"] = _stage(state) if rank == 0 else None
+            job["rank_state"] = None if rank_state is None else _stage(rank_state)
+            self._pending_result = {"job": job}
+            self._pending = threading.Thread(
+                target=self._background, args=(job,), name="checkpoint-save", daemon=True
+            )
+            self._pending.start()
+            return job["final"]
+        job["state"] = state if rank == 0 else None
+        job["rank_state"] = rank_state
+        digest = self._write_and_publish(job, group=None)
+        self._record(job, digest)
+        return job["final"]
 
-    def load(
-        self, path_or_step: int | str | os.PathLike[str] | SavedCheckpoint | None = None
-    ) -> dict:
-        """The state dict of a checkpoint: the latest saved (None), a step, or a directory.
+    def wait(self) -> None:
+        """Block until a background save is durable and recorded (every rank calls it);
+        raise its error, if it failed. A no-op without a save in flight."""
+        self._finish_pending()
 
-        Reads with ``torch.load(..., weights_only=True)``: tensors, containers and
-        scalars only, never arbitrary pickled objects. Tensors load onto the CPU.
-        """
-        path = self._resolve(path_or_step)
-        state = self._read(path)
-        if not isinstance(state, dict):
-            raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict")
-        return state
+    def close(self) -> None:
+        """``wait()``; call it before the process exits, or the last async save is not recorded."""
+        self._finish_pending()
+
+    def is_best(self, metrics: Mapping[str, float] | None) -> bool:
+        """Whether ``metrics`` beat every checkpoint saved so far (every rank calls it:
+        rank 0 decides and the others take its verdict). Empty metrics never do."""
+        rank, _ = self._rank()
+        verdict, error = False, None
+        if rank == 0:
+            try:
+                verdict = self._beats_best(_check_metrics(metrics), strict=True)
+            except Exception as exc:
+                error = exc
+        return bool(agree(error, verdict, **self._meeting("best-checkpoint decision"))[0])
 
     def resume(
         self, consumer: Consumer, checkpoint: int | str | Checkpoint | None = "latest"
     ) -> tuple[ReconcilePlan, dict | None]:
-        """Resume ``consumer`` and load the state of the checkpoint it resumed from.
+        """Resume ``consumer`` from ``checkpoint`` and load its state (every rank calls it).
 
-        ``checkpoint``: ``"latest"`` (the newest checkpoint of the ledger's current
-        lineage, or from scratch), a step, a ``dataflow.Checkpoint``, or None (from
-        scratch). Attaches ``consumer``, so later saves are recorded in its run.
-        Returns the plan and the state dict (None when resuming from scratch).
+        ``checkpoint``: ``"latest"`` (the newest intact checkpoint of the ledger's
+        current lineage, or from scratch when it has none), a step, a
+        ``dataflow.Checkpoint``, or None (from scratch). Before the resume event
+        is appended, rank 0 checks the directory's manifest against the digest
+        the ledger recorded and every file against the manifest, and each other
+        rank checks the files it will load: a missing, moved-away or corrupt
+        checkpoint fails here and fences off nobody. ``"latest"`` falls back to
+        the next older intact checkpoint of the lineage, with a warning.
+        Returns the plan and the state (None from scratch); a rank's own state
+        is ``load_rank_state(plan.checkpoint, rank=...)``.
         """
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
             _check_step(checkpoint)
-        self.consumer = consumer
-        plan = consumer.resume(checkpoint)
-        if consumer.rank == 0:
-            # The new epoch fenced off every older trainer: what they left half-written is garbage.
-            self._sweep()
+        self._finish_pending()
+        self._attach(consumer)
+        rank = consumer.rank
+        meeting = self._meeting("resume")
+        error, chosen = None, None
+        if rank == 0:
+            try:
+                chosen = self._choose(consumer, checkpoint)
+            except Exception as exc:
+                error = exc
+        chosen = agree(error, chosen, **meeting)[0]
+        saved = None
+        try:
+            if chosen is not None:
+                saved = read_manifest(Path(chosen["path"]), expected_digest=chosen["digest"])
+                if rank != 0:
+                    verify_files(saved, self._files_of_rank(saved, rank))
+        except Exception as exc:
+            error = exc
+        agree(error, None, **meeting)
+        plan = consumer.resume(_checkpoint_by_seq(consumer, chosen) if rank == 0 else checkpoint)
+        if rank == 0:
+            # The new epoch fenced off every older trainer: what they left is garbage.
+            self._sweep(consumer)
         if plan.checkpoint is None:
             return plan, None
-        path = Path(plan.checkpoint.path)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"run {consumer.run_id!r} resumed from its checkpoint at step "
-                f"{plan.checkpoint.step}, but its directory {path} is gone; resume from "
-                "another step, or None to start from scratch"
-            )
-        return plan, self.load(path)
+        assert saved is not None
+        return plan, self._load_state(saved)
+
+    def load(self, which: Which = None) -> dict:
+        """The state (rank 0's ``state``) of a checkpoint of this run, after checking its files.
+
+        ``which``: None or ``"latest"`` (the most recent save; when corrupt, the next
+        older intact one, with a warning), ``"best"``, a step (its most recent save),
+        a directory, a ``SavedCheckpoint`` or a ``dataflow.Checkpoint`` (checked against
+        the digest the ledger recorded). Reads with ``weights_only=True``, onto the CPU.
+        """
+        return self._load_state(self._find(which, rank=None))
+
+    def load_rank_state(self, which: Which = None, *, rank: int) -> dict:
+        """Rank ``rank``'s own state in a checkpoint (``which`` as for ``load``)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        saved = self._find(which, rank=rank)
+        return _decode(self._read_checked(saved, rank_file(rank)))
 
     def saved(self) -> list[SavedCheckpoint]:
-        """Every complete checkpoint under ``root``, oldest save first."""
-        if not self.root.is_dir():
+        """Every published checkpoint of this run, oldest save first (files not yet checked)."""
+        run_dir = self.run_dir
+        if not run_dir.is_dir():
             return []
         found = []
-        for path in self.root.iterdir():
-            step = path.name.removeprefix(_PREFIX)
-            if path.name.startswith(_PREFIX) and step.isdigit() and path.is_dir():
-                saved = self._manifest(path)
-                if saved is not None:
-                    found.append(saved)
+        for path in run_dir.iterdir():
+            if parse_dir_name(path.name) is None or not path.is_dir():
+                continue
+            try:
+                found.append(read_manifest(path))
+            except CheckpointError as exc:
+                log.warning("skipping checkpoint %s: %s", path, exc)
         return sorted(found, key=lambda c: (c.serial, c.step))
 
     def latest(self) -> SavedCheckpoint | None:
@@ -246,120 +378,520 @@ class CheckpointManager:
         nothing), without ``best_metric`` or with a non-finite value never win.
         Ties go to the latest save.
         """
-        name = self.config.best_metric
-        sign = 1.0 if self.config.best_mode == "max" else -1.0
-        ranked = [
-            (sign * c.metrics[name], c.serial, c)
-            for c in self.saved()
-            if c.metrics and math.isfinite(c.metrics.get(name, math.nan))
-        ]
+        ranked = [(self._score(c.metrics), c.serial, c) for c in self.saved()]
+        ranked = [r for r in ranked if r[0] is not None]
         return max(ranked, key=lambda r: r[:2])[2] if ranked else None
 
-    # -- hooks: the file format ---------------------------------------------------
-    def _write(self, tmp_dir: Path, state: dict[str, Any]) -> None:
-        """Write ``state`` into the fresh directory ``tmp_dir`` (fsync is done by ``save``)."""
-        path = tmp_dir / STATE_FILE
-        torch.save(state, path)
+    # -- hooks: the file format -----------------------------------------------------------
+    def _write(self, file: Path, obj: dict[str, Any]) -> None:
+        """Write ``obj`` to the new file ``file`` (fsync and digests are done by ``save``)."""
+        torch.save(obj, file)
         # Refuse at save time what weights_only loading would refuse at resume time.
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
         if unsafe:
             raise ValueError(
                 f"the state holds objects that torch.load(weights_only=True) refuses: "
                 f"{sorted(unsafe)[:10]}; keep to state dicts, tensors, containers and scalars"
             )
 
-    def _read(self, path: Path) -> Any:
-        """The state stored in the checkpoint directory ``path``."""
-        file = path / STATE_FILE
-        if not file.is_file():
-            raise FileNotFoundError(f"checkpoint {path} has no {STATE_FILE}")
+    def _read(self, file: Path) -> Any:
+        """What ``_write`` wrote to ``file``."""
         return torch.load(file, map_location="cpu", weights_only=True)
 
-    # -- internals ----------------------------------------------------------------
-    def _step_dir(self, step: int) -> Path:
-        return self.root / f"{_PREFIX}{step:08d}"
+    # -- save internals -----------------------------------------------------------------
+    def _rank(self) -> tuple[int, int]:
+        if self.consumer is not None:
+            return self.consumer.rank, self.consumer.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
 
-    def _resolve(self, which: object) -> Path:
-        if which is None:
-            latest = self.latest()
-            if latest is None:
-                raise FileNotFoundError(f"no checkpoint under {self.root}")
-            return latest.path
-        if isinstance(which, SavedCheckpoint):
-            which = which.path
-        if isinstance(which, str | os.PathLike):
-            path = Path(which)
-            if not path.is_dir():
-                raise FileNotFoundError(f"checkpoint directory {str(path)!r} does not exist")
-            return path
-        step = _check_step(which)
-        path = self._step_dir(step)
-        if not path.is_dir():
-            steps = [c.step for c in self.saved()]
-            raise FileNotFoundError(
-                f"no checkpoint at step {step} under {self.root}; saved steps: {steps[-20:]}"
-            )
-        return path
+    def _meeting(self, what: str, group: Any = None) -> dict[str, Any]:
+        rank, world_size = self._rank()
+        return {"world_size": world_size, "rank": rank, "what": what, "group": group}
 
-    def _manifest(self, path: Path) -> SavedCheckpoint | None:
-        try:
-            data = json.loads((path / MANIFEST_FILE).read_text())
-            return SavedCheckpoint(
-                path=path,
-                step=int(data["step"]),
-                metrics=data.get("metrics"),
-                time=float(data["time"]),
-                serial=int(data["serial"]),
-            )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("skipping checkpoint %s: unreadable manifest (%s)", path, exc)
-            return None
-
-    def _publish(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        serial = max((c.serial for c in self.saved()), default=0) + 1
-        tmp = self.root / f"{_TMP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
-            self._write(tmp, state)
-            manifest = {"step": step, "metrics": metrics, "time": time.time(), "serial": serial}
-            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-            fsync_tree(tmp)
-            target = self._step_dir(step)
-            if target.exists():
-                # Not in the current lineage (save checked the step against it): left by
-                # a crash before the ledger recorded it, or abandoned by a resume from an
-                # older checkpoint. Directories cannot be renamed over, so move it aside.
-                log.info("replacing %s, which is not in the current lineage", target)
-                self._discard(target)
-            os.rename(tmp, target)
-            fsync_path(self.root, directory=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def _retain(self) -> None:
-        k = self.config.keep_latest_k
-        if k == 0:
+    def _check_components(self, state: dict[str, Any], rank_state: dict[str, Any] | None) -> None:
+        declared = self.config.components
+        if declared is None:
             return
+        keys = set(state) | set(rank_state or ())
+        missing = [c for c in declared if c not in keys]
+        if missing:
+            raise ValueError(
+                f"components {missing} are declared in CheckpointConfig.components but missing "
+                f"from state and rank_state (keys: {sorted(keys)}); pass them, or set them to "
+                "None when absent"
+            )
+        undeclared = sorted(k for k in keys & set(COMPONENTS) if k not in declared)
+        if undeclared:
+            raise ValueError(
+                f"state holds {undeclared}, which CheckpointConfig.components={declared} "
+                "leaves out; declare them, or drop them from the state"
+            )
+
+    def _entries(
+        self, state: dict[str, Any], rank_state: dict[str, Any] | None
+    ) -> dict[str, frozenset[str]]:
+        """This save's entries: its keys plus every entry an earlier save of the run had."""
+        if self._known_entries is None:
+            latest = self.latest()
+            known = latest.manifest.get("entries", {}) if latest is not None else {}
+            self._known_entries = {
+                "state": frozenset(known.get("state", ())),
+                "rank": frozenset(known.get("rank", ())),
+            }
+        entries = {
+            "state": self._known_entries["state"] | frozenset(state),
+            "rank": self._known_entries["rank"] | frozenset(rank_state or ()),
+        }
+        self._known_entries = entries
+        return entries
+
+    def _start(self, step: int) -> dict[str, Any]:
+        """Rank 0: check the ledger, make the temporary directory, name the final one."""
+        consumer = self.consumer
+        epoch = None
+        if consumer is not None:
+            _check_current(consumer)
+            floor = consumer.state.last_checkpoint_step
+            if step <= floor:
+                raise ValueError(
+                    f"cannot save a checkpoint at step {step}: run {consumer.run_id!r} already "
+                    f"has one at step {floor} in this lineage; checkpoint steps must increase"
+                )
+            epoch = consumer.epoch
+        run_dir = self.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        serial = max((c.serial for c in self.saved()), default=0) + 1
+        name = checkpoint_dir_name(step, epoch)
+        tmp = run_dir / f"{TMP_PREFIX}{name}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        return {"tmp": str(tmp), "final": str(run_dir / name), "serial": serial}
+
+    def _background(self, job: dict[str, Any]) -> None:
+        try:
+            self._pending_result["digest"] = self._write_and_publish(job, group=self._async_group)
+        except BaseException as exc:  # surfaces on the caller's thread at the next call
+            self._pending_result["error"] = exc
+
+    def _finish_pending(self) -> None:
+        thread, self._pending = self._pending, None
+        if thread is None:
+            return
+        thread.join()
+        result, self._pending_result = self._pending_result, {}
+        if "error" in result:
+            raise CheckpointError(
+                f"the background save at step {result['job']['step']} failed: {result['error']}"
+            ) from result["error"]
+        self._record(result["job"], result["digest"])
+
+    def _write_and_publish(self, job: dict[str, Any], *, group: Any) -> str:
+        """Phases 2 and 3: every rank's files, then rank 0's manifest and rename."""
+        rank, world_size = self._rank()
+        tmp: Path = job["tmp"]
+        meeting = self._meeting(f"checkpoint save at step {job['step']}", group)
+        error, files = None, {}
+        try:
+            files = self._write_files(job, rank)
+        except Exception as exc:
+            error = exc
+        try:
+            every_rank = agree(error, files, **meeting)
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        error, digest = None, ""
+        if rank == 0:
+            try:
+                digest = self._publish(job, every_rank, world_size)
+            except Exception as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = exc
+        return str(agree(error, digest, **meeting)[0])
+
+    def _write_files(self, job: dict[str, Any], rank: int) -> dict[str, Any]:
+        tmp: Path = job["tmp"]
+        written = []
+        if rank == 0:
+            self._write(tmp / STATE_FILE, job["state"])
+            written.append(STATE_FILE)
+            components = self.config.components
+            if components is not None and "model" not in components:
+                (tmp / NO_MODEL_FILE).write_text(
+                    "This checkpoint holds no model on purpose: CheckpointConfig.components "
+                    f"= {list(components)}; the weights are kept elsewhere.\n"
+                )
+                written.append(NO_MODEL_FILE)
+        if job["rank_state"] is not None:
+            self._write(tmp / rank_file(rank), job["rank_state"])
+            written.append(rank_file(rank))
+        files = {}
+        for name in written:
+            fsync_path(tmp / name)
+            files[name] = file_digest(tmp / name)
+        return files
+
+    def _publish(self, job: dict[str, Any], every_rank: list[Any], world_size: int) -> str:
+        tmp: Path = job["tmp"]
+        final: Path = job["final"]
+        files: dict[str, Any] = {}
+        for part in every_rank:
+            files.update(part)
+        with_rank_state = [rank_file(r) in files for r in range(world_size)]
+        if any(with_rank_state) and not all(with_rank_state):
+            missing = [r for r, has in enumerate(with_rank_state) if not has]
+            raise ValueError(
+                f"ranks {missing} passed no rank_state while others did: every rank passes "
+                "one, or none does"
+            )
+        components = self.config.components
+        manifest = {
+            "format": FORMAT,
+            "run_id": self.run_id,
+            "step": job["step"],
+            "epoch": parse_dir_name(final.name)[1],  # type: ignore[index]
+            "time": time.time(),
+            "serial": job["serial"],
+            "world_size": world_size,
+            "components": None if components is None else list(components),
+            "entries": job["entries"],
+            "metrics": job["metrics"],
+            "files": dict(sorted(files.items())),
+        }
+        raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        with open(tmp / MANIFEST_FILE, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(tmp, directory=True)
+        if final.exists():
+            # Only without a ledger (a name with the epoch is never reused): the same
+            # step saved again. Directories cannot be renamed over, so move it aside.
+            log.info("replacing %s", final)
+            self._discard(final)
+        os.rename(tmp, final)
+        fsync_path(final.parent, directory=True)
+        return read_manifest(final).digest
+
+    def _record(self, job: dict[str, Any], digest: str) -> None:
+        """Phase 4: the ledger record, then rank 0's pointers, best record and retention."""
+        rank, _ = self._rank()
+        final: Path = job["final"]
+        meeting = self._meeting(f"checkpoint save at step {job['step']}")
+        error = None
+        try:
+            if self.consumer is not None:
+                self.consumer.checkpoint(job["step"], str(final), digest=digest)
+        except Exception as exc:
+            error = exc
+        agree(error, None, **meeting)
+        if rank == 0:
+            try:
+                point(self._pointer("latest"), final)
+                if self._beats_best(job["metrics"], strict=False):
+                    self._set_best(read_manifest(final))
+                self._retain(final, job["step"])
+            except Exception as exc:
+                error = exc
+        agree(error, None, **meeting)
+
+    # -- best -----------------------------------------------------------------------------
+    def _score(self, metrics: Mapping[str, float] | None) -> float | None:
+        if not metrics:
+            return None
+        value = metrics.get(self.config.best_metric, math.nan)
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            return None
+        return value if self.config.best_mode == "max" else -value
+
+    def _beats_best(self, metrics: Mapping[str, float] | None, *, strict: bool) -> bool:
+        score = self._score(metrics)
+        if score is None:
+            return False
+        meta = self._best_meta
+        if meta is None:
+            best = self.best()
+            if best is None:
+                return True
+            current = self._score(best.metrics)
+        else:
+            current = self._score({self.config.best_metric: meta["score"]})
+        assert current is not None
+        return score > current if strict else score >= current
+
+    def _set_best(self, saved: SavedCheckpoint | None) -> None:
+        if saved is None:
+            self._best_meta = None
+            unpoint(self._pointer("best"))
+            self._best_meta_file.unlink(missing_ok=True)
+            return
+        meta = {
+            "run_id": self.run_id,
+            "metric": self.config.best_metric,
+            "mode": self.config.best_mode,
+            "score": saved.metrics[self.config.best_metric],  # type: ignore[index]
+            "step": saved.step,
+            "path": os.path.relpath(saved.path, self.root),
+        }
+        write_atomic(self._best_meta_file, (json.dumps(meta, indent=1) + "\n").encode())
+        point(self._pointer("best"), saved.path)
+        self._best_meta = meta
+
+    def _load_best_meta(self) -> dict[str, Any] | None:
+        file = self._best_meta_file
+        if not file.exists():
+            return None
+        try:
+            meta = json.loads(file.read_text())
+            score = float(meta["score"])
+            if not math.isfinite(score) or not isinstance(meta["step"], int):
+                raise ValueError(f"score {score} / step {meta['step']!r}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            warnings.warn(f"ignoring the corrupt best record {file}: {exc}", stacklevel=3)
+            return None
+        mine = (self.run_id, self.config.best_metric, self.config.best_mode)
+        theirs = (meta.get("run_id"), meta.get("metric"), meta.get("mode"))
+        if theirs != mine:
+            warnings.warn(
+                f"ignoring the best record {file}: it is for (run, metric, mode) {theirs}, "
+                f"this manager tracks {mine}",
+                stacklevel=3,
+            )
+            return None
+        return meta
+
+    # -- retention and rewind ----------------------------------------------------------
+    def _retain(self, just_written: Path, step: int) -> None:
         saved = self.saved()
-        keep = {c.path for c in saved[-k:]}
-        best = self.best() if self.config.keep_best else None
-        if best is not None:
-            keep.add(best.path)
-        for checkpoint in saved:
-            if checkpoint.path not in keep:
-                self._discard(checkpoint.path)
+        doomed: dict[Path, str] = {}
+        consumer = self.consumer
+        if consumer is not None:
+            lineage = {Path(c.path).name for c in consumer.state.lineage_checkpoints()}
+            for c in saved:
+                if c.step >= step and c.path != just_written and c.path.name not in lineage:
+                    doomed[c.path] = "rewind"
+        k = self.config.keep_latest_k
+        if k:
+            survivors = [c for c in saved if c.path not in doomed]
+            keep = {c.path for c in survivors[-k:]} | {just_written}
+            best = self.best() if self.config.keep_best else None
+            if best is not None and best.path not in doomed:
+                keep.add(best.path)
+            doomed.update({c.path: "retention" for c in survivors if c.path not in keep})
+        if not doomed:
+            return
+        self._remove(doomed)
+        best_path = self._best_meta and self.root / self._best_meta["path"]
+        if best_path is None or best_path in doomed:
+            self._set_best(self.best())
+
+    def _remove(self, doomed: dict[Path, str]) -> None:
+        consumer = self.consumer
+        if consumer is not None:
+            recorded = {Path(c.path).name: c for c in consumer.state.checkpoints}
+            for reason in sorted(set(doomed.values())):
+                names = [p.name for p, why in doomed.items() if why == reason]
+                known = [recorded[n] for n in names if n in recorded]
+                if known:
+                    # In the ledger before the files go: a crash in between leaves files
+                    # nobody resumes from (swept later), never a record of missing files.
+                    consumer.remove_checkpoints(known, reason=reason)
+        for path in doomed:
+            log.info("removing checkpoint %s (%s)", path, doomed[path])
+            self._discard(path)
 
     def _discard(self, path: Path) -> None:
         # Renamed away first, so no reader ever sees a half-deleted checkpoint.
-        trash = self.root / f"{_TRASH_PREFIX}{secrets.token_hex(4)}"
+        trash = path.parent / f"{TRASH_PREFIX}{secrets.token_hex(4)}"
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def _sweep(self) -> None:
-        if not self.root.is_dir():
+    def _sweep(self, consumer: Consumer) -> None:
+        """Rank 0 after a resume: drop temporary and trash directories, and directories of
+        older epochs the ledger never recorded or recorded as removed."""
+        run_dir = self.run_dir
+        if not run_dir.is_dir():
             return
-        for path in self.root.iterdir():
-            if path.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+        state = consumer.state
+        recorded = {
+            Path(c.path).name for c in state.checkpoints if c.seq not in state.removed_checkpoints
+        }
+        for path in run_dir.iterdir():
+            if path.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(path, ignore_errors=True)
+                continue
+            parsed = parse_dir_name(path.name)
+            stale = parsed is not None and parsed[1] is not None and parsed[1] < state.epoch
+            if stale and path.name not in recorded:
+                log.info("removing %s: no checkpoint the ledger can resume from", path)
+                self._discard(path)
+
+    # -- load internals -------------------------------------------------------------------
+    def _attach(self, consumer: Consumer) -> None:
+        if not isinstance(consumer, Consumer):
+            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+        if self.consumer is not None and self.consumer.run_id != consumer.run_id:
+            raise ValueError(
+                f"this manager is attached to run {self.consumer.run_id!r}, not {consumer.run_id!r}"
+            )
+        if self.run_id is not None and self.run_id != consumer.run_id:
+            raise ValueError(
+                f"CheckpointConfig.run_id={self.run_id!r} but the consumer is in run "
+                f"{consumer.run_id!r}: leave run_id out to take the consumer's"
+            )
+        fresh = self.run_id is None
+        self.consumer = consumer
+        self.run_id = consumer.run_id
+        if fresh or self._best_meta is None:
+            self._best_meta = self._load_best_meta()
+
+    def _choose(self, consumer: Consumer, which: object) -> dict[str, Any] | None:
+        """Rank 0: the recorded checkpoint to resume from, its directory checked."""
+        state = consumer.state
+        state.apply_rows(consumer.ledger.rows(consumer.run_id, after_seq=state.head_seq))
+        removed = state.removed_checkpoints
+        if which is None:
+            return None
+        if which == "latest":
+            candidates = [c for c in reversed(state.lineage_checkpoints()) if c.seq not in removed]
+            if not candidates:
+                return None
+        elif isinstance(which, Checkpoint):
+            candidates = [which]
+        else:
+            found = state.checkpoint_for(which)
+            if found is None:
+                gone = [c for c in state.checkpoints if c.step == which and c.seq in removed]
+                steps = sorted({c.step for c in state.checkpoints if c.seq not in removed})
+                why = f" (removed: {removed[gone[-1].seq]})" if gone else ""
+                raise UnknownCheckpointError(
+                    f"run {consumer.run_id!r} has no checkpoint at step {which} to resume "
+                    f"from{why}; resumable steps: {steps[-20:]} (None starts from scratch)"
+                )
+            candidates = [found]
+        for c in candidates:
+            if c not in state.checkpoints:
+                raise UnknownCheckpointError(f"{c} is not recorded in run {consumer.run_id!r}")
+            if c.seq in removed:
+                raise UnknownCheckpointError(
+                    f"the checkpoint at step {c.step} of run {consumer.run_id!r} was removed "
+                    f"({removed[c.seq]}); resume from another one"
+                )
+        errors = []
+        for c in candidates:
+            try:
+                saved = read_manifest(self._locate(c), expected_digest=c.digest)
+                verify_files(saved)
+                _, world_size = self._rank()
+                if saved.has_rank_state and saved.world_size != world_size:
+                    raise CheckpointError(
+                        f"checkpoint {saved.path} holds the state of {saved.world_size} ranks; "
+                        f"this run resumes with {world_size}"
+                    )
+            except CheckpointError as exc:
+                if which != "latest":
+                    raise
+                warnings.warn(
+                    f"not resuming from the checkpoint at step {c.step}: {exc}", stacklevel=4
+                )
+                errors.append(exc)
+                continue
+            return {"seq": c.seq, "path": str(saved.path), "digest": c.digest}
+        raise CorruptCheckpointError(
+            f"no intact checkpoint in the lineage of run {consumer.run_id!r}: "
+            + "; ".join(str(e) for e in errors)
+        )
+
+    def _locate(self, checkpoint: Checkpoint) -> Path:
+        """The recorded directory, or one of that name under this root (the root was moved)."""
+        recorded = Path(checkpoint.path)
+        for path in (recorded, self.run_dir / recorded.name):
+            if (path / MANIFEST_FILE).is_file():
+                return path
+        raise CheckpointNotFoundError(
+            f"the checkpoint at step {checkpoint.step} of run {self.run_id!r} was recorded at "
+            f"{recorded}, which is gone (also not under {self.run_dir}); resume from another "
+            "checkpoint, or None to start from scratch"
+        )
+
+    def _find(self, which: object, *, rank: int | None) -> SavedCheckpoint:
+        if which is None or which == "latest":
+            candidates = list(reversed(self.saved()))
+            if not candidates:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint of run {self.run_id!r} under {self.root}"
+                )
+            for saved in candidates:
+                try:
+                    verify_files(saved, self._files_for(saved, rank))
+                except CheckpointError as exc:
+                    warnings.warn(f"skipping checkpoint {saved.path}: {exc}", stacklevel=4)
+                    continue
+                return saved
+            raise CorruptCheckpointError(
+                f"no intact checkpoint of run {self.run_id!r} under {self.root}"
+            )
+        if which == "best":
+            saved = self.best()
+            if saved is None:
+                raise CheckpointNotFoundError(
+                    f"no checkpoint of run {self.run_id!r} has the metric "
+                    f"{self.config.best_metric!r}"
+                )
+        elif isinstance(which, SavedCheckpoint):
+            saved = read_manifest(which.path)
+        elif isinstance(which, Checkpoint):
+            saved = read_manifest(self._locate(which), expected_digest=which.digest)
+        elif isinstance(which, str | os.PathLike):
+            saved = read_manifest(Path(which))
+        else:
+            step = _check_step(which)
+            matches = [c for c in self.saved() if c.step == step]
+            if not matches:
+                steps = [c.step for c in self.saved()]
+                raise CheckpointNotFoundError(
+                    f"no checkpoint at step {step} of run {self.run_id!r}; saved: {steps[-20:]}"
+                )
+            saved = matches[-1]
+        verify_files(saved, self._files_for(saved, rank))
+        return saved
+
+    def _files_for(self, saved: SavedCheckpoint, rank: int | None) -> list[str]:
+        """The files a load reads: rank 0's state (``rank`` None), or one rank's own file."""
+        if rank is None:
+            names = [STATE_FILE]
+            if NO_MODEL_FILE in saved.manifest["files"]:
+                names.append(NO_MODEL_FILE)
+            return names
+        if not saved.has_rank_state:
+            raise CheckpointError(f"checkpoint {saved.path} holds no per-rank state")
+        if rank >= saved.world_size:
+            raise CheckpointError(
+                f"checkpoint {saved.path} holds the state of {saved.world_size} ranks, "
+                f"not of rank {rank}"
+            )
+        return [rank_file(rank)]
+
+    def _files_of_rank(self, saved: SavedCheckpoint, rank: int) -> list[str]:
+        """Every file ``rank`` reads on resume: the shared state, and its own when saved."""
+        names = self._files_for(saved, None)
+        return names + (self._files_for(saved, rank) if saved.has_rank_state else [])
+
+    def _load_state(self, saved: SavedCheckpoint) -> dict:
+        return _decode(self._read_checked(saved, STATE_FILE))
+
+    def _read_checked(self, saved: SavedCheckpoint, name: str) -> dict:
+        state = self._read(saved.path / name)
+        if not isinstance(state, dict):
+            raise CorruptCheckpointError(
+                f"{saved.path / name} holds a {type(state).__name__}, not a state dict"
+            )
+        return state
+
+
+def _checkpoint_by_seq(consumer: Consumer, chosen: dict[str, Any] | None) -> Checkpoint | None:
+    if chosen is None:
+        return None
+    return next(c for c in consumer.state.checkpoints if c.seq == chosen["seq"])

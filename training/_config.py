@@ -8,6 +8,8 @@ import warnings
 from pathlib import Path
 
 BEST_MODES = ("max", "min")
+#: What a checkpoint may hold, by name (``CheckpointConfig.components``).
+COMPONENTS = ("model", "optimizer", "scheduler", "rng", "data", "trainer")
 
 
 def _int_field(name: str, value: object, *, minimum: int) -> int:
@@ -23,10 +25,12 @@ class CheckpointConfig:
     """Where checkpoints go, how many stay, and which one is best."""
 
     root: str | os.PathLike[str]
-    """Directory holding one ``step-XXXXXXXX`` directory per checkpoint; created on first save.
+    """Directory holding every run's checkpoints (``{root}/{run_id}/...``); created on first
+    save. Kept as an absolute ``Path``: the ledger records absolute checkpoint paths."""
 
-    Kept as an absolute ``Path``: the ledger records absolute checkpoint paths.
-    """
+    run_id: str | None = None
+    """The run whose checkpoints these are: ``{root}/{run_id}/`` holds them, and runs sharing
+    a root never see each other's. ``None``: the attached consumer's run (required then)."""
 
     keep_latest_k: int = 0
     """Keep the ``k`` most recently saved checkpoints (plus the best); 0 keeps all."""
@@ -40,12 +44,28 @@ class CheckpointConfig:
     keep_best: bool = True
     """Retention never deletes the best checkpoint (when False, only the latest is protected)."""
 
+    components: tuple[str, ...] | None = None
+    """What every checkpoint of the run holds, a subset of ``COMPONENTS``; each must be a
+    key of ``state`` or ``rank_state`` at every save. Leaving ``"model"`` out writes a
+    ``NO_MODEL`` marker (the weights live elsewhere). ``None``: not checked."""
+
+    async_save: bool = False
+    """Stage the state in memory and write it in a background thread; the ledger records
+    the checkpoint once it is durable (at the next save, ``wait()`` or ``close()``)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.root, os.PathLike):
             object.__setattr__(self, "root", os.fspath(self.root))
         if not isinstance(self.root, str) or not self.root.strip():
             raise ValueError(f"root must be a non-empty path, got {self.root!r}")
         object.__setattr__(self, "root", Path(self.root).expanduser().absolute())
+        if self.run_id is not None and (
+            not isinstance(self.run_id, str) or not 0 < len(self.run_id) <= 256
+        ):
+            raise ValueError(
+                f"run_id must be a non-empty str of at most 256 characters or None, "
+                f"got {self.run_id!r}"
+            )
         _int_field("keep_latest_k", self.keep_latest_k, minimum=0)
         if not isinstance(self.best_metric, str) or not self.best_metric:
             raise ValueError(f"best_metric must be a non-empty str, got {self.best_metric!r}")
@@ -53,6 +73,21 @@ class CheckpointConfig:
             raise ValueError(f"best_mode must be one of {BEST_MODES}, got {self.best_mode!r}")
         if not isinstance(self.keep_best, bool):
             raise ValueError(f"keep_best must be a bool, got {self.keep_best!r}")
+        if self.components is not None:
+            if isinstance(self.components, str):
+                raise ValueError(
+                    f"components must be a collection of names, got the str {self.components!r}"
+                )
+            names = tuple(self.components)
+            unknown = [n for n in names if n not in COMPONENTS]
+            if unknown or not names or len(set(names)) != len(names):
+                raise ValueError(
+                    f"components must be distinct names out of {COMPONENTS}, got {names!r}"
+                    + (f" (unknown: {unknown})" if unknown else "")
+                )
+            object.__setattr__(self, "components", names)
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save must be a bool, got {self.async_save!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

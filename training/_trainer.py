@@ -14,6 +14,7 @@ from dataflow import Checkpoint, Consumer, ReconcilePlan, SampleRef
 from eval import Evaluator
 from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
+from training._dist import flag_device
 from training._loader import Batch, CollateFn, FeatureLoader
 
 log = logging.getLogger("training")
@@ -46,13 +47,6 @@ def _check_eval_fn(eval_fn: object) -> None:
     )
 
 
-def _flag_device() -> torch.device:
-    # The device the default group communicates from: CUDA for NCCL, else the CPU.
-    if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class Trainer:
     """Runs the loop of a custom trainer over a Consumer's run; the model stays yours.
 
@@ -61,8 +55,10 @@ class Trainer:
     kept as ``last_loss``). Every ``grad_accum`` micro-batches it calls
     ``optimizer_fn(step)`` (optimizer step, zero_grad, scheduler) and acks the refs
     of all those micro-batches at that step, in one transaction; then, on their
-    cadences, evaluates and saves ``state_fn()`` through the CheckpointManager,
-    which records the checkpoint in the ledger once its files are durable. When
+    cadences, evaluates and saves ``state_fn()`` (and each rank's
+    ``rank_state_fn()``) through the CheckpointManager, which records the
+    checkpoint in the ledger once every rank's files are durable. An eval
+    whose metrics beat every checkpoint so far saves off the cadence too. When
     the run is finished (or ``max_steps`` is reached) it saves a final checkpoint
     if a step was taken since the last one. With ``grad_accum=1``, ``step_fn`` may
     do the optimizer step itself and ``optimizer_fn`` may be omitted.
@@ -87,6 +83,8 @@ class Trainer:
         state_fn: Callable[[], Mapping[str, Any]],
         optimizer_fn: Callable[[int], object] | None = None,
         load_fn: Callable[[dict], object] | None = None,
+        rank_state_fn: Callable[[], Mapping[str, Any]] | None = None,
+        load_rank_fn: Callable[[dict], object] | None = None,
         evaluator: Evaluator | None = None,
         eval_fn: EvalFn | None = None,
         config: TrainerConfig | None = None,
@@ -108,6 +106,12 @@ class Trainer:
         _check_callable("state_fn", state_fn)
         _check_callable("optimizer_fn", optimizer_fn, optional=True)
         _check_callable("load_fn", load_fn, optional=True)
+        _check_callable("rank_state_fn", rank_state_fn, optional=True)
+        _check_callable("load_rank_fn", load_rank_fn, optional=True)
+        if (rank_state_fn is None) != (load_rank_fn is None):
+            raise ValueError(
+                "rank_state_fn and load_rank_fn come together: what one saves, the other loads"
+            )
         if config.grad_accum > 1 and optimizer_fn is None:
             raise ValueError(
                 f"grad_accum={config.grad_accum} needs an optimizer_fn: step_fn cannot tell "
@@ -132,6 +136,8 @@ class Trainer:
         self.state_fn = state_fn
         self.optimizer_fn = optimizer_fn
         self.load_fn = load_fn
+        self.rank_state_fn = rank_state_fn
+        self.load_rank_fn = load_rank_fn
         self.evaluator = evaluator if evaluator is not None or eval_fn is None else Evaluator()
         self.eval_fn = eval_fn
         self.loader = FeatureLoader(consumer, config=loader_config, collate_fn=collate_fn)
@@ -148,12 +154,16 @@ class Trainer:
 
     def resume(self, checkpoint: int | str | Checkpoint | None = "latest") -> dict | None:
         """Resume the consumer from ``checkpoint`` and return the state to apply (None from
-        scratch); ``load_fn``, when given, is called with it. Steps continue from there."""
+        scratch); ``load_fn``, when given, is called with it, and ``load_rank_fn`` with this
+        rank's own state. Steps continue from there."""
         plan, state = self.checkpoints.resume(self.consumer, checkpoint)
         self.plan = plan
         self.step = self._saved_step = plan.checkpoint.step if plan.checkpoint else 0
         if state is not None and self.load_fn is not None:
             self.load_fn(state)
+        if plan.checkpoint is not None and self.load_rank_fn is not None:
+            rank = self.consumer.rank
+            self.load_rank_fn(self.checkpoints.load_rank_state(plan.checkpoint, rank=rank))
         if plan.regenerate:
             warnings.warn(
                 f"{len(plan.regenerate)} samples of run {self.consumer.run_id!r} must be "
@@ -200,6 +210,7 @@ class Trainer:
                 if self._eval_enabled and self.metrics_step != self.step:
                     self._evaluate()
                 self._save()
+            self.checkpoints.wait()
         finally:
             self.loader.close()
         return self.step
@@ -235,7 +246,7 @@ class Trainer:
         batch = self.loader.next_batch()
         if not distributed:
             return batch
-        flag = torch.tensor([0 if batch is None else 1], device=_flag_device())
+        flag = torch.tensor([0 if batch is None else 1], device=flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return None
@@ -247,9 +258,12 @@ class Trainer:
             self.optimizer_fn(self.step)
         if refs:
             self.consumer.ack(refs, step=self.step)
+        save = bool(self.config.checkpoint_every) and self.step % self.config.checkpoint_every == 0
         if self._eval_enabled and self.step % self.config.eval_every == 0:
             self._evaluate()
-        if self.config.checkpoint_every and self.step % self.config.checkpoint_every == 0:
+            # Every rank asks, rank 0 decides: a new best is saved even off the cadence.
+            save = save or self.checkpoints.is_best(self.metrics)
+        if save:
             self._save()
 
     def _evaluate(self) -> None:
@@ -260,6 +274,9 @@ class Trainer:
     def _save(self) -> None:
         # Only metrics of this very step describe the state being saved.
         metrics = self.metrics if self.metrics_step == self.step else None
-        path = self.checkpoints.save(self.step, self.state_fn(), metrics=metrics)
+        rank_state = None if self.rank_state_fn is None else self.rank_state_fn()
+        path = self.checkpoints.save(
+            self.step, self.state_fn(), rank_state=rank_state, metrics=metrics
+        )
         self._saved_step = self.step
         log.info("checkpoint at step %d: %s", self.step, path)

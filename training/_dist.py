@@ -1,0 +1,73 @@
+"""What the training components need from torch.distributed: one device, one agreement."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from training._errors import CheckpointError
+
+
+def flag_device(group: Any = None) -> torch.device:
+    """The device ``group`` communicates from: CUDA for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def dist_active(world_size: int) -> bool:
+    return world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def exchange(text: str, group: Any = None) -> list[str]:
+    """Every rank's ``text``, in rank order: UTF-8 bytes through two all_gathers, no pickle."""
+    device = flag_device(group)
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
+    if data is not None:
+        padded[: data.numel()] = data.to(device)
+    gathered = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded, group=group)
+    return [
+        bytes(g[: int(n.item())].cpu().tolist()).decode()
+        for g, n in zip(gathered, sizes, strict=True)
+    ]
+
+
+def agree(
+    error: BaseException | None,
+    payload: Any = None,
+    *,
+    world_size: int,
+    rank: int,
+    what: str,
+    group: Any = None,
+) -> list[Any]:
+    """Meet the other ranks; raise on every rank if any rank failed; return every payload.
+
+    Each rank passes the error it caught since the last meeting (or None), so an
+    error on one rank becomes an error on all of them instead of a peer left
+    waiting in a collective. The rank that failed re-raises its own error; the
+    others raise a CheckpointError naming it.
+    """
+    if not dist_active(world_size):
+        if error is not None:
+            raise error
+        return [payload]
+    message = {"error": None if error is None else f"{type(error).__name__}: {error}"}
+    message["payload"] = payload
+    replies = [json.loads(r) for r in exchange(json.dumps(message), group)]
+    if error is not None:
+        raise error
+    failed = [(r, m["error"]) for r, m in enumerate(replies) if m["error"] is not None]
+    if failed:
+        who, why = failed[0]
+        raise CheckpointError(f"{what} failed on rank {who} (this is rank {rank}): {why}")
+    return [m["payload"] for m in replies]

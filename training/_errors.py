@@ -1,0 +1,30 @@
+"""The errors of ``training``; they derive from ``dataflow.DataflowError``::
+
+    DataflowError
+    └── TrainingError
+        └── CheckpointError                        a save or load could not be done
+            ├── CheckpointNotFoundError (FileNotFoundError)
+            └── CorruptCheckpointError             bytes on disk differ from what was recorded
+
+Bad arguments raise ``ValueError``, as everywhere in dataflow.
+"""
+
+from __future__ import annotations
+
+from dataflow import DataflowError
+
+
+class TrainingError(DataflowError):
+    """Root of the errors raised by ``training``."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint could not be saved or loaded (on this rank or on another one)."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint matches what was asked for, or its directory is gone."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files do not match its manifest, or its manifest the ledger's record."""
