@@ -138,7 +138,7 @@ def _stage(value: Any) -> Any:
 
 
 def _decode(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: None if v == ABSENT else v for k, v in state.items()}
+    return {k: None if isinstance(v, dict) and v == ABSENT else v for k, v in state.items()}
 
 
 class CheckpointManager:
@@ -794,12 +794,13 @@ class CheckpointManager:
                 if which != "latest":
                     raise
                 warnings.warn(
-                    f"not resuming from the checkpoint at step {c.step}: {exc}", stacklevel=4
+                    f"not resuming from the checkpoint at step {c.step}: {exc}", stacklevel=3
                 )
                 errors.append(exc)
                 continue
             return {"seq": c.seq, "path": str(saved.path), "digest": c.digest}
-        raise CorruptCheckpointError(
+        gone = all(isinstance(e, CheckpointNotFoundError) for e in errors)
+        raise (CheckpointNotFoundError if gone else CorruptCheckpointError)(
             f"no intact checkpoint in the lineage of run {consumer.run_id!r}: "
             + "; ".join(str(e) for e in errors)
         )
@@ -827,7 +828,7 @@ class CheckpointManager:
                 try:
                     verify_files(saved, self._files_for(saved, rank))
                 except CheckpointError as exc:
-                    warnings.warn(f"skipping checkpoint {saved.path}: {exc}", stacklevel=4)
+                    warnings.warn(f"skipping checkpoint {saved.path}: {exc}", stacklevel=3)
                     continue
                 return saved
             raise CorruptCheckpointError(
