@@ -40,7 +40,14 @@ def _summary(state: Any) -> dict[str, Any]:
         "dead": len(state.dead),
         "regenerate": len(state.regenerate),
         "checkpoints": [
-            {"step": c.step, "epoch": c.epoch, "path": c.path, "seq": c.seq}
+            {
+                "step": c.step,
+                "epoch": c.epoch,
+                "path": c.path,
+                "seq": c.seq,
+                "digest": c.digest,
+                "removed": state.removed_checkpoints.get(c.seq),
+            }
             for c in state.checkpoints
         ],
         "producers_done": state.producers_done,
@@ -63,7 +70,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 continue
             print(f"{key:>15}: {value}")
         for c in report["checkpoints"]:
-            print(f"{'checkpoint':>15}: step {c['step']} (epoch {c['epoch']}) {c['path']}")
+            gone = f" [removed: {c['removed']}]" if c["removed"] else ""
+            print(f"{'checkpoint':>15}: step {c['step']} (epoch {c['epoch']}) {c['path']}{gone}")
         print(
             f"{'verify':>15}: " + ("clean" if not violations else f"{len(violations)} violations")
         )

@@ -53,6 +53,25 @@ def test_replay_reports_and_verifies(run_url: str) -> None:
     assert "verify: clean" in text.stdout
 
 
+def test_replay_shows_digests_and_removed_checkpoints(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    with Ledger.open(url) as led:
+        cons = Consumer(led, LocalFeatureStore(), run_id="r1", consumer_id="c")
+        cons.resume()
+        first = cons.checkpoint(step=1, path="ck1", digest="ab" * 32)
+        cons.checkpoint(step=2, path="ck2")
+        cons.remove_checkpoints([first], reason="retention")
+    report = json.loads(_cli("replay", "--ledger", url, "--run", "r1", "--json").stdout)
+    assert [(c["step"], c["digest"], c["removed"]) for c in report["checkpoints"]] == [
+        (1, "ab" * 32, "retention"),
+        (2, None, None),
+    ]
+    assert report["violations"] == []
+    text = _cli("replay", "--ledger", url, "--run", "r1").stdout
+    assert "step 1 (epoch 1) ck1 [removed: retention]" in text
+    assert "step 2 (epoch 1) ck2\n" in text
+
+
 def test_replay_upto_folds_a_prefix(run_url: str) -> None:
     report = json.loads(
         _cli("replay", "--ledger", run_url, "--run", "r1", "--upto", "5", "--json").stdout

@@ -245,7 +245,7 @@ def test_refs_are_frozen_and_round_trip_through_json():
             LedgerStateError,
             "'d'.*still stored",
             id="regenerate-stored",
-            ),
+        ),
     ],
 )
 def test_bad_producer_input_is_refused(world, call, error, match):
@@ -377,7 +377,7 @@ def test_steps_beyond_64_bits_are_refused(world, call):
             ValueError,
             "nan",
             id="timeout-nan",
-            ),
+        ),
         # acks and nacks
         pytest.param(
             lambda w: w.trainer.ack(["e"], step=2),
@@ -522,6 +522,43 @@ def test_steps_beyond_64_bits_are_refused(world, call):
             "elsewhere",
             id="resume-unknown-checkpoint",
         ),
+        pytest.param(
+            lambda w: w.trainer.checkpoint(2, "ckpt/2", digest=""),
+            ValueError,
+            "digest must be a non-empty str or None, got ''",
+            id="checkpoint-digest-empty",
+        ),
+        # checkpoint removals
+        pytest.param(
+            lambda w: w.trainer.remove_checkpoints(
+                replay(w.ledger, w.run_id).checkpoints, reason=""
+            ),
+            ValueError,
+            "reason must be a non-empty str, got ''",
+            id="remove-no-reason",
+        ),
+        pytest.param(
+            lambda w: w.peer.remove_checkpoints(
+                replay(w.ledger, w.run_id).checkpoints, reason="retention"
+            ),
+            LedgerStateError,
+            "only rank 0 records removed checkpoints",
+            id="remove-from-rank-1",
+        ),
+        pytest.param(
+            lambda w: w.trainer.remove_checkpoints(
+                [Checkpoint(999, 1, 1, "elsewhere", 0)], reason="retention"
+            ),
+            UnknownCheckpointError,
+            "elsewhere",
+            id="remove-unknown-checkpoint",
+        ),
+        pytest.param(
+            lambda w: w.trainer.remove_checkpoints([1], reason="retention"),
+            ValueError,
+            "expected dataflow.Checkpoint objects, got 1",
+            id="remove-a-step",
+        ),
         # data epochs
         pytest.param(
             lambda w: w.trainer.start_data_epoch(),
@@ -611,25 +648,25 @@ def test_bad_busy_timeouts_are_refused(sqlite_url, busy_timeout):
             (TypeError, ValueError),
             "'3'",
             id="events-after-str",
-            ),
+        ),
         pytest.param(
             lambda w: list(w.ledger.events(w.run_id, after_seq=None)),
             (TypeError, ValueError),
             "None",
             id="events-after-none",
-            ),
+        ),
         pytest.param(
             lambda w: list(w.ledger.events(w.run_id, upto_seq="9")),
             (TypeError, ValueError),
             "'9'",
             id="events-upto-str",
-            ),
+        ),
         pytest.param(
             lambda w: next(w.ledger.follow(w.run_id, "3", timeout=0)),
             (TypeError, ValueError),
             "'3'",
             id="follow-after-str",
-            ),
+        ),
         pytest.param(lambda w: w.ledger.head_seq(7), ValueError, "got 7", id="head_seq-run"),
         pytest.param(lambda w: w.ledger.commits("", ["a"]), ValueError, "got ''", id="commits-run"),
         pytest.param(
@@ -637,7 +674,7 @@ def test_bad_busy_timeouts_are_refused(sqlite_url, busy_timeout):
             TypeError,
             "'abc'",
             id="commits-str",
-            ),
+        ),
         pytest.param(
             lambda w: replay("sqlite:///x.db", w.run_id), TypeError, "got str", id="replay-ledger"
         ),

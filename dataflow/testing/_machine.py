@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 )
 
 from dataflow._contracts import FeatureStore, SampleRef
-from dataflow._errors import StaleEpochError
+from dataflow._errors import StaleEpochError, UnknownCheckpointError
 from dataflow._ledger import Ledger
 from dataflow._projection import Checkpoint, replay
 from dataflow._roles import Consumer, Producer
@@ -73,6 +73,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.dead: set[str] = set()
         self.attempts: dict[str, int] = {}
         self.snapshots: dict[int, tuple[int, dict[str, int]]] = {}  # checkpoint seq -> state
+        self.removed: set[int] = set()  # seqs of checkpoints whose files were removed
         self.ever_checkpointed: set[str] = set()
         self.ever_acked: set[str] = set()
         self.step = 0
@@ -158,6 +159,16 @@ class LedgerMachine(RuleBasedStateMachine):
         target: Any = {"latest": "latest", "scratch": None}.get(target_kind)
         if target_kind == "any":
             target = checkpoints[pick % len(checkpoints)] if checkpoints else None
+        if isinstance(target, Checkpoint) and target.seq in self.removed:
+            head = self.ledger.head_seq(self.run_id)
+            try:
+                self.consumers[0].resume(target)
+            except UnknownCheckpointError:
+                pass
+            else:
+                raise AssertionError("resumed from a checkpoint recorded as removed")
+            assert self.ledger.head_seq(self.run_id) == head, "a refused resume wrote"
+            target = "latest"
         self._resume(target)
 
     def _resume(self, target: Any) -> None:
@@ -165,6 +176,7 @@ class LedgerMachine(RuleBasedStateMachine):
         plans += [c.resume() for c in self.consumers[1:]]
         plan = plans[0]
         resolved = plan.checkpoint
+        assert resolved is None or resolved.seq not in self.removed, "resumed a removed one"
         data_epoch, trained = self.snapshots[resolved.seq] if resolved else (0, {})
         if data_epoch != self.data_epoch:
             self.attempts = {}
@@ -257,6 +269,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ever_checkpointed.update(self.trained)
         self.writes_since_resume += 1
 
+    @precondition(lambda self: bool(self.consumers))
+    @rule(pick=st.integers(0, 10**6))
+    def remove_a_checkpoint(self, pick: int) -> None:
+        """Retention deleted a checkpoint's files: record it; it is never resumed again."""
+        recorded = replay(self.ledger, self.run_id).checkpoints
+        live = [c for c in recorded if c.seq not in self.removed]
+        if not live:
+            return
+        target = live[pick % len(live)]
+        self.consumers[0].remove_checkpoints([target], reason="retention")
+        self.removed.add(target.seq)
+        self.writes_since_resume += 1
+
     @precondition(lambda self: bool(self.consumers) and not any(self.leased.values()))
     @rule(seed=st.integers(0, 100))
     def start_data_epoch(self, seed: int) -> None:
@@ -316,6 +341,9 @@ class LedgerMachine(RuleBasedStateMachine):
                 "features released before their sample was trained into a checkpoint"
             )
         assert replay(self.ledger, self.run_id).plans == state.plans, "reconcile not deterministic"
+        assert set(state.removed_checkpoints) == self.removed, "removals differ from the model"
+        latest = state.checkpoint_for("latest") if state.epoch else None
+        assert latest is None or latest.seq not in self.removed, "latest names a removed one"
 
     def teardown(self) -> None:
         self.store.close()
