@@ -121,6 +121,9 @@ def _trainer(parts: dict[str, Any], **overrides: Any) -> Trainer:
         ({"evaluator": "eval"}, "evaluator must be an eval.Evaluator"),
         ({"eval_fn": (lambda b: b, iter([1]))}, "an iterator, which the first eval"),
         ({"eval_fn": [1, 2]}, "eval_fn must be a function"),
+        ({"rank_state_fn": 1}, "rank_state_fn must be callable"),
+        ({"rank_state_fn": dict}, "rank_state_fn and load_rank_fn come together"),
+        ({"load_rank_fn": print}, "rank_state_fn and load_rank_fn come together"),
     ],
 )
 def test_trainer_rejects_bad_arguments(parts, overrides: dict[str, Any], match: str) -> None:
@@ -190,3 +193,41 @@ def test_a_multi_rank_trainer_needs_torch_distributed(parts) -> None:
 def test_evaluate_without_an_eval_fn(parts) -> None:
     with pytest.raises(ValueError, match="no eval_fn"):
         _trainer(parts).evaluate()
+
+
+def test_a_trainer_saves_and_restores_each_ranks_own_state(parts) -> None:
+    positions: list[int] = []
+    first = _trainer(
+        parts,
+        config=TrainerConfig(max_steps=3, checkpoint_every=1),
+        loader_config=LoaderConfig(batch_size=2),
+        rank_state_fn=lambda: {"data": {"position": 2 * first.step}, "rng": training.rng_state()},
+        load_rank_fn=lambda state: positions.append(state["data"]["position"]),
+    )
+    assert first.run() == 3
+    consumer = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id="2")
+    second = _trainer(
+        {**parts, "consumer": consumer},
+        checkpoints=CheckpointManager(parts["checkpoints"].config),
+        rank_state_fn=dict,
+        load_rank_fn=lambda state: positions.append(state["data"]["position"]),
+    )
+    with pytest.warns(UserWarning, match="must be trained again"):
+        second.resume(2)  # the samples of step 3 were released: they need regenerating
+    assert positions == [4]
+
+
+def test_an_eval_that_beats_the_best_saves_off_the_cadence(parts) -> None:
+    correct = iter([5, 4, 9, 1, 2, 3])  # of 10: the acceptance of each eval
+    trainer = _trainer(
+        parts,
+        eval_fn=lambda: [
+            {"loss": 1.0, "num_tokens": 10, "accuracy_correct": next(correct), "accuracy_denom": 10}
+        ],
+        config=TrainerConfig(max_steps=6, checkpoint_every=4, eval_every=1),
+        loader_config=LoaderConfig(batch_size=1),
+    )
+    assert trainer.run() == 6
+    saved = {c.step for c in parts["checkpoints"].saved()}
+    # 1 (the first eval), 3 (0.9 beats 0.5), 4 (the cadence) and 6 (the final save).
+    assert saved == {1, 3, 4, 6}
