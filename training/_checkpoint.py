@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import numbers
 import os
 import secrets
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from dataflow import Checkpoint, Consumer, ReconcilePlan, StaleEpochError, UnknownCheckpointError
 from dataflow._durable import fsync_path
+from training._best import BestRecord
 from training._config import COMPONENTS, CheckpointConfig
 from training._dist import agree, dist_active
 from training._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -59,9 +59,7 @@ from training._layout import (
     rank_file,
     read_manifest,
     run_dir_name,
-    unpoint,
     verify_files,
-    write_atomic,
 )
 
 log = logging.getLogger("training")
@@ -159,14 +157,14 @@ class CheckpointManager:
         self.consumer: Consumer | None = None
         self.run_id: str | None = config.run_id
         self._known_entries: dict[str, frozenset[str]] | None = None
-        self._best_meta: dict[str, Any] | None = None
+        self._best_record: BestRecord | None = None
         self._pending: threading.Thread | None = None
         self._pending_result: dict[str, Any] = {}
         self._async_group: Any = None
         if consumer is not None:
             self._attach(consumer)
         elif self.run_id is not None:
-            self._best_meta = self._load_best_meta()
+            self._best  # noqa: B018 (reads the best record now: its warnings belong here)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.root)!r}, run_id={self.run_id!r})"
@@ -183,11 +181,7 @@ class CheckpointManager:
         return self.root / run_dir_name(self.run_id)
 
     def _pointer(self, name: str) -> Path:
-        return self.root / f"{run_dir_name(self.run_id or '')}-{name}"
-
-    @property
-    def _best_meta_file(self) -> Path:
-        return self.root / f"{run_dir_name(self.run_id or '')}.best_meta.json"
+        return self.root / f"{self.run_dir.name}-{name}"
 
     # -- public, guarded ----------------------------------------------------------------
     def save(
@@ -378,7 +372,7 @@ class CheckpointManager:
         nothing), without ``best_metric`` or with a non-finite value never win.
         Ties go to the latest save.
         """
-        ranked = [(self._score(c.metrics), c.serial, c) for c in self.saved()]
+        ranked = [(self._best.score(c.metrics), c.serial, c) for c in self.saved()]
         ranked = [r for r in ranked if r[0] is not None]
         return max(ranked, key=lambda r: r[:2])[2] if ranked else None
 
@@ -591,76 +585,27 @@ class CheckpointManager:
             try:
                 point(self._pointer("latest"), final)
                 if self._beats_best(job["metrics"], strict=False):
-                    self._set_best(read_manifest(final))
+                    self._best.set(read_manifest(final))
                 self._retain(final, job["step"])
             except Exception as exc:
                 error = exc
         agree(error, None, **meeting)
 
     # -- best -----------------------------------------------------------------------------
-    def _score(self, metrics: Mapping[str, float] | None) -> float | None:
-        if not metrics:
-            return None
-        value = metrics.get(self.config.best_metric, math.nan)
-        if not isinstance(value, int | float) or not math.isfinite(value):
-            return None
-        return value if self.config.best_mode == "max" else -value
+    @property
+    def _best(self) -> BestRecord:
+        if self._best_record is None or self._best_record.run_id != self.run_id:
+            self._best_record = BestRecord(
+                root=self.root,
+                name=self.run_dir.name,  # raises without a run id
+                run_id=self.run_id,  # type: ignore[arg-type]
+                metric=self.config.best_metric,
+                mode=self.config.best_mode,
+            )
+        return self._best_record
 
     def _beats_best(self, metrics: Mapping[str, float] | None, *, strict: bool) -> bool:
-        score = self._score(metrics)
-        if score is None:
-            return False
-        meta = self._best_meta
-        if meta is None:
-            best = self.best()
-            if best is None:
-                return True
-            current = self._score(best.metrics)
-        else:
-            current = self._score({self.config.best_metric: meta["score"]})
-        assert current is not None
-        return score > current if strict else score >= current
-
-    def _set_best(self, saved: SavedCheckpoint | None) -> None:
-        if saved is None:
-            self._best_meta = None
-            unpoint(self._pointer("best"))
-            self._best_meta_file.unlink(missing_ok=True)
-            return
-        meta = {
-            "run_id": self.run_id,
-            "metric": self.config.best_metric,
-            "mode": self.config.best_mode,
-            "score": saved.metrics[self.config.best_metric],  # type: ignore[index]
-            "step": saved.step,
-            "path": os.path.relpath(saved.path, self.root),
-        }
-        write_atomic(self._best_meta_file, (json.dumps(meta, indent=1) + "\n").encode())
-        point(self._pointer("best"), saved.path)
-        self._best_meta = meta
-
-    def _load_best_meta(self) -> dict[str, Any] | None:
-        file = self._best_meta_file
-        if not file.exists():
-            return None
-        try:
-            meta = json.loads(file.read_text())
-            score = float(meta["score"])
-            if not math.isfinite(score) or not isinstance(meta["step"], int):
-                raise ValueError(f"score {score} / step {meta['step']!r}")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            warnings.warn(f"ignoring the corrupt best record {file}: {exc}", stacklevel=3)
-            return None
-        mine = (self.run_id, self.config.best_metric, self.config.best_mode)
-        theirs = (meta.get("run_id"), meta.get("metric"), meta.get("mode"))
-        if theirs != mine:
-            warnings.warn(
-                f"ignoring the best record {file}: it is for (run, metric, mode) {theirs}, "
-                f"this manager tracks {mine}",
-                stacklevel=3,
-            )
-            return None
-        return meta
+        return self._best.beats(metrics, scan=self.best, strict=strict)
 
     # -- retention and rewind ----------------------------------------------------------
     def _retain(self, just_written: Path, step: int) -> None:
@@ -683,9 +628,9 @@ class CheckpointManager:
         if not doomed:
             return
         self._remove(doomed)
-        best_path = self._best_meta and self.root / self._best_meta["path"]
+        best_path = self._best.path
         if best_path is None or best_path in doomed:
-            self._set_best(self.best())
+            self._best.set(self.best())
 
     def _remove(self, doomed: dict[Path, str]) -> None:
         consumer = self.consumer
@@ -741,11 +686,9 @@ class CheckpointManager:
                 f"CheckpointConfig.run_id={self.run_id!r} but the consumer is in run "
                 f"{consumer.run_id!r}: leave run_id out to take the consumer's"
             )
-        fresh = self.run_id is None
         self.consumer = consumer
         self.run_id = consumer.run_id
-        if fresh or self._best_meta is None:
-            self._best_meta = self._load_best_meta()
+        self._best  # noqa: B018 (reads the best record now: its warnings belong here)
 
     def _choose(self, consumer: Consumer, which: object) -> dict[str, Any] | None:
         """Rank 0: the recorded checkpoint to resume from, its directory checked."""
