@@ -32,6 +32,7 @@ def test_exported_names() -> None:
         "FeatureLoader",
         "LoaderConfig",
         "SavedCheckpoint",
+        "StepHelper",
         "Trainer",
         "TrainerConfig",
         "TrainingError",

@@ -17,6 +17,7 @@ from training._errors import (
 from training._layout import SavedCheckpoint
 from training._loader import Batch, FeatureLoader, collate
 from training._rng import rng_state, set_rng_state
+from training._step import StepHelper
 from training._trainer import Trainer
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "FeatureLoader",
     "LoaderConfig",
     "SavedCheckpoint",
+    "StepHelper",
     "Trainer",
     "TrainerConfig",
     "TrainingError",

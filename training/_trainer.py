@@ -10,12 +10,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import Checkpoint, Consumer, ReconcilePlan, SampleRef
+from dataflow import Checkpoint, Consumer, ReconcilePlan
 from eval import Evaluator
 from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
 from training._dist import flag_device
 from training._loader import Batch, CollateFn, FeatureLoader
+from training._step import StepHelper
 
 log = logging.getLogger("training")
 
@@ -54,10 +55,13 @@ class Trainer:
     ``step_fn(batch)`` (forward and backward; its return value, e.g. the loss, is
     kept as ``last_loss``). Every ``grad_accum`` micro-batches it calls
     ``optimizer_fn(step)`` (optimizer step, zero_grad, scheduler) and acks the refs
-    of all those micro-batches at that step, in one transaction; then, on their
-    cadences, evaluates and saves ``state_fn()`` (and each rank's
-    ``rank_state_fn()``) through the CheckpointManager, which records the
-    checkpoint in the ledger once every rank's files are durable. An eval
+    of all those micro-batches at that step, in one transaction (``StepHelper``):
+    the micro-batches before the last of a step run under ``no_sync()`` of each of
+    ``modules`` (DDP, FSDP), so gradients are reduced once per step. To know the
+    boundary before backward, the next micro-batch is leased before the current
+    one runs. Then, on their cadences, it evaluates and saves ``state_fn()`` (and
+    each rank's ``rank_state_fn()``) through the CheckpointManager, which records
+    the checkpoint in the ledger once every rank's files are durable. An eval
     whose metrics beat every checkpoint so far saves off the cadence too. When
     the run is finished (or ``max_steps`` is reached) it saves a final checkpoint
     if a step was taken since the last one. With ``grad_accum=1``, ``step_fn`` may
@@ -90,6 +94,7 @@ class Trainer:
         config: TrainerConfig | None = None,
         loader_config: LoaderConfig | None = None,
         collate_fn: CollateFn | None = None,
+        modules: Iterable[torch.nn.Module] = (),
     ) -> None:
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
@@ -141,6 +146,8 @@ class Trainer:
         self.evaluator = evaluator if evaluator is not None or eval_fn is None else Evaluator()
         self.eval_fn = eval_fn
         self.loader = FeatureLoader(consumer, config=loader_config, collate_fn=collate_fn)
+        #: Accumulates micro-batches: no_sync() for ``modules`` off the boundary, one ack.
+        self.helper = StepHelper(consumer, grad_accum=config.grad_accum, modules=modules)
         #: The last optimizer step taken (or resumed from).
         self.step = 0
         #: The plan of the resume, None before it.
@@ -190,22 +197,20 @@ class Trainer:
                 f"resumed at step {self.step}, max_steps={max_steps}: nothing to train",
                 stacklevel=2,
             )
-        accumulated: list[SampleRef] = []
-        micro_batches = 0
         try:
-            while max_steps is None or self.step < max_steps:
-                batch = self._next_batch(distributed)
-                if batch is None:
-                    break
-                self.last_loss = self.step_fn(batch)
-                accumulated.extend(batch.refs)
-                micro_batches += 1
-                if micro_batches == self.config.grad_accum:
-                    self._optimizer_step(accumulated)
-                    accumulated, micro_batches = [], 0
-            if micro_batches:
-                # The data ended inside an accumulation: a short last optimizer step.
-                self._optimizer_step(accumulated)
+            done = max_steps is not None and self.step >= max_steps
+            batch = None if done else self._next_batch(distributed)
+            while batch is not None:
+                # The boundary is known before backward: the grad_accum-th micro-batch, or
+                # the last one (the next is leased first; at max_steps, none is leased).
+                final = max_steps is not None and self.step + 1 >= max_steps
+                ends_run = self.helper.is_boundary() and final
+                upcoming = None if ends_run else self._next_batch(distributed)
+                with self.helper.micro_step(batch, last=upcoming is None) as boundary:
+                    self.last_loss = self.step_fn(batch)
+                if boundary:
+                    self._optimizer_step()
+                batch = upcoming
             if self.step > self._saved_step:
                 if self._eval_enabled and self.metrics_step != self.step:
                     self._evaluate()
@@ -252,12 +257,11 @@ class Trainer:
             return None
         return Batch() if batch is None else batch
 
-    def _optimizer_step(self, refs: list[SampleRef]) -> None:
+    def _optimizer_step(self) -> None:
         self.step += 1
         if self.optimizer_fn is not None:
             self.optimizer_fn(self.step)
-        if refs:
-            self.consumer.ack(refs, step=self.step)
+        self.helper.finish(self.step)
         save = bool(self.config.checkpoint_every) and self.step % self.config.checkpoint_every == 0
         if self._eval_enabled and self.step % self.config.eval_every == 0:
             self._evaluate()

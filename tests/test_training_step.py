@@ -1,0 +1,255 @@
+"""StepHelper: the optimizer boundary known before backward, no_sync() off it, one ack per step.
+
+In process on a real SQLite ledger for the helper's own logic; two spawned processes
+with a real gloo group and real DistributedDataParallel for the deferred reductions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dataflow import Consumer, Kind, Ledger, Producer, replay
+from stores import LocalFeatureStore, SharedDirFeatureStore
+from training import (
+    Batch,
+    CheckpointConfig,
+    CheckpointManager,
+    LoaderConfig,
+    StepHelper,
+    Trainer,
+    TrainerConfig,
+)
+
+RUN = "run"
+CHILD_TIMEOUT_S = 120
+
+
+class _CountsNoSync(torch.nn.Linear):
+    """A module with a no_sync() that counts how often it was entered (our logic only)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 1)
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.entered += 1
+        yield
+
+
+@pytest.fixture
+def consumer(tmp_path: Path) -> Iterator[Consumer]:
+    with Ledger.open(f"sqlite:///{tmp_path}/ledger.db") as led:
+        store = LocalFeatureStore()
+        producer = Producer(led, store, run_id=RUN)
+        producer.emit_many((f"s{i}", {"x": torch.ones(2)}) for i in range(12))
+        producer.close()
+        consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+        consumer.resume()
+        yield consumer
+
+
+def _batch(consumer: Consumer, n: int = 2) -> Batch:
+    return Batch(tuple(consumer.lease(n)))
+
+
+def test_off_the_boundary_micro_steps_run_under_no_sync(consumer: Consumer) -> None:
+    module, plain = _CountsNoSync(), torch.nn.Linear(2, 1)  # plain: no no_sync(), left alone
+    helper = StepHelper(consumer, grad_accum=3, modules=[module, plain])
+    seen = []
+    for _ in range(3):
+        assert helper.is_boundary() == (len(seen) == 2)
+        with helper.micro_step(_batch(consumer)) as boundary:
+            seen.append((boundary, module.entered))
+    assert seen == [(False, 1), (False, 2), (True, 2)]
+    assert helper.deferred == 2 and len(helper.pending_refs) == 6
+    acked = helper.finish(1)
+    assert len(acked) == 6 and helper.pending_refs == () and helper.micro_batches == 0
+    # One ledger transaction: the six acks are consecutive events at step 1.
+    acks = [e for e in consumer.ledger.events(RUN) if e.kind == Kind.ACK]
+    assert [e.step for e in acks] == [1] * 6
+    assert [e.seq for e in acks] == list(range(acks[0].seq, acks[0].seq + 6))
+    assert sorted(e.sample_id for e in acks) == sorted(r.sample_id for r in acked)
+
+
+def test_last_ends_a_step_early(consumer: Consumer) -> None:
+    module = _CountsNoSync()
+    helper = StepHelper(consumer, grad_accum=4, modules=[module])
+    with helper.micro_step(_batch(consumer)) as boundary:
+        assert not boundary
+    with helper.micro_step(_batch(consumer), last=True) as boundary:
+        assert boundary
+    assert module.entered == 1 and helper.deferred == 1
+    helper.finish(1)
+    # An empty batch (a rank whose share ran out) still counts as a micro-step.
+    with helper.micro_step(Batch(), last=True) as boundary:
+        assert boundary
+    assert helper.finish(2) == []
+    assert replay(consumer.ledger, RUN).verify() == []
+
+
+def test_refs_of_a_failed_micro_step_are_not_acked(consumer: Consumer) -> None:
+    helper = StepHelper(consumer, grad_accum=1)
+    with pytest.raises(RuntimeError, match="backward failed"), helper.micro_step(_batch(consumer)):
+        raise RuntimeError("backward failed")
+    assert helper.pending_refs == () and helper.micro_batches == 0
+    with pytest.raises(ValueError, match=r"finish.* before the boundary"):
+        helper.finish(1)
+
+
+def test_bad_input(consumer: Consumer) -> None:
+    with pytest.raises(ValueError, match=r"consumer must be a dataflow\.Consumer"):
+        StepHelper("trainer")  # type: ignore[arg-type]
+    for bad in (0, 1.5, True, None):
+        with pytest.raises(ValueError, match=f"grad_accum must be an int >= 1, got {bad!r}"):
+            StepHelper(consumer, grad_accum=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"modules must be torch\.nn\.Modules, got str"):
+        StepHelper(consumer, modules=["model"])  # type: ignore[list-item]
+    helper = StepHelper(consumer, grad_accum=1)
+    with pytest.raises(ValueError, match=r"batch must be a training\.Batch, got list"):  # noqa: SIM117
+        with helper.micro_step([1, 2]):  # type: ignore[arg-type]
+            pass
+    with helper.micro_step(_batch(consumer)):
+        pass
+    with pytest.raises(ValueError, match=r"call finish\(step\)"):  # noqa: SIM117
+        with helper.micro_step(_batch(consumer)):
+            pass
+    with pytest.raises(ValueError, match="before the boundary"):
+        StepHelper(consumer, grad_accum=2).finish(1)
+
+
+# -- two ranks, real DDP ----------------------------------------------------------------------
+SAMPLES, BATCH, ACCUM = 36, 2, 3  # 18 per rank: 9 micro-batches, 3 optimizer steps each
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args['port']}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        led = Ledger.open(args["ledger"])
+        store = SharedDirFeatureStore(args["features"])
+        if rank == 0:
+            producer = Producer(led, store, run_id=RUN)
+            # Small integers in float64: every sum of gradients is exact, in any order.
+            producer.emit_many(
+                (f"s{i:02d}", {"x": torch.tensor([i % 5, i % 3], dtype=torch.float64)})
+                for i in range(SAMPLES)
+            )
+            producer.close()
+        model = torch.nn.Linear(2, 1, dtype=torch.float64)
+        with torch.no_grad():
+            model.weight.fill_(0.5)
+            model.bias.fill_(0.25)
+        ddp = DistributedDataParallel(model)
+        reductions = [0]
+
+        # No annotations: DDP insists they be dist.GradBucket objects, not strings.
+        def counting_hook(state, bucket):  # type: ignore[no-untyped-def]
+            reductions[0] += 1
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting_hook)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=2**-8)
+
+        def step_fn(batch: Batch) -> None:
+            x = batch.features["x"]
+            ddp(x).pow(2).sum().backward()
+
+        def optimizer_fn(step: int) -> None:
+            optimizer.step()
+            optimizer.zero_grad()
+
+        trainer = Trainer(
+            Consumer(led, store, run_id=RUN, consumer_id=f"rank{rank}", rank=rank, world_size=2),
+            step_fn=step_fn,
+            optimizer_fn=optimizer_fn,
+            checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"])),
+            state_fn=lambda: {"model": model.state_dict()},
+            config=TrainerConfig(grad_accum=ACCUM),
+            loader_config=LoaderConfig(batch_size=BATCH),
+            modules=[ddp] if args["no_sync"] else [],
+        )
+        steps = trainer.run()
+        result = {
+            "steps": steps,
+            "reductions": reductions[0],
+            "deferred": trainer.helper.deferred,
+            "weight": model.weight.flatten().tolist(),
+            "bias": model.bias.tolist(),
+        }
+        Path(args["out"], f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_two_ranks(tmp_path: Path, *, no_sync: bool) -> list[dict[str, Any]]:
+    where = tmp_path / ("no_sync" if no_sync else "every_step")
+    where.mkdir()
+    args = {
+        "port": _free_port(),
+        "ledger": f"sqlite:///{where}/ledger.db",
+        "features": str(where / "features"),
+        "ckpt": str(where / "ckpt"),
+        "out": str(where),
+        "no_sync": no_sync,
+    }
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_ddp_rank, args=(r, args)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(CHILD_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            pytest.fail("a rank hung")
+        assert process.exitcode == 0
+    with Ledger.open(args["ledger"]) as led:
+        run = replay(led, RUN)
+        assert run.verify() == [] and len(run.trained) == SAMPLES
+    return [json.loads((where / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_no_sync_gives_the_weights_of_reducing_every_micro_step(tmp_path: Path) -> None:
+    deferred = _train_two_ranks(tmp_path, no_sync=True)
+    every = _train_two_ranks(tmp_path, no_sync=False)
+    steps = SAMPLES // (2 * BATCH * ACCUM)
+    for rank in range(2):
+        assert deferred[rank]["steps"] == every[rank]["steps"] == steps
+        # One reduction per optimizer step instead of one per micro-batch: ACCUM - 1 deferred.
+        assert deferred[rank]["reductions"] == steps
+        assert every[rank]["reductions"] == steps * ACCUM
+        assert deferred[rank]["deferred"] == steps * (ACCUM - 1)
+        assert (deferred[rank]["weight"], deferred[rank]["bias"]) == (
+            every[rank]["weight"],
+            every[rank]["bias"],
+        )
+    assert deferred[0]["weight"] == deferred[1]["weight"]

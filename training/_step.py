@@ -1,0 +1,104 @@
+"""StepHelper: gradient accumulation that knows the optimizer boundary before backward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from dataflow import Consumer, SampleRef
+from training._loader import Batch
+
+
+def _check_modules(modules: Iterable[Any]) -> tuple[torch.nn.Module, ...]:
+    checked = tuple(modules)
+    for module in checked:
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"modules must be torch.nn.Modules, got {type(module).__name__}")
+    return checked
+
+
+class StepHelper:
+    """Accumulates ``grad_accum`` micro-batches per optimizer step, the DDP/FSDP way.
+
+    Every micro-batch runs inside ``with helper.micro_step(batch, last=...)``: the
+    forward and backward of all but the last micro-batch of an optimizer step run
+    under ``no_sync()`` of every module that has one (``DistributedDataParallel``,
+    FSDP), so gradients are reduced once per optimizer step, not once per
+    micro-batch. The boundary must be known before backward: it is the
+    ``grad_accum``-th micro-batch, or the one the caller marks ``last=True`` (the
+    data ends: a short last step). ``micro_step`` yields whether this micro-batch
+    ends the step. At the boundary, after the optimizer step, ``finish(step)`` acks
+    the refs of every micro-batch of the step in one ledger transaction.
+    """
+
+    def __init__(
+        self,
+        consumer: Consumer,
+        *,
+        grad_accum: int = 1,
+        modules: Iterable[torch.nn.Module] = (),
+    ) -> None:
+        if not isinstance(consumer, Consumer):
+            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+        self.consumer = consumer
+        self.grad_accum = grad_accum
+        self.modules = _check_modules(modules)
+        #: Micro-batches of the optimizer step in progress.
+        self.micro_batches = 0
+        #: Micro-steps run under no_sync() so far: their reduction was deferred.
+        self.deferred = 0
+        self._refs: list[SampleRef] = []
+        self._boundary = False
+
+    @property
+    def pending_refs(self) -> tuple[SampleRef, ...]:
+        """The refs of the optimizer step in progress, not yet acked."""
+        return tuple(self._refs)
+
+    def is_boundary(self, *, last: bool = False) -> bool:
+        """Whether the next micro-batch ends an optimizer step."""
+        return last or self.micro_batches + 1 == self.grad_accum
+
+    @contextlib.contextmanager
+    def micro_step(self, batch: Batch, *, last: bool = False) -> Iterator[bool]:
+        """Run one micro-batch's forward and backward inside; yields True at the boundary."""
+        if not isinstance(batch, Batch):
+            raise ValueError(f"batch must be a training.Batch, got {type(batch).__name__}")
+        if self._boundary:
+            raise ValueError(
+                "the previous micro-batch ended an optimizer step: call finish(step) after "
+                "the optimizer step, before the next micro_step"
+            )
+        boundary = self.is_boundary(last=last)
+        with contextlib.ExitStack() as stack:
+            if not boundary:
+                for module in self.modules:
+                    no_sync = getattr(module, "no_sync", None)
+                    if no_sync is not None:
+                        stack.enter_context(no_sync())
+            yield boundary
+        self._refs.extend(batch.refs)
+        self.micro_batches += 1
+        if not boundary:
+            self.deferred += 1
+        self._boundary = boundary
+
+    def finish(self, step: int) -> list[SampleRef]:
+        """After the optimizer step ``step``: ack every micro-batch's refs in one transaction
+        and start the next step. Returns the acked refs."""
+        if not self._boundary:
+            raise ValueError(
+                f"finish({step}) before the boundary: {self.micro_batches} of "
+                f"{self.grad_accum} micro-batches ran (pass last=True to end a step early)"
+            )
+        refs, self._refs = self._refs, []
+        if refs:
+            self.consumer.ack(refs, step=step)
+        self.micro_batches = 0
+        self._boundary = False
+        return refs
