@@ -38,7 +38,7 @@ from dataflow._errors import (
 )
 from dataflow._events import Event, Kind
 from dataflow._ledger import Ledger
-from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay
+from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay, seeded_order
 from dataflow._roles import Consumer, Producer
 
 __all__ = [
@@ -82,5 +82,6 @@ __all__ = [
     "UnknownStoreError",
     "assert_no_tensors",
     "replay",
+    "seeded_order",
     "validate_sample_id",
 ]

@@ -86,6 +86,7 @@ class _Epoch:
     policy: str
     world_size: int
     max_attempts: int
+    order_seed: int | None = None
     acks: list[tuple[int, str, int, int]] = field(default_factory=list)  # seq, id, step, data epoch
     data_epochs: list[tuple[int, int, int]] = field(default_factory=list)  # seq, number, seed
     last_checkpoint_step: int = -1
@@ -160,6 +161,7 @@ class RunState:
         self._epochs: dict[int, _Epoch] = {}
         self._world_size = 1  # of the current epoch; read on every commit
         self._resumes: list[int] = []
+        self._order_args: tuple[int, int | None, int] = (0, None, 0)  # the data epoch's order
 
     # -- derived views -----------------------------------------------------
     @property
@@ -187,6 +189,12 @@ class RunState:
         if node is None:
             return -1
         return max(node.last_checkpoint_step, node.cut_step)
+
+    @property
+    def order_seed(self) -> int | None:
+        """The seed of the lease order (``Consumer(order_seed=...)``); None: commit order."""
+        node = self._epochs.get(self.epoch)
+        return node.order_seed if node else None
 
     @property
     def producers_done(self) -> bool:
@@ -343,6 +351,17 @@ class RunState:
         _p: str | None,
     ) -> None:
         self.closed.add(actor)
+        if self.order_seed is not None and self.producers_done:
+            self._resort()
+
+    def _resort(self) -> None:
+        """Seeded order: every pending id back at its place in the data epoch's order."""
+        pending, requeued = set(self._queue_pos), self._requeued
+        self._pending = {r: {} for r in range(self.world_size)}
+        self._queue_pos, self._requeued = {}, set()
+        for index, sid in enumerate(self._data_epoch_order(*self._order_args)):
+            if sid in pending:
+                self._enqueue(sid, index % self.world_size, requeued=sid in requeued)
 
     def _on_resume(
         self,
@@ -382,6 +401,7 @@ class RunState:
             policy=p.get("release_policy", "on_checkpoint"),
             world_size=p.get("world_size", 1),
             max_attempts=p.get("max_attempts", 3),
+            order_seed=p.get("order_seed"),
         )
         self._epochs[epoch] = node
         self._world_size = node.world_size
@@ -392,6 +412,7 @@ class RunState:
         self.data_epoch = data_epoch
         self.trained = trained
         self.leased = {}
+        self._order_args = (data_epoch, seed, start_seq)
         order = self._data_epoch_order(data_epoch, seed, start_seq)
         requeued = self._refill(order, requeued=True)
         released = [s for s in self._unreleased_after(trained)] if node.policy != "never" else []
@@ -420,13 +441,17 @@ class RunState:
         self.regenerate = {}
         self._unreleased_acks = {}
         queued: list[str] = []
-        for sid in order:
+        seeded = self.order_seed is not None
+        for index, sid in enumerate(order):
             if sid in self.dead or sid in self.trained:
                 continue
             if sid in self.released:
                 self.regenerate[sid] = None
                 continue
-            self._enqueue(sid, len(queued) % self.world_size, requeued=requeued)
+            # Seeded: the owner is fixed by the place in the whole order, so a resume gives
+            # each rank the rest of exactly the queue it had.
+            owner = (index if seeded else len(queued)) % self.world_size
+            self._enqueue(sid, owner, requeued=requeued)
             queued.append(sid)
         self._next_owner = len(queued) % self.world_size
         for sid, step in self.trained.items():
@@ -435,11 +460,14 @@ class RunState:
         return queued
 
     def _data_epoch_order(self, data_epoch: int, seed: int | None, start_seq: int) -> list[str]:
+        order_seed = self.order_seed
         commit_order = sorted(self._commits, key=self._commit_seq.__getitem__)
         if data_epoch == 0 or seed is None:
-            return commit_order
+            return commit_order if order_seed is None else seeded_order(commit_order, order_seed)
         before = [s for s in commit_order if self._commit_seq[s] < start_seq]
         after = [s for s in commit_order if self._commit_seq[s] > start_seq]
+        if order_seed is not None:
+            after = seeded_order(after, order_seed)
         return seeded_order(before, seed) + after
 
     def _chain(
@@ -617,6 +645,7 @@ class RunState:
         self.data_epoch = number
         self.trained = {}
         self.attempts = {}
+        self._order_args = (number, seed, seq)
         self._refill(self._data_epoch_order(number, seed, seq), requeued=True)
 
     def releasable_at(self, step: int) -> list[str]:

@@ -335,6 +335,7 @@ class Consumer:
         stream: RefReceiver | None = None,
         release_policy: str = "on_checkpoint",
         max_attempts: int = 3,
+        order_seed: int | None = None,
     ) -> None:
         _check_roles_args(ledger, store, run_id)
         self.consumer_id = _check_actor("consumer_id", consumer_id)
@@ -349,6 +350,14 @@ class Consumer:
         _check_int("max_attempts", max_attempts, minimum=1)
         if stream is not None and not isinstance(stream, RefReceiver):
             raise TypeError(f"stream must be a RefReceiver, got {type(stream).__name__}")
+        if order_seed is not None:
+            _check_int("order_seed", order_seed)
+            if stream is not None:
+                raise ValueError(
+                    "order_seed orders a committed dataset; a streaming consumer takes refs "
+                    "in arrival order: pass one or the other"
+                )
+        self.order_seed = order_seed
         self.ledger = ledger
         self.store = store
         self.run_id = run_id
@@ -454,6 +463,8 @@ class Consumer:
                 "release_policy": self.release_policy,
                 "max_attempts": self.max_attempts,
             }
+            if self.order_seed is not None:
+                payload["order_seed"] = self.order_seed
             tx.append(
                 [
                     NewEvent(
@@ -530,6 +541,8 @@ class Consumer:
             return False
         if self.stream is None and not self.state.producers_done:
             return False
+        if self.state.order_seed is not None and self.state.regenerate:
+            return False  # seeded order: the regenerated samples come back to their places
         return next(self.state.pending_for(self.rank), None) is None
 
     @property
@@ -579,6 +592,12 @@ class Consumer:
     def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
         self._catch_up()
         self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
+        if self.state.order_seed is not None and (
+            not self.state.producers_done or self.state.regenerate
+        ):
+            # Seeded order: the dataset is complete, and sorted, once every producer closed
+            # and every sample to regenerate is back in its place.
+            return []
         from_ledger = self.stream is None or self.stream.exhausted
         candidates = list(
             itertools.islice(
