@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +233,88 @@ def test_an_eval_that_beats_the_best_saves_off_the_cadence(parts) -> None:
     saved = {c.step for c in parts["checkpoints"].saved()}
     # 1 (the first eval), 3 (0.9 beats 0.5), 4 (the cadence) and 6 (the final save).
     assert saved == {1, 3, 4, 6}
+
+
+def _seeded_parts(tmp_path: Path, name: str) -> dict[str, Any]:
+    led = Ledger.open(f"sqlite:///{tmp_path}/{name}.db")
+    store = LocalFeatureStore()
+    producer = Producer(led, store, run_id=RUN)
+    producer.emit_many((f"s{i:02d}", _features(i)) for i in range(24))
+    producer.close()
+    return {"led": led, "store": store, "ckpt": tmp_path / f"{name}-ckpt"}
+
+
+def _features(i: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.tensor([float(i % 5), float(i % 3)], dtype=torch.float64)}
+
+
+def _seeded_trainer(parts: dict[str, Any], name: str, model: torch.nn.Module, **kw: Any) -> Trainer:
+    optimizer = torch.optim.SGD(model.parameters(), lr=2**-6, momentum=0.5)
+
+    def load_fn(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def optimizer_fn(step: int) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    consumer = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id=name, order_seed=3)
+    return Trainer(
+        consumer,
+        step_fn=lambda batch: model(batch.features["x"]).pow(2).sum().backward(),
+        optimizer_fn=optimizer_fn,
+        checkpoints=CheckpointManager(CheckpointConfig(root=parts["ckpt"])),
+        state_fn=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+        load_fn=load_fn,
+        config=TrainerConfig(grad_accum=2, checkpoint_every=2),
+        loader_config=LoaderConfig(batch_size=2),
+        **kw,
+    )
+
+
+def _model() -> torch.nn.Module:
+    model = torch.nn.Linear(2, 1, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+        model.bias.fill_(0.25)
+    return model
+
+
+def test_a_resume_that_regenerates_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    reference = _model()
+    parts = _seeded_parts(tmp_path, "reference")
+    assert _seeded_trainer(parts, "ref", reference).run() == 6
+
+    parts = _seeded_parts(tmp_path, "resumed")
+    _seeded_trainer(parts, "first", _model()).run()  # to the end: everything released
+    asked: list[list[str]] = []
+
+    def regenerate_fn(sample_ids: list[str]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        asked.append(sample_ids)
+        for sample_id in reversed(sample_ids):  # any order: the seed decides the places
+            yield sample_id, _features(int(sample_id[1:]))
+
+    model = _model()
+    second = _seeded_trainer(parts, "second", model, regenerate_fn=regenerate_fn)
+    second.resume(2)  # an older checkpoint: 16 samples after it were released
+    assert len(asked[0]) == 16
+    assert second.run() == 6
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    run = replay(parts["led"], RUN)
+    assert run.verify() == [] and len(run.trained) == 24
+    assert "trainer-regenerate" in run.producers
+
+
+def test_a_regenerate_fn_that_leaves_samples_out_fails_the_resume(tmp_path: Path) -> None:
+    parts = _seeded_parts(tmp_path, "run")
+    _seeded_trainer(parts, "first", _model()).run()
+    second = _seeded_trainer(parts, "second", _model(), regenerate_fn=lambda ids: iter(()))
+    with pytest.raises(ValueError, match="regenerate_fn left out 16 samples"):
+        second.resume(2)
+    third = _seeded_trainer(
+        parts, "third", _model(), regenerate_fn=lambda ids: [("zzz", _features(0))]
+    )
+    with pytest.raises(ValueError, match="returned 'zzz', which is not to regenerate"):
+        third.resume(2)

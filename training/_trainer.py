@@ -10,15 +10,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import Checkpoint, Consumer, ReconcilePlan
+from dataflow import Checkpoint, Consumer, Producer, ReconcilePlan
 from eval import Evaluator
 from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
-from training._dist import flag_device
+from training._dist import agree, flag_device
 from training._loader import Batch, CollateFn, FeatureLoader
 from training._step import StepHelper
 
 log = logging.getLogger("training")
+
+#: Called with the ids to regenerate on a resume; yields ``(sample_id, features)``.
+RegenerateFn = Callable[[list[str]], Iterable[tuple[str, Mapping[str, torch.Tensor]]]]
+#: The producer id under which rank 0 commits regenerated samples.
+REGENERATE_PRODUCER_ID = "trainer-regenerate"
 
 #: A zero-argument function returning the per-batch eval output dicts, or a
 #: ``(model_fn, batches)`` pair for ``Evaluator.evaluate``.
@@ -89,6 +94,7 @@ class Trainer:
         load_fn: Callable[[dict], object] | None = None,
         rank_state_fn: Callable[[], Mapping[str, Any]] | None = None,
         load_rank_fn: Callable[[dict], object] | None = None,
+        regenerate_fn: RegenerateFn | None = None,
         evaluator: Evaluator | None = None,
         eval_fn: EvalFn | None = None,
         config: TrainerConfig | None = None,
@@ -113,6 +119,7 @@ class Trainer:
         _check_callable("load_fn", load_fn, optional=True)
         _check_callable("rank_state_fn", rank_state_fn, optional=True)
         _check_callable("load_rank_fn", load_rank_fn, optional=True)
+        _check_callable("regenerate_fn", regenerate_fn, optional=True)
         if (rank_state_fn is None) != (load_rank_fn is None):
             raise ValueError(
                 "rank_state_fn and load_rank_fn come together: what one saves, the other loads"
@@ -143,6 +150,7 @@ class Trainer:
         self.load_fn = load_fn
         self.rank_state_fn = rank_state_fn
         self.load_rank_fn = load_rank_fn
+        self.regenerate_fn = regenerate_fn
         self.evaluator = evaluator if evaluator is not None or eval_fn is None else Evaluator()
         self.eval_fn = eval_fn
         self.loader = FeatureLoader(consumer, config=loader_config, collate_fn=collate_fn)
@@ -171,7 +179,9 @@ class Trainer:
         if plan.checkpoint is not None and self.load_rank_fn is not None:
             rank = self.consumer.rank
             self.load_rank_fn(self.checkpoints.load_rank_state(plan.checkpoint, rank=rank))
-        if plan.regenerate:
+        if plan.regenerate and self.regenerate_fn is not None:
+            self._regenerate(list(plan.regenerate))
+        elif plan.regenerate:
             warnings.warn(
                 f"{len(plan.regenerate)} samples of run {self.consumer.run_id!r} must be "
                 "trained again but their features were released: a producer must "
@@ -233,6 +243,43 @@ class Trainer:
         return metrics
 
     # -- internals ----------------------------------------------------------------
+    def _regenerate(self, sample_ids: list[str]) -> None:
+        """Rank 0 puts the released samples back, as producer ``REGENERATE_PRODUCER_ID``;
+        the other ranks wait for it (an error on rank 0 is raised on every rank)."""
+        consumer = self.consumer
+        error = None
+        if consumer.rank == 0:
+            try:
+                producer = Producer(
+                    consumer.ledger,
+                    consumer.store,
+                    run_id=consumer.run_id,
+                    producer_id=REGENERATE_PRODUCER_ID,
+                )
+                wanted = set(sample_ids)
+                for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
+                    if sample_id not in wanted:
+                        raise ValueError(
+                            f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
+                        )
+                    producer.regenerate(sample_id, tensors)
+                    wanted.discard(sample_id)
+                producer.close()
+                if wanted:
+                    raise ValueError(
+                        f"regenerate_fn left out {len(wanted)} samples to regenerate: "
+                        f"{sorted(wanted)[:10]}"
+                    )
+            except Exception as exc:
+                error = exc
+        agree(
+            error,
+            world_size=consumer.world_size if self._distributed() else 1,
+            rank=consumer.rank,
+            what="regeneration",
+        )
+        log.info("regenerated %d samples of run %r", len(sample_ids), consumer.run_id)
+
     @property
     def _eval_enabled(self) -> bool:
         return self.eval_fn is not None and self.config.eval_every > 0
