@@ -194,6 +194,7 @@ def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
         result = MODES[args["mode"]](rank, args, consumer)
         out = Path(args["out"]) / f"{args['mode']}-rank{rank}.json"
         out.write_text(json.dumps(result))
+        dist.barrier()  # neither rank tears its group down while the other still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -397,6 +397,7 @@ def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
         torch.save(task.model.state_dict(), out / f"model-rank{rank}.pt")
         result = {"step": final_step, "steps": task.steps, "metrics": trainer.metrics}
         (out / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # neither rank tears its group down while the other still talks to it
     finally:
         dist.destroy_process_group()
 

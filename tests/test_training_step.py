@@ -205,6 +205,7 @@ def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
             "bias": model.bias.tolist(),
         }
         Path(args["out"], f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # neither rank tears its group down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
