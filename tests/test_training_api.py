@@ -32,6 +32,7 @@ def test_exported_names() -> None:
         "CorruptCheckpointError",
         "FeatureLoader",
         "LoaderConfig",
+        "REGENERATE_PRODUCER_ID",
         "SavedCheckpoint",
         "StepHelper",
         "Trainer",
@@ -304,7 +305,7 @@ def test_a_resume_that_regenerates_ends_with_the_uninterrupted_weights(tmp_path:
         assert torch.equal(model.state_dict()[name], tensor), name
     run = replay(parts["led"], RUN)
     assert run.verify() == [] and len(run.trained) == 24
-    assert "trainer-regenerate" in run.producers
+    assert training.REGENERATE_PRODUCER_ID in run.producers
 
 
 def test_a_regenerate_fn_that_leaves_samples_out_fails_the_resume(tmp_path: Path) -> None:

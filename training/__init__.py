@@ -18,7 +18,7 @@ from training._layout import SavedCheckpoint
 from training._loader import Batch, FeatureLoader, collate
 from training._rng import rng_state, set_rng_state
 from training._step import StepHelper
-from training._trainer import Trainer
+from training._trainer import REGENERATE_PRODUCER_ID, Trainer
 
 __all__ = [
     "Batch",
@@ -30,6 +30,7 @@ __all__ = [
     "CorruptCheckpointError",
     "FeatureLoader",
     "LoaderConfig",
+    "REGENERATE_PRODUCER_ID",
     "SavedCheckpoint",
     "StepHelper",
     "Trainer",
