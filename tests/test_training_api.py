@@ -31,6 +31,7 @@ def test_exported_names() -> None:
         "CheckpointNotFoundError",
         "CorruptCheckpointError",
         "FeatureLoader",
+        "IncompatibleCheckpointError",
         "LoaderConfig",
         "REGENERATE_PRODUCER_ID",
         "SavedCheckpoint",
@@ -176,7 +177,11 @@ def test_run_after_an_explicit_resume_continues_the_steps(parts) -> None:
         checkpoints=CheckpointManager(parts["checkpoints"].config),
         loader_config=one_by_one,
     )
-    assert trainer.resume() == {"w": torch.zeros(1)}
+    state = trainer.resume()
+    assert state == {
+        "w": torch.zeros(1),
+        "trainer": {"grad_accum": 1, "world_size": 1, "order_seed": None, "dataset_size": None},
+    }
     assert trainer.step == 2
     assert trainer.run() == 8
     assert steps == list(range(1, 9))
@@ -319,3 +324,36 @@ def test_a_regenerate_fn_that_leaves_samples_out_fails_the_resume(tmp_path: Path
     )
     with pytest.raises(ValueError, match="returned 'zzz', which is not to regenerate"):
         third.resume(2)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"config": TrainerConfig(grad_accum=1, checkpoint_every=2)}, "grad_accum was 2, now 1"),
+        ({"order_seed": 4}, "order_seed was 3, now 4"),
+        ({"order_seed": None}, "order_seed was 3, now None"),
+        ({"extra_samples": 1}, "dataset_size was 24, now 25"),
+    ],
+)
+def test_a_checkpoint_of_a_differently_set_up_run_is_refused_before_the_resume(
+    tmp_path: Path, change: dict[str, Any], match: str
+) -> None:
+    parts = _seeded_parts(tmp_path, "run")
+    first = _seeded_trainer(parts, "first", _model())
+    first.config = TrainerConfig(grad_accum=2, checkpoint_every=2, max_steps=2)
+    first.run()
+    if change.get("extra_samples"):
+        late = Producer(parts["led"], parts["store"], run_id=RUN, producer_id="late")
+        late.emit("late", _features(0))
+        late.close()
+    second = _seeded_trainer(parts, "second", _model())
+    consumer = second.consumer
+    if "order_seed" in change:
+        consumer.order_seed = change["order_seed"]
+    if "config" in change:
+        second.config = change["config"]
+    head = parts["led"].head_seq(RUN)
+    with pytest.raises(training.IncompatibleCheckpointError, match=match):
+        second.resume()
+    assert parts["led"].head_seq(RUN) == head  # nobody fenced off, nothing written
+    assert issubclass(training.IncompatibleCheckpointError, ValueError)

@@ -12,6 +12,7 @@ from training._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     TrainingError,
 )
 from training._layout import SavedCheckpoint
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FeatureLoader",
+    "IncompatibleCheckpointError",
     "LoaderConfig",
     "REGENERATE_PRODUCER_ID",
     "SavedCheckpoint",

@@ -31,7 +31,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -279,7 +279,11 @@ class CheckpointManager:
         return bool(agree(error, verdict, **self._meeting("best-checkpoint decision"))[0])
 
     def resume(
-        self, consumer: Consumer, checkpoint: int | str | Checkpoint | None = "latest"
+        self,
+        consumer: Consumer,
+        checkpoint: int | str | Checkpoint | None = "latest",
+        *,
+        check: Callable[[dict], object] | None = None,
     ) -> tuple[ReconcilePlan, dict | None]:
         """Resume ``consumer`` from ``checkpoint`` and load its state (every rank calls it).
 
@@ -291,9 +295,14 @@ class CheckpointManager:
         rank checks the files it will load: a missing, moved-away or corrupt
         checkpoint fails here and fences off nobody. ``"latest"`` falls back to
         the next older intact checkpoint of the lineage, with a warning.
+        ``check(state)``, when given, runs on every rank with the loaded state,
+        also before the resume event: raise there to refuse a checkpoint that
+        does not fit this run (the error is raised on every rank).
         Returns the plan and the state (None from scratch); a rank's own state
         is ``load_rank_state(plan.checkpoint, rank=...)``.
         """
+        if check is not None and not callable(check):
+            raise ValueError(f"check must be callable, got {type(check).__name__}")
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
@@ -309,12 +318,15 @@ class CheckpointManager:
             except Exception as exc:
                 error = exc
         chosen = agree(error, chosen, **meeting)[0]
-        saved = None
+        state = None
         try:
             if chosen is not None:
                 saved = read_manifest(Path(chosen["path"]), expected_digest=chosen["digest"])
                 if rank != 0:
                     verify_files(saved, self._files_of_rank(saved, rank))
+                state = self._load_state(saved)
+                if check is not None:
+                    check(state)
         except Exception as exc:
             error = exc
         agree(error, None, **meeting)
@@ -322,10 +334,7 @@ class CheckpointManager:
         if rank == 0:
             # The new epoch fenced off every older trainer: what they left is garbage.
             self._sweep(consumer)
-        if plan.checkpoint is None:
-            return plan, None
-        assert saved is not None
-        return plan, self._load_state(saved)
+        return plan, state
 
     def load(self, which: Which = None) -> dict:
         """The state (rank 0's ``state``) of a checkpoint of this run, after checking its files.

@@ -4,7 +4,8 @@
     └── TrainingError
         └── CheckpointError                        a save or load could not be done
             ├── CheckpointNotFoundError (FileNotFoundError)
-            └── CorruptCheckpointError             bytes on disk differ from what was recorded
+            ├── CorruptCheckpointError             bytes on disk differ from what was recorded
+            └── IncompatibleCheckpointError (ValueError)  saved by a differently set-up run
 
 Bad arguments raise ``ValueError``, as everywhere in dataflow.
 """
@@ -28,3 +29,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest, or its manifest the ledger's record."""
+
+
+class IncompatibleCheckpointError(CheckpointError, ValueError):
+    """The checkpoint was saved by a run set up differently (accumulation, ranks, dataset)."""

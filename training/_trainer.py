@@ -15,6 +15,7 @@ from eval import Evaluator
 from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
 from training._dist import agree, flag_device
+from training._errors import IncompatibleCheckpointError
 from training._loader import Batch, CollateFn, FeatureLoader
 from training._step import StepHelper
 
@@ -22,6 +23,8 @@ log = logging.getLogger("training")
 
 #: Called with the ids to regenerate on a resume; yields ``(sample_id, features)``.
 RegenerateFn = Callable[[list[str]], Iterable[tuple[str, Mapping[str, torch.Tensor]]]]
+#: The state entry where the Trainer records its set-up (checked on resume).
+TRAINER_ENTRY = "trainer"
 #: The producer id under which rank 0 commits regenerated samples.
 REGENERATE_PRODUCER_ID = "trainer-regenerate"
 
@@ -171,7 +174,9 @@ class Trainer:
         """Resume the consumer from ``checkpoint`` and return the state to apply (None from
         scratch); ``load_fn``, when given, is called with it, and ``load_rank_fn`` with this
         rank's own state. Steps continue from there."""
-        plan, state = self.checkpoints.resume(self.consumer, checkpoint)
+        plan, state = self.checkpoints.resume(
+            self.consumer, checkpoint, check=self._check_resumable
+        )
         self.plan = plan
         self.step = self._saved_step = plan.checkpoint.step if plan.checkpoint else 0
         if state is not None and self.load_fn is not None:
@@ -243,6 +248,42 @@ class Trainer:
         return metrics
 
     # -- internals ----------------------------------------------------------------
+    def _setup(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed by this trainer."""
+        consumer = self.consumer
+        seeded = consumer.order_seed is not None
+        return {
+            "grad_accum": self.config.grad_accum,
+            "world_size": consumer.world_size,
+            "order_seed": consumer.order_seed,
+            "dataset_size": len(consumer.state.committed) if seeded else None,
+        }
+
+    def _check_resumable(self, state: dict) -> None:
+        """Before the resume event: refuse a checkpoint of a differently set-up run."""
+        saved = state.get(TRAINER_ENTRY)
+        if not isinstance(saved, dict) or "grad_accum" not in saved:
+            return  # not saved by a Trainer: nothing to compare
+        mine = self._setup()
+        consumer = self.consumer
+        problems = [
+            f"{name} was {saved.get(name)!r}, now {mine[name]!r}"
+            for name in ("grad_accum", "world_size", "order_seed")
+            if saved.get(name) != mine[name]
+        ]
+        # The dataset: only a committed one has a size, and only rank 0 has caught up.
+        sizes = saved.get("dataset_size"), mine["dataset_size"]
+        comparable = consumer.rank == 0 and None not in sizes and consumer.state.producers_done
+        if comparable and sizes[0] != sizes[1]:
+            problems.append(f"dataset_size was {sizes[0]}, now {sizes[1]}")
+        if problems:
+            raise IncompatibleCheckpointError(
+                f"cannot resume run {consumer.run_id!r} from this checkpoint: "
+                + "; ".join(problems)
+                + ". Resume with the set-up it was saved with (changing the number of "
+                "ranks is not supported yet)"
+            )
+
     def _regenerate(self, sample_ids: list[str]) -> None:
         """Rank 0 puts the released samples back, as producer ``REGENERATE_PRODUCER_ID``;
         the other ranks wait for it (an error on rank 0 is raised on every rank)."""
@@ -326,8 +367,10 @@ class Trainer:
         # Only metrics of this very step describe the state being saved.
         metrics = self.metrics if self.metrics_step == self.step else None
         rank_state = None if self.rank_state_fn is None else self.rank_state_fn()
-        path = self.checkpoints.save(
-            self.step, self.state_fn(), rank_state=rank_state, metrics=metrics
-        )
+        state = dict(self.state_fn())
+        components = self.checkpoints.config.components
+        if TRAINER_ENTRY not in state and (components is None or TRAINER_ENTRY in components):
+            state[TRAINER_ENTRY] = self._setup()
+        path = self.checkpoints.save(self.step, state, rank_state=rank_state, metrics=metrics)
         self._saved_step = self.step
         log.info("checkpoint at step %d: %s", self.step, path)
