@@ -217,6 +217,7 @@ def test_a_trainer_saves_and_restores_each_ranks_own_state(parts) -> None:
     second = _trainer(
         {**parts, "consumer": consumer},
         checkpoints=CheckpointManager(parts["checkpoints"].config),
+        loader_config=LoaderConfig(batch_size=2),
         rank_state_fn=dict,
         load_rank_fn=lambda state: positions.append(state["data"]["position"]),
     )
@@ -357,3 +358,51 @@ def test_a_checkpoint_of_a_differently_set_up_run_is_refused_before_the_resume(
         second.resume()
     assert parts["led"].head_seq(RUN) == head  # nobody fenced off, nothing written
     assert issubclass(training.IncompatibleCheckpointError, ValueError)
+
+
+@pytest.mark.parametrize(("batch_size", "ok"), [(2, True), (4, True), (1, True), (3, False)])
+def test_a_resume_may_change_the_batch_size_where_it_divides_the_position(
+    tmp_path: Path, batch_size: int, ok: bool
+) -> None:
+    parts = _seeded_parts(tmp_path, "run")
+    first = _seeded_trainer(parts, "first", _model())
+    first.config = TrainerConfig(grad_accum=2, checkpoint_every=2, max_steps=2)
+    first.run()  # 2 steps x 2 micro-batches x 2 samples: position 8
+    assert first.position == 8
+    saved = first.checkpoints.load_rank_state(rank=0)
+    assert saved["data"] == {"position": 8, "batch_size": 2}
+    second = _seeded_trainer(parts, "second", _model())
+    second.loader = training.FeatureLoader(
+        second.consumer, config=LoaderConfig(batch_size=batch_size)
+    )
+    head = parts["led"].head_seq(RUN)
+    if not ok:
+        refused = training.IncompatibleCheckpointError
+        with pytest.raises(refused, match="not a multiple of batch_size=3"):
+            second.resume()
+        assert parts["led"].head_seq(RUN) == head
+        return
+    second.resume()
+    assert second.position == 8
+    assert second.run() > 2
+    assert replay(parts["led"], RUN).verify() == []
+
+
+def test_feature_loader_state_dict(parts) -> None:
+    consumer = parts["consumer"]
+    consumer.resume()
+    loader = training.FeatureLoader(consumer, config=LoaderConfig(batch_size=3))
+    loader.next_batch()
+    assert loader.state_dict() == {"position": 3, "batch_size": 3}
+    other = training.FeatureLoader(consumer, config=LoaderConfig(batch_size=1))
+    other.load_state_dict(loader.state_dict())
+    assert other.position == 3
+    with pytest.raises(ValueError, match="not a multiple of batch_size=2"):
+        training.FeatureLoader(consumer, config=LoaderConfig(batch_size=2)).load_state_dict(
+            {"position": 3}
+        )
+    for bad in ({}, {"position": "3"}, [3]):
+        with pytest.raises(ValueError, match="not a FeatureLoader state"):
+            other.load_state_dict(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="position must be an int >= 0, got -1"):
+        other.load_state_dict({"position": -1})

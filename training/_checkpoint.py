@@ -283,7 +283,7 @@ class CheckpointManager:
         consumer: Consumer,
         checkpoint: int | str | Checkpoint | None = "latest",
         *,
-        check: Callable[[dict], object] | None = None,
+        check: Callable[[dict, dict | None], object] | None = None,
     ) -> tuple[ReconcilePlan, dict | None]:
         """Resume ``consumer`` from ``checkpoint`` and load its state (every rank calls it).
 
@@ -295,9 +295,10 @@ class CheckpointManager:
         rank checks the files it will load: a missing, moved-away or corrupt
         checkpoint fails here and fences off nobody. ``"latest"`` falls back to
         the next older intact checkpoint of the lineage, with a warning.
-        ``check(state)``, when given, runs on every rank with the loaded state,
-        also before the resume event: raise there to refuse a checkpoint that
-        does not fit this run (the error is raised on every rank).
+        ``check(state, rank_state)``, when given, runs on every rank with the
+        loaded state and that rank's own state (None when the checkpoint has
+        none), also before the resume event: raise there to refuse a checkpoint
+        that does not fit this run (the error is raised on every rank).
         Returns the plan and the state (None from scratch); a rank's own state
         is ``load_rank_state(plan.checkpoint, rank=...)``.
         """
@@ -326,7 +327,10 @@ class CheckpointManager:
                     verify_files(saved, self._files_of_rank(saved, rank))
                 state = self._load_state(saved)
                 if check is not None:
-                    check(state)
+                    own = None
+                    if saved.has_rank_state:
+                        own = _decode(self._read_checked(saved, rank_file(rank)))
+                    check(state, own)
         except Exception as exc:
             error = exc
         agree(error, None, **meeting)

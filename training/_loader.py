@@ -63,6 +63,19 @@ def collate(samples: list[Features]) -> dict[str, torch.Tensor | list[torch.Tens
     return batch
 
 
+def check_position(position: int, batch_size: int) -> None:
+    """A saved position must fall on a batch boundary of the batch size resumed with."""
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise ValueError(f"position must be an int >= 0, got {position!r}")
+    if position % batch_size:
+        divisors = [d for d in range(1, min(position, 64) + 1) if position % d == 0]
+        raise ValueError(
+            f"the saved data position, {position} samples, is not a multiple of "
+            f"batch_size={batch_size}: batches would not line up with the saved run; resume "
+            f"with a batch size that divides {position} (e.g. {divisors[-6:]})"
+        )
+
+
 @dataclass
 class _Read:
     """What reading a leased batch gave: the refs that loaded, collated, and the stale ones."""
@@ -108,6 +121,8 @@ class FeatureLoader:
         self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future[_Read] | None = None
+        #: Samples handed out in batches so far (this rank's position in its queue).
+        self.position = 0
 
     def __iter__(self) -> Iterator[Batch]:
         try:
@@ -142,7 +157,19 @@ class FeatureLoader:
             if self.config.prefetch:
                 self._lease_ahead()
             if read.refs:
+                self.position += len(read.refs)
                 return Batch(tuple(read.refs), read.features)
+
+    def state_dict(self) -> dict[str, int]:
+        """The position in samples (and the batch size), for a checkpoint's per-rank state."""
+        return {"position": self.position, "batch_size": self.config.batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position; the batch size may change where it divides it."""
+        if not isinstance(state, dict) or not isinstance(state.get("position"), int):
+            raise ValueError(f"not a FeatureLoader state: {state!r:.100}")
+        check_position(state["position"], self.config.batch_size)
+        self.position = state["position"]
 
     def close(self) -> None:
         """Stop the prefetch thread (refs it leased ahead stay leased until a resume)."""

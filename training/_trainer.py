@@ -16,7 +16,7 @@ from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
 from training._dist import agree, flag_device
 from training._errors import IncompatibleCheckpointError
-from training._loader import Batch, CollateFn, FeatureLoader
+from training._loader import Batch, CollateFn, FeatureLoader, check_position
 from training._step import StepHelper
 
 log = logging.getLogger("training")
@@ -25,6 +25,8 @@ log = logging.getLogger("training")
 RegenerateFn = Callable[[list[str]], Iterable[tuple[str, Mapping[str, torch.Tensor]]]]
 #: The state entry where the Trainer records its set-up (checked on resume).
 TRAINER_ENTRY = "trainer"
+#: The per-rank state entry where the Trainer records the rank's data position.
+DATA_ENTRY = "data"
 #: The producer id under which rank 0 commits regenerated samples.
 REGENERATE_PRODUCER_ID = "trainer-regenerate"
 
@@ -168,17 +170,22 @@ class Trainer:
         self.metrics_step: int | None = None
         #: What step_fn returned for the last micro-batch.
         self.last_loss: Any = None
+        #: Samples this rank trained (acked) in this lineage: its position in its queue.
+        self.position = 0
         self._saved_step = 0
+        self._resumed_position = 0
 
     def resume(self, checkpoint: int | str | Checkpoint | None = "latest") -> dict | None:
         """Resume the consumer from ``checkpoint`` and return the state to apply (None from
         scratch); ``load_fn``, when given, is called with it, and ``load_rank_fn`` with this
         rank's own state. Steps continue from there."""
+        self._resumed_position = 0
         plan, state = self.checkpoints.resume(
             self.consumer, checkpoint, check=self._check_resumable
         )
         self.plan = plan
         self.step = self._saved_step = plan.checkpoint.step if plan.checkpoint else 0
+        self.position = self._resumed_position
         if state is not None and self.load_fn is not None:
             self.load_fn(state)
         if plan.checkpoint is not None and self.load_rank_fn is not None:
@@ -259,8 +266,19 @@ class Trainer:
             "dataset_size": len(consumer.state.committed) if seeded else None,
         }
 
-    def _check_resumable(self, state: dict) -> None:
+    def _check_resumable(self, state: dict, rank_state: dict | None) -> None:
         """Before the resume event: refuse a checkpoint of a differently set-up run."""
+        data = (rank_state or {}).get(DATA_ENTRY)
+        self._resumed_position = 0
+        if isinstance(data, dict) and "position" in data:
+            try:
+                check_position(data["position"], self.loader.config.batch_size)
+            except ValueError as exc:
+                raise IncompatibleCheckpointError(
+                    f"cannot resume rank {self.consumer.rank} of run {self.consumer.run_id!r}: "
+                    f"{exc}"
+                ) from None
+            self._resumed_position = data["position"]
         saved = state.get(TRAINER_ENTRY)
         if not isinstance(saved, dict) or "grad_accum" not in saved:
             return  # not saved by a Trainer: nothing to compare
@@ -349,7 +367,7 @@ class Trainer:
         self.step += 1
         if self.optimizer_fn is not None:
             self.optimizer_fn(self.step)
-        self.helper.finish(self.step)
+        self.position += len(self.helper.finish(self.step))
         save = bool(self.config.checkpoint_every) and self.step % self.config.checkpoint_every == 0
         if self._eval_enabled and self.step % self.config.eval_every == 0:
             self._evaluate()
@@ -366,11 +384,16 @@ class Trainer:
     def _save(self) -> None:
         # Only metrics of this very step describe the state being saved.
         metrics = self.metrics if self.metrics_step == self.step else None
-        rank_state = None if self.rank_state_fn is None else self.rank_state_fn()
+        rank_state = {} if self.rank_state_fn is None else dict(self.rank_state_fn())
         state = dict(self.state_fn())
         components = self.checkpoints.config.components
         if TRAINER_ENTRY not in state and (components is None or TRAINER_ENTRY in components):
             state[TRAINER_ENTRY] = self._setup()
-        path = self.checkpoints.save(self.step, state, rank_state=rank_state, metrics=metrics)
+        if DATA_ENTRY not in rank_state and (components is None or DATA_ENTRY in components):
+            batch_size = self.loader.config.batch_size
+            rank_state[DATA_ENTRY] = {"position": self.position, "batch_size": batch_size}
+        path = self.checkpoints.save(
+            self.step, state, rank_state=rank_state or None, metrics=metrics
+        )
         self._saved_step = self.step
         log.info("checkpoint at step %d: %s", self.step, path)
