@@ -263,3 +263,21 @@ def test_streaming_sigkill_then_resume_trains_every_sample_once(tmp_path: Path) 
     # Acks of the killed lineage after its last checkpoint are void; the final lineage
     # holds every committed sample exactly once.
     assert len(acked) >= SAMPLES and set(run.trained) == set(run.committed)
+
+
+@pytest.mark.slow
+def test_after_a_lineage_re_saved_a_step_the_resume_ends_with_the_uninterrupted_weights(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    args = _setup(tmp_path / "run")
+    assert _ranks(args, "first", kill_at=5) == [-signal.SIGKILL] * 2  # saved steps 2 and 4
+    # Back to step 2; this lineage saves step 4 again, then dies at step 5 too.
+    assert _ranks(args, "second", checkpoint=2, kill_at=5) == [-signal.SIGKILL] * 2
+    with Ledger.open(args["ledger"]) as led:
+        run = replay(led, RUN)
+    fours = [c for c in run.checkpoints if c.step == 4]
+    assert len(fours) == 2 and fours[0].path != fours[1].path  # one directory per lineage
+    assert run.removed_checkpoints == {fours[0].seq: "rewind"}  # the abandoned step 4
+    assert _ranks(args, "third") == [0, 0]  # from the latest: the new lineage's step 4
+    _assert_equal_weights(_weights(args, "third")[0], reference)
+    _assert_each_sample_once(args)
