@@ -255,11 +255,11 @@ def _features(i: int) -> dict[str, torch.Tensor]:
     return {"x": torch.tensor([float(i % 5), float(i % 3)], dtype=torch.float64)}
 
 
-def _seeded_trainer(parts: dict[str, Any], name: str, model: torch.nn.Module, **kw: Any) -> Trainer:
-    optimizer = torch.optim.SGD(model.parameters(), lr=2**-6, momentum=0.5)
+def _seeded_trainer(parts: dict[str, Any], name: str, net: torch.nn.Module, **kw: Any) -> Trainer:
+    optimizer = torch.optim.SGD(net.parameters(), lr=2**-6, momentum=0.5)
 
     def load_fn(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
 
     def optimizer_fn(step: int) -> None:
@@ -269,10 +269,10 @@ def _seeded_trainer(parts: dict[str, Any], name: str, model: torch.nn.Module, **
     consumer = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id=name, order_seed=3)
     return Trainer(
         consumer,
-        step_fn=lambda batch: model(batch.features["x"]).pow(2).sum().backward(),
+        step_fn=lambda batch: net(batch.features["x"]).pow(2).sum().backward(),
         optimizer_fn=optimizer_fn,
         checkpoints=CheckpointManager(CheckpointConfig(root=parts["ckpt"])),
-        state_fn=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+        state_fn=lambda: {"model": net.state_dict(), "optimizer": optimizer.state_dict()},
         load_fn=load_fn,
         config=TrainerConfig(grad_accum=2, checkpoint_every=2),
         loader_config=LoaderConfig(batch_size=2),
@@ -406,3 +406,37 @@ def test_feature_loader_state_dict(parts) -> None:
             other.load_state_dict(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="position must be an int >= 0, got -1"):
         other.load_state_dict({"position": -1})
+
+
+def test_a_model_with_other_keys_is_refused_before_the_resume(tmp_path: Path) -> None:
+    parts = _seeded_parts(tmp_path, "run")
+    first = _seeded_trainer(parts, "first", _model())
+    first.config = TrainerConfig(grad_accum=2, checkpoint_every=2, max_steps=2)
+    first.run()
+    head = parts["led"].head_seq(RUN)
+    other = torch.nn.Sequential(torch.nn.Linear(2, 1, dtype=torch.float64))  # keys "0.weight"
+    second = _seeded_trainer(parts, "second", other, model=other)
+    with pytest.raises(training.IncompatibleCheckpointError, match="no key in common"):
+        second.resume()
+    bigger = torch.nn.Linear(2, 1, dtype=torch.float64)
+    bigger.register_buffer("scale", torch.ones(1))
+    third = _seeded_trainer(parts, "third", bigger, model=bigger)
+    with pytest.raises(training.IncompatibleCheckpointError, match=r"missing keys \['scale'\]"):
+        third.resume()
+    assert parts["led"].head_seq(RUN) == head
+    same = _model()
+    fourth = _seeded_trainer(parts, "fourth", same, model=same)
+    fourth.resume()
+    assert fourth.step == 2
+
+
+def test_each_ranks_random_generators_come_back_on_a_resume(tmp_path: Path) -> None:
+    parts = _seeded_parts(tmp_path, "run")
+    first = _seeded_trainer(parts, "first", _model())
+    first.config = TrainerConfig(grad_accum=2, checkpoint_every=2, max_steps=2)
+    torch.manual_seed(5)
+    first.run()  # saves at step 2 with the generators as they were then
+    expected = torch.rand(3)  # the draw right after the save
+    torch.manual_seed(99)
+    _seeded_trainer(parts, "second", _model()).resume()
+    assert torch.equal(torch.rand(3), expected)

@@ -17,6 +17,7 @@ from training._config import LoaderConfig, TrainerConfig
 from training._dist import agree, flag_device
 from training._errors import IncompatibleCheckpointError
 from training._loader import Batch, CollateFn, FeatureLoader, check_position
+from training._rng import rng_state, set_rng_state
 from training._step import StepHelper
 
 log = logging.getLogger("training")
@@ -27,6 +28,8 @@ RegenerateFn = Callable[[list[str]], Iterable[tuple[str, Mapping[str, torch.Tens
 TRAINER_ENTRY = "trainer"
 #: The per-rank state entry where the Trainer records the rank's data position.
 DATA_ENTRY = "data"
+#: The per-rank state entry where the Trainer records the rank's random generators.
+RNG_ENTRY = "rng"
 #: The producer id under which rank 0 commits regenerated samples.
 REGENERATE_PRODUCER_ID = "trainer-regenerate"
 
@@ -78,7 +81,11 @@ class Trainer:
     do the optimizer step itself and ``optimizer_fn`` may be omitted.
 
     Steps continue from the checkpoint resumed from, so every ack names a step
-    later than it, as the ledger requires.
+    later than it, as the ledger requires. Every checkpoint also records the
+    trainer's set-up, and each rank's random generators and data position; a
+    resume restores the generators and refuses, before the resume event, a
+    checkpoint of a differently set-up run (or, with ``model``, of a model with
+    other keys).
 
     Several ranks (``Consumer(rank=r, world_size=n)``) need torch.distributed
     initialized: before each micro-batch the ranks agree whether any of them still
@@ -106,6 +113,7 @@ class Trainer:
         loader_config: LoaderConfig | None = None,
         collate_fn: CollateFn | None = None,
         modules: Iterable[torch.nn.Module] = (),
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
@@ -125,6 +133,8 @@ class Trainer:
         _check_callable("rank_state_fn", rank_state_fn, optional=True)
         _check_callable("load_rank_fn", load_rank_fn, optional=True)
         _check_callable("regenerate_fn", regenerate_fn, optional=True)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if (rank_state_fn is None) != (load_rank_fn is None):
             raise ValueError(
                 "rank_state_fn and load_rank_fn come together: what one saves, the other loads"
@@ -156,6 +166,8 @@ class Trainer:
         self.rank_state_fn = rank_state_fn
         self.load_rank_fn = load_rank_fn
         self.regenerate_fn = regenerate_fn
+        #: The (unwrapped) model whose keys a checkpoint's "model" entry must match.
+        self.model = model
         self.evaluator = evaluator if evaluator is not None or eval_fn is None else Evaluator()
         self.eval_fn = eval_fn
         self.loader = FeatureLoader(consumer, config=loader_config, collate_fn=collate_fn)
@@ -174,12 +186,14 @@ class Trainer:
         self.position = 0
         self._saved_step = 0
         self._resumed_position = 0
+        self._resumed_rank_state: dict | None = None
 
     def resume(self, checkpoint: int | str | Checkpoint | None = "latest") -> dict | None:
         """Resume the consumer from ``checkpoint`` and return the state to apply (None from
         scratch); ``load_fn``, when given, is called with it, and ``load_rank_fn`` with this
         rank's own state. Steps continue from there."""
         self._resumed_position = 0
+        self._resumed_rank_state = None
         plan, state = self.checkpoints.resume(
             self.consumer, checkpoint, check=self._check_resumable
         )
@@ -188,9 +202,12 @@ class Trainer:
         self.position = self._resumed_position
         if state is not None and self.load_fn is not None:
             self.load_fn(state)
-        if plan.checkpoint is not None and self.load_rank_fn is not None:
-            rank = self.consumer.rank
-            self.load_rank_fn(self.checkpoints.load_rank_state(plan.checkpoint, rank=rank))
+        rank_state = self._resumed_rank_state
+        saved_rng = (rank_state or {}).get(RNG_ENTRY)
+        if isinstance(saved_rng, dict) and {"python", "torch"} <= saved_rng.keys():
+            set_rng_state(saved_rng)
+        if rank_state is not None and self.load_rank_fn is not None:
+            self.load_rank_fn(rank_state)
         if plan.regenerate and self.regenerate_fn is not None:
             self._regenerate(list(plan.regenerate))
         elif plan.regenerate:
@@ -268,6 +285,8 @@ class Trainer:
 
     def _check_resumable(self, state: dict, rank_state: dict | None) -> None:
         """Before the resume event: refuse a checkpoint of a differently set-up run."""
+        self._resumed_rank_state = rank_state
+        self._check_model_keys(state)
         data = (rank_state or {}).get(DATA_ENTRY)
         self._resumed_position = 0
         if isinstance(data, dict) and "position" in data:
@@ -300,6 +319,25 @@ class Trainer:
                 + "; ".join(problems)
                 + ". Resume with the set-up it was saved with (changing the number of "
                 "ranks is not supported yet)"
+            )
+
+    def _check_model_keys(self, state: dict) -> None:
+        """The checkpoint's model must have exactly this model's keys (before any load)."""
+        saved = state.get("model")
+        if self.model is None or not isinstance(saved, Mapping):
+            return
+        mine, theirs = set(self.model.state_dict()), set(saved)
+        if not mine & theirs:
+            raise IncompatibleCheckpointError(
+                f"the checkpoint's model has no key in common with this model (saved: "
+                f"{sorted(theirs)[:5]}, this model: {sorted(mine)[:5]}): another model, or a "
+                "wrapped one (save and pass the unwrapped module, not the DDP wrapper)"
+            )
+        unexpected, missing = sorted(theirs - mine), sorted(mine - theirs)
+        if unexpected or missing:
+            raise IncompatibleCheckpointError(
+                f"the checkpoint's model does not fit this model: unexpected keys "
+                f"{unexpected[:10]}, missing keys {missing[:10]}"
             )
 
     def _regenerate(self, sample_ids: list[str]) -> None:
@@ -389,6 +427,8 @@ class Trainer:
         components = self.checkpoints.config.components
         if TRAINER_ENTRY not in state and (components is None or TRAINER_ENTRY in components):
             state[TRAINER_ENTRY] = self._setup()
+        if RNG_ENTRY not in rank_state and (components is None or RNG_ENTRY in components):
+            rank_state[RNG_ENTRY] = rng_state()
         if DATA_ENTRY not in rank_state and (components is None or DATA_ENTRY in components):
             batch_size = self.loader.config.batch_size
             rank_state[DATA_ENTRY] = {"position": self.position, "batch_size": batch_size}
