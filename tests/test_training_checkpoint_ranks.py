@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
-import os
 import random
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _gloo import free_port, init_gloo, join, start
 
 import training
 from dataflow import Consumer, Kind, Ledger, replay
@@ -173,14 +170,7 @@ MODES = {"save": _save, "resume": _resume, "fail": _fail, "best": _best, "async"
 
 
 def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args['port']}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    init_gloo(rank, args["port"])
     try:
         led = Ledger.open(args["ledger"])
         consumer = Consumer(
@@ -200,25 +190,10 @@ def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
 
 
 # -- the parent side -------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join(process: multiprocessing.Process) -> None:
-    process.join(CHILD_TIMEOUT_S)
-    if process.is_alive():
-        process.kill()
-        process.join()
-        pytest.fail("a child process hung")
-    assert process.exitcode == 0
-
-
 def _run_ranks(tmp_path: Path, mode: str, **extra: Any) -> list[dict[str, Any]]:
     """Run ``mode`` on two gloo ranks in fresh processes; their results, in rank order."""
     args = {
-        "port": _free_port(),
+        "port": free_port(),
         "ledger": f"sqlite:///{tmp_path}/ledger.db",
         "features": str(tmp_path / "features"),
         "ckpt": str(tmp_path / "ckpt"),
@@ -226,12 +201,8 @@ def _run_ranks(tmp_path: Path, mode: str, **extra: Any) -> list[dict[str, Any]]:
         "mode": mode,
         **extra,
     }
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_rank_in_child, args=(r, args)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        _join(process)
+    ranks = [start(_rank_in_child, r, args) for r in range(2)]
+    assert [join(process) for process in ranks] == [0, 0]
     return [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -11,9 +11,7 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _gloo import free_port, init_gloo
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from eval import Evaluator
@@ -337,21 +336,8 @@ def test_sigkilled_trainer_resumes_from_latest_and_from_an_older_checkpoint(
 
 
 # -- two gloo ranks ------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args['port']}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    init_gloo(rank, args["port"])
     try:
         led = Ledger.open(args["ledger"])
         store = SharedDirFeatureStore(args["features"])
@@ -406,7 +392,7 @@ def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
 def test_two_gloo_ranks_train_their_shares_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
     args = {
-        "port": _free_port(),
+        "port": free_port(),
         "ledger": url,
         "features": str(tmp_path / "features"),
         "ckpt": str(tmp_path / "ckpt"),

@@ -11,18 +11,16 @@ In streaming mode (no seed) it must train every committed sample exactly once.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
-import socket
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _gloo import free_port, init_gloo, join, start
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -53,27 +51,6 @@ def _features(sample_id: str) -> dict[str, torch.Tensor]:
     return {"x": torch.tensor([i % 5, i % 3, i % 2], dtype=torch.float64)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(target: Any, *args: Any) -> multiprocessing.Process:
-    process = multiprocessing.get_context("spawn").Process(target=target, args=args)
-    process.start()
-    return process
-
-
-def _join(process: multiprocessing.Process) -> int | None:
-    process.join(CHILD_TIMEOUT_S)
-    if process.is_alive():
-        process.kill()
-        process.join()
-        pytest.fail("a child process hung")
-    return process.exitcode
-
-
 # -- the processes -----------------------------------------------------------------------------
 def _produce(args: dict[str, Any], share: int) -> None:
     """One of two producers: commits every other sample, racing the other producer."""
@@ -89,14 +66,7 @@ def _produce(args: dict[str, Any], share: int) -> None:
 def _train(rank: int, args: dict[str, Any]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args['port']}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
+    init_gloo(rank, args["port"])
     led = Ledger.open(args["ledger"])
     store = SharedDirFeatureStore(args["features"])
     model = torch.nn.Linear(3, 1, dtype=torch.float64)
@@ -169,15 +139,15 @@ def _setup(where: Path, *, concurrent_producers: bool = True) -> dict[str, Any]:
         "kill_at": 0,
     }
     if concurrent_producers:
-        producers = [_start(_produce, args, share) for share in range(2)]
-        assert [_join(p) for p in producers] == [0, 0]
+        producers = [start(_produce, args, share) for share in range(2)]
+        assert [join(p) for p in producers] == [0, 0]
     return args
 
 
 def _ranks(args: dict[str, Any], attempt: str, **overrides: Any) -> list[int | None]:
-    args = {**args, "attempt": attempt, "port": _free_port(), **overrides}
-    ranks = [_start(_train, rank, args) for rank in range(2)]
-    return [_join(process) for process in ranks]
+    args = {**args, "attempt": attempt, "port": free_port(), **overrides}
+    ranks = [start(_train, rank, args) for rank in range(2)]
+    return [join(process) for process in ranks]
 
 
 def _weights(args: dict[str, Any], attempt: str) -> list[dict[str, torch.Tensor]]:
@@ -251,9 +221,9 @@ def test_sigkill_both_ranks_then_resume_ends_with_the_uninterrupted_weights(
 def test_streaming_sigkill_then_resume_trains_every_sample_once(tmp_path: Path) -> None:
     """No seed: producers commit while the ranks train; arrival order, each sample once."""
     args = {**_setup(tmp_path / "run", concurrent_producers=False), "order_seed": None}
-    producers = [_start(_produce, args, share) for share in range(2)]
+    producers = [start(_produce, args, share) for share in range(2)]
     killed = _ranks(args, "killed", kill_at=3)
-    assert [_join(p) for p in producers] == [0, 0]
+    assert [join(p) for p in producers] == [0, 0]
     assert killed == [-signal.SIGKILL, -signal.SIGKILL]
     assert _ranks(args, "resumed") == [0, 0]
     _assert_each_sample_once(args)

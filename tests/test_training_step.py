@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
-import socket
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _gloo import free_port, init_gloo, join, start
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from stores import LocalFeatureStore, SharedDirFeatureStore
@@ -134,24 +132,11 @@ def test_bad_input(consumer: Consumer) -> None:
 SAMPLES, BATCH, ACCUM = 36, 2, 3  # 18 per rank: 9 micro-batches, 3 optimizer steps each
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args['port']}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
+    init_gloo(rank, args["port"])
     try:
         led = Ledger.open(args["ledger"])
         store = SharedDirFeatureStore(args["features"])
@@ -218,24 +203,15 @@ def _train_two_ranks(tmp_path: Path, *, no_sync: bool) -> list[dict[str, Any]]:
     where = tmp_path / ("no_sync" if no_sync else "every_step")
     where.mkdir()
     args = {
-        "port": _free_port(),
+        "port": free_port(),
         "ledger": f"sqlite:///{where}/ledger.db",
         "features": str(where / "features"),
         "ckpt": str(where / "ckpt"),
         "out": str(where),
         "no_sync": no_sync,
     }
-    context = multiprocessing.get_context("spawn")
-    ranks = [context.Process(target=_ddp_rank, args=(r, args)) for r in range(2)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(CHILD_TIMEOUT_S)
-        if process.is_alive():
-            process.kill()
-            process.join()
-            pytest.fail("a rank hung")
-        assert process.exitcode == 0
+    ranks = [start(_ddp_rank, r, args) for r in range(2)]
+    assert [join(process) for process in ranks] == [0, 0]
     with Ledger.open(args["ledger"]) as led:
         run = replay(led, RUN)
         assert run.verify() == [] and len(run.trained) == SAMPLES
