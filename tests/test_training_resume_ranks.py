@@ -124,6 +124,10 @@ def _train(rank: int, args: dict[str, Any]) -> None:
     Path(args["out"], f"{args['attempt']}-rank{rank}.json").write_text(json.dumps({"step": step}))
     dist.barrier()  # neither rank tears its group down while the other still talks to it
     dist.destroy_process_group()
+    # A spawned process tears the interpreter down on exit, and torch's DDP reducer can
+    # abort that teardown ("terminate called without an active exception"): the results
+    # are written, so leave without it (fork children, as in the docs, exit this way).
+    os._exit(0)
 
 
 # -- the parent ----------------------------------------------------------------------------------
