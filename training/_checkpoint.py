@@ -385,7 +385,10 @@ class CheckpointManager:
         nothing), without ``best_metric`` or with a non-finite value never win.
         Ties go to the latest save.
         """
-        ranked = [(self._best.score(c.metrics), c.serial, c) for c in self.saved()]
+        return self._best_of(self.saved())
+
+    def _best_of(self, saved: list[SavedCheckpoint]) -> SavedCheckpoint | None:
+        ranked = [(self._best.score(c.metrics), c.serial, c) for c in saved]
         ranked = [r for r in ranked if r[0] is not None]
         return max(ranked, key=lambda r: r[:2])[2] if ranked else None
 
@@ -634,7 +637,7 @@ class CheckpointManager:
         if k:
             survivors = [c for c in saved if c.path not in doomed]
             keep = {c.path for c in survivors[-k:]} | {just_written}
-            best = self.best() if self.config.keep_best else None
+            best = self._best_of(saved) if self.config.keep_best else None
             if best is not None and best.path not in doomed:
                 keep.add(best.path)
             doomed.update({c.path: "retention" for c in survivors if c.path not in keep})
@@ -643,7 +646,7 @@ class CheckpointManager:
         self._remove(doomed)
         best_path = self._best.path
         if best_path is None or best_path in doomed:
-            self._best.set(self.best())
+            self._best.set(self._best_of([c for c in saved if c.path not in doomed]))
 
     def _remove(self, doomed: dict[Path, str]) -> None:
         consumer = self.consumer
