@@ -121,7 +121,9 @@ def _train(rank: int, args: dict[str, Any]) -> None:
     trainer.resume(args["checkpoint"])
     step = trainer.run()
     torch.save(model.state_dict(), Path(args["out"]) / f"{args['attempt']}-rank{rank}.pt")
-    Path(args["out"], f"{args['attempt']}-rank{rank}.json").write_text(json.dumps({"step": step}))
+    Path(args["out"], f"{args['attempt']}-rank{rank}.json").write_text(
+        json.dumps({"step": step, "agreements": trainer.agreements})
+    )
     dist.barrier()  # neither rank tears its group down while the other still talks to it
     dist.destroy_process_group()
     # A spawned process tears the interpreter down on exit, and torch's DDP reducer can
@@ -180,6 +182,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     assert _ranks(args, "only") == [0, 0]
     first, second = _weights(args, "only")
     _assert_equal_weights(first, second)
+    for rank in (0, 1):
+        result = json.loads(Path(args["out"], f"only-rank{rank}.json").read_text())
+        assert result["agreements"] == 1  # a committed dataset: one collective settles the count
     _assert_each_sample_once(args)
     return first
 

@@ -160,6 +160,24 @@ class FeatureLoader:
                 self.position += len(read.refs)
                 return Batch(tuple(read.refs), read.features)
 
+    def remaining_batches(self) -> int | None:
+        """Batches this loader will still hand out, once that number is fixed; else None.
+
+        It is fixed when no more work can come to this rank: every producer closed
+        (a stream: every producer's stream ended and was drained) and, in a seeded
+        order, nothing is waiting for regeneration. Then it counts the batch leased
+        ahead and this rank's pending samples in ``batch_size`` batches. A nack
+        (features gone, a failed step) can still put a sample back after that.
+        """
+        consumer = self.consumer
+        consumer.refresh()
+        state = consumer.state
+        ended = state.producers_done if consumer.stream is None else consumer.stream.exhausted
+        if not ended or (state.order_seed is not None and state.regenerate):
+            return None
+        pending = sum(1 for _ in state.pending_for(consumer.rank))
+        return int(self._ahead is not None) + -(-pending // self.config.batch_size)
+
     def state_dict(self) -> dict[str, int]:
         """The position in samples (and the batch size), for a checkpoint's per-rank state."""
         return {"position": self.position, "batch_size": self.config.batch_size}

@@ -88,11 +88,15 @@ class Trainer:
     other keys).
 
     Several ranks (``Consumer(rank=r, world_size=n)``) need torch.distributed
-    initialized: before each micro-batch the ranks agree whether any of them still
-    has data, so they take the same steps, evaluate and checkpoint together, and
-    stop together. A rank whose share ran out while its peers still train gets an
-    empty Batch (``len(batch) == 0``), so a ``step_fn`` that joins collectives
-    (DDP) can contribute nothing instead of hanging its peers.
+    initialized: the ranks agree how many micro-batches they take, so they take the
+    same steps, evaluate and checkpoint together, and stop together. While a rank's
+    share can still grow (a stream with producers running), they agree before each
+    micro-batch whether any of them still has one; once every share is fixed (a
+    committed dataset, or the end of the stream), one collective settles the number
+    of micro-batches left and no more are needed. A rank whose share ran out while
+    its peers still train gets an empty Batch (``len(batch) == 0``), so a
+    ``step_fn`` that joins collectives (DDP) can contribute nothing instead of
+    hanging its peers.
     """
 
     def __init__(
@@ -184,6 +188,10 @@ class Trainer:
         self.last_loss: Any = None
         #: Samples this rank trained (acked) in this lineage: its position in its queue.
         self.position = 0
+        #: Collectives the ranks ran to agree on who still has data (one, once every
+        #: rank's share is fixed: a committed dataset needs no more than that).
+        self.agreements = 0
+        self._batches_left: int | None = None
         self._saved_step = 0
         self._resumed_position = 0
         self._resumed_rank_state: dict | None = None
@@ -230,6 +238,7 @@ class Trainer:
                     "to apply its state: pass load_fn, or call resume() and apply what it "
                     "returns before run()"
                 )
+        self._batches_left = None  # what came back since a previous run() is counted anew
         max_steps = self.config.max_steps
         if max_steps is not None and self.step >= max_steps:
             warnings.warn(
@@ -250,6 +259,16 @@ class Trainer:
                 if boundary:
                     self._optimizer_step()
                 batch = upcoming
+            if self._batches_left == 0 and not self.consumer.finished:
+                # A nack (features gone, a failed step) put work back after the ranks
+                # settled their count; it waits for the next run or resume.
+                log.warning(
+                    "rank %d of run %r stops with work left that came back after the ranks "
+                    "agreed on their number of micro-batches; the next run() or resume "
+                    "trains it",
+                    self.consumer.rank,
+                    self.consumer.run_id,
+                )
             if self.step > self._saved_step:
                 if self._eval_enabled and self.metrics_step != self.step:
                     self._evaluate()
@@ -392,12 +411,37 @@ class Trainer:
         return True
 
     def _next_batch(self, distributed: bool) -> Batch | None:
-        batch = self.loader.next_batch()
+        """The next micro-batch, the same count on every rank (an empty Batch where a rank's
+        share ran out first), None once no rank has one left.
+
+        While a rank's share can still grow (producers open, a regeneration outstanding),
+        the ranks agree before each micro-batch whether any of them has one. Once every
+        share is fixed, one agreement settles how many micro-batches are left, and the
+        ranks take them without another collective.
+        """
         if not distributed:
-            return batch
-        flag = torch.tensor([0 if batch is None else 1], device=flag_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+            return self.loader.next_batch()
+        if self._batches_left is not None:
+            if self._batches_left == 0:
+                return None
+            self._batches_left -= 1
+            return self.loader.next_batch() or Batch()
+        batch = self.loader.next_batch()
+        remaining = self.loader.remaining_batches()
+        has = int(batch is not None)
+        flags = torch.tensor(
+            [has, int(remaining is None), has + (remaining or 0)],
+            dtype=torch.int64,
+            device=flag_device(),
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.agreements += 1
+        any_has, any_open, most = (int(v) for v in flags.tolist())
+        if not any_open:
+            self._batches_left = max(most - 1, 0)
+            if most == 0:
+                return None
+        elif not any_has:
             return None
         return Batch() if batch is None else batch
 

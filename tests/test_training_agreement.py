@@ -1,0 +1,150 @@
+"""Two gloo DDP ranks agree on their number of micro-batches: once for a committed dataset,
+per micro-batch only while a stream can still grow, and never leaving a rank alone in a
+collective when the shares are uneven.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _gloo import free_port, init_gloo, join, start
+
+from dataflow import Consumer, Kind, Ledger, Producer, replay
+from stores import SharedDirFeatureStore
+from training import (
+    Batch,
+    CheckpointConfig,
+    CheckpointManager,
+    LoaderConfig,
+    Trainer,
+    TrainerConfig,
+)
+
+RUN = "run"
+
+
+def _sample_id(i: int) -> str:
+    return f"s{i:03d}"
+
+
+def _features(i: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.tensor([i % 5, i % 3, 1], dtype=torch.float64)}
+
+
+def _produce(args: dict[str, Any]) -> None:
+    led = Ledger.open(args["ledger"])
+    producer = Producer(led, SharedDirFeatureStore(args["features"]), run_id=RUN)
+    for i in range(args["samples"]):
+        producer.emit(_sample_id(i), _features(i))
+        if args["live_producer"] and i == 3:
+            # Keep the stream open until the ranks train: they must see it grow.
+            deadline = time.monotonic() + 60
+            while not any(e.kind == Kind.LEASE for e in led.events(RUN)):
+                assert time.monotonic() < deadline, "the ranks never trained"
+                time.sleep(0.05)
+        time.sleep(args["emit_pause_s"])
+    producer.close()
+
+
+def _train(rank: int, args: dict[str, Any]) -> None:
+    import os
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    init_gloo(rank, args["port"])
+    model = torch.nn.Linear(3, 1, dtype=torch.float64)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=2**-8)
+    sizes: list[int] = []
+
+    def step_fn(batch: Batch) -> None:
+        x = batch.features["x"] if len(batch) else torch.zeros(0, 3, dtype=torch.float64)
+        ddp(x).pow(2).sum().backward()
+        sizes.append(len(batch))
+
+    def optimizer_fn(step: int) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    consumer = Consumer(
+        Ledger.open(args["ledger"]),
+        SharedDirFeatureStore(args["features"]),
+        run_id=RUN,
+        consumer_id=f"rank{rank}",
+        rank=rank,
+        world_size=2,
+        order_seed=args["order_seed"],
+    )
+    trainer = Trainer(
+        consumer,
+        step_fn=step_fn,
+        optimizer_fn=optimizer_fn,
+        checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"])),
+        state_fn=lambda: {"model": model.state_dict()},
+        config=TrainerConfig(grad_accum=2, checkpoint_every=0),
+        loader_config=LoaderConfig(batch_size=args["batch_size"]),
+        modules=[ddp],
+    )
+    step = trainer.run()
+    result = {"step": step, "sizes": sizes, "agreements": trainer.agreements}
+    Path(args["out"], f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # see tests/test_training_resume_ranks.py: no DDP teardown at exit
+
+
+def _run(tmp_path: Path, **overrides: Any) -> list[dict[str, Any]]:
+    args = {
+        "ledger": f"sqlite:///{tmp_path}/ledger.db",
+        "features": str(tmp_path / "features"),
+        "ckpt": str(tmp_path / "ckpt"),
+        "out": str(tmp_path),
+        "port": free_port(),
+        "samples": 11,
+        "emit_pause_s": 0.0,
+        "batch_size": 1,
+        "order_seed": None,
+        "live_producer": False,
+        **overrides,
+    }
+    producer = start(_produce, args) if args["live_producer"] else None
+    if producer is None:
+        _produce(args)
+    ranks = [start(_train, rank, args) for rank in range(2)]
+    assert [join(p) for p in ranks] == [0, 0]
+    if producer is not None:
+        assert join(producer) == 0
+    with Ledger.open(args["ledger"]) as led:
+        run = replay(led, RUN)
+        assert run.verify() == []
+        assert sorted(run.trained) == [_sample_id(i) for i in range(args["samples"])]
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_a_committed_dataset_with_uneven_shares_needs_one_agreement(tmp_path: Path) -> None:
+    # 11 samples in a seeded order: rank 0 owns 6, rank 1 owns 5. One collective settles
+    # 6 micro-batches each (3 steps); rank 1 trains an empty one instead of leaving rank 0
+    # alone in DDP's gradient reduction.
+    first, second = _run(tmp_path, order_seed=3)
+    assert first["agreements"] == second["agreements"] == 1
+    assert first["step"] == second["step"] == 3
+    assert first["sizes"] == [1] * 6
+    assert second["sizes"] == [1] * 5 + [0]
+
+
+@pytest.mark.slow
+def test_a_stream_agrees_per_micro_batch_until_it_ends_then_once(tmp_path: Path) -> None:
+    # A producer still emitting: the ranks cannot know their shares, so they agree before
+    # each micro-batch; every sample is trained once and both ranks stop together.
+    first, second = _run(tmp_path, live_producer=True, emit_pause_s=0.05, samples=16)
+    assert first["agreements"] == second["agreements"] > 1
+    assert first["step"] == second["step"]
+    assert len(first["sizes"]) == len(second["sizes"])
+    assert sum(first["sizes"]) + sum(second["sizes"]) == 16
