@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -136,6 +137,43 @@ def test_a_state_weights_only_loading_would_refuse_is_refused_at_save(tmp_path: 
     with pytest.raises(ValueError, match="weights_only"):
         manager.save(1, {"counter": Opaque()})
     assert _step_dirs(tmp_path) == []
+
+
+def _self_containing() -> dict[str, Any]:
+    loop: dict[str, Any] = {}
+    loop["again"] = loop
+    return {"loop": loop}
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"schedule": lambda step: 0.1}, r"state\['schedule'\] is function .*code, not data"),
+        ({"fn": {"hook": print}}, r"state\['fn'\]\['hook'\] is builtin_function_or_method"),
+        (
+            {"model": {"w": torch.empty(3, device="meta")}},
+            r"state\['model'\]\['w'\] is a meta tensor: it has no data",
+        ),
+        ({"where": slice(0, 2)}, r"state\['where'\] is of type slice"),
+        ({"ids": frozenset({1})}, r"state\['ids'\] is of type frozenset"),
+        ({"counts": collections.defaultdict(int)}, "is of type collections.defaultdict"),
+        ({"nested": [1, {"deep": Opaque()}]}, r"state\['nested'\]\[1\]\['deep'\] is of type"),
+        ({"keys": {(1, 2): 3}}, r"state\['keys'\] has a key of type tuple"),
+        (_self_containing(), r"state\['loop'\]\['again'\] contains itself"),
+    ],
+)
+def test_state_a_weights_only_load_cannot_read_back_is_refused_before_writing(
+    tmp_path: Path, led, store, state: dict[str, Any], match: str
+) -> None:
+    consumer = _consumer(led, store)
+    consumer.resume()
+    manager = CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt"), consumer=consumer)
+    with pytest.raises(ValueError, match=match):
+        manager.save(1, state)
+    with pytest.raises(ValueError, match=match.replace("state", "rank_state", 1)):
+        manager.save(1, {}, rank_state=state)
+    assert not (tmp_path / "ckpt").exists()  # nothing written, not even a directory
+    assert replay(led, RUN).checkpoints == []
 
 
 def test_load_uses_weights_only(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ from training._layout import (
     run_dir_name,
     verify_files,
 )
+from training._storable import check_storable
 
 log = logging.getLogger("training")
 
@@ -214,6 +215,9 @@ class CheckpointManager:
             step = _check_step(step)
             state = _check_state("state", state)
             rank_state = None if rank_state is None else _check_state("rank_state", rank_state)
+            check_storable(state, "state")
+            if rank_state is not None:
+                check_storable(rank_state, "rank_state")
             checked_metrics = _check_metrics(metrics)
             self._check_components(state, rank_state)
             if world_size > 1 and not dist_active(world_size):
