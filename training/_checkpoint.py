@@ -228,7 +228,12 @@ class CheckpointManager:
                 started = self._start(step)
         except Exception as exc:
             error = exc
-        started = agree(error, started, **self._meeting(f"checkpoint save at step {step}"))[0]
+        try:
+            started = agree(error, started, **self._meeting(f"checkpoint save at step {step}"))[0]
+        except BaseException:
+            if started is not None:  # another rank refused: rank 0's directory goes again
+                shutil.rmtree(started["tmp"], ignore_errors=True)
+            raise
         assert started is not None
         entries = self._entries(state, rank_state)
         state = {k: ABSENT if state.get(k) is None else state[k] for k in entries["state"]}
