@@ -438,6 +438,14 @@ class RefSender(ABC):
     wire comes back to a consumer through reconcile.
     """
 
+    def check(self, ref: SampleRef) -> None:  # noqa: B027 - optional, the default checks nothing
+        """Raise BadFrameError if ``send`` would refuse ``ref`` (e.g. its frame is too large).
+
+        Called by the Producer for every ref before the ledger commit, so a
+        ref the stream cannot carry is refused while nothing is committed yet
+        (an ``emit`` that raises committed nothing). The default does no check.
+        """
+
     @abstractmethod
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
         """Deliver ``ref`` to exactly one consumer rank.

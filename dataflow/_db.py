@@ -7,10 +7,17 @@ import sqlite3
 from collections.abc import Iterator
 
 import sqlalchemy.exc as sa_exc
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, insert, select
 from sqlalchemy.engine import make_url
 
-from dataflow._errors import DataflowError, IntegrityError, LedgerError, OperationalError
+from dataflow._errors import (
+    DataflowError,
+    IntegrityError,
+    LedgerError,
+    NotALedgerError,
+    OperationalError,
+)
+from dataflow._schema import SCHEMA_VERSION, metadata, schema_info
 
 DEFAULT_URL = "sqlite:///./dataflow.db"
 DURABILITY = ("full", "normal")
@@ -22,28 +29,47 @@ def translate_errors(what: str) -> Iterator[None]:
     """Map SQLAlchemy and driver errors to the dataflow error tree.
 
     Our own errors pass through untouched; anything else from the database
-    becomes IntegrityError or OperationalError naming what was being done.
+    becomes IntegrityError or OperationalError naming what was being done,
+    and a file that SQLite says is no database becomes NotALedgerError.
     """
     try:
         yield
     except DataflowError:
         raise
-    except sa_exc.IntegrityError as exc:
-        raise IntegrityError(f"{what}: the database refused the write: {exc.orig}") from exc
-    except (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError) as exc:
-        raise OperationalError(f"{what}: {exc.orig if hasattr(exc, 'orig') else exc}") from exc
-    except sa_exc.DBAPIError as exc:
-        raise LedgerError(f"{what}: database error: {exc.orig}") from exc
-    except sa_exc.SQLAlchemyError as exc:
-        raise LedgerError(f"{what}: {exc}") from exc
-    except sqlite3.Error as exc:
-        raise OperationalError(f"{what}: {exc}") from exc
+    except (sa_exc.SQLAlchemyError, sqlite3.Error) as exc:
+        raise _translated(what, exc) from exc
+
+
+def _translated(what: str, exc: Exception) -> LedgerError:
+    orig = getattr(exc, "orig", None) or exc
+    if getattr(orig, "sqlite_errorname", None) == "SQLITE_NOTADB":
+        return NotALedgerError(
+            f"{what}: the file is not a SQLite database ({orig}), so it is no ledger; "
+            "check the path (the file was left as it is)"
+        )
+    if isinstance(exc, sa_exc.IntegrityError):
+        return IntegrityError(f"{what}: the database refused the write: {orig}")
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError)):
+        return OperationalError(f"{what}: {orig}")
+    if isinstance(exc, sa_exc.DBAPIError):
+        return LedgerError(f"{what}: database error: {orig}")
+    if isinstance(exc, sa_exc.SQLAlchemyError):
+        return LedgerError(f"{what}: {exc}")
+    return OperationalError(f"{what}: {exc}")
 
 
 class Backend:
-    """What differs between databases: engine set-up and taking a run's lock."""
+    """What differs between databases: finding or making the ledger, engines, run locks."""
 
     name: str
+
+    def prepare(self, url: str, *, create: bool, durability: str, busy_timeout_s: float) -> None:
+        """Before the engine: check that what ``url`` names can hold a ledger.
+
+        With ``create`` a missing ledger may be made; without it nothing is
+        created (no file, no directory). Never initializes over an existing
+        file that is not a ledger: raise NotALedgerError instead.
+        """
 
     def create_engine(self, url: str, *, durability: str, busy_timeout_s: float) -> Engine:
         raise NotImplementedError
@@ -54,6 +80,13 @@ class Backend:
 
     def lock_schema(self, conn: Connection) -> None:
         """Serialize schema creation between processes opening a fresh database."""
+
+
+def create_schema(conn: Connection) -> None:
+    """Create every ledger table that is missing, and record the schema version once."""
+    metadata.create_all(conn)
+    if conn.execute(select(schema_info.c.version)).scalar() is None:
+        conn.execute(insert(schema_info).values(id=1, version=SCHEMA_VERSION))
 
 
 def backend_for(url: str) -> Backend:

@@ -77,9 +77,15 @@ def run_demo(*, workdir: str | None = None, samples: int = 48, seed: int = 0) ->
         raise ValueError(f"the demo needs at least 16 samples, got {samples}")
     with tempfile.TemporaryDirectory(prefix="dataflow-demo-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)
-        root.mkdir(parents=True, exist_ok=True)
         ckpt_dir = root / "checkpoints"
-        ckpt_dir.mkdir(exist_ok=True)
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot make the demo's directory {ckpt_dir}: {exc.strerror} "
+                f"({exc.filename}); pass --dir a directory you can write to",
+            ) from exc
         ledger = Ledger.open(f"sqlite:///{root / 'ledger.db'}")
         store = _open_store(root)
         print(f"ledger: {ledger.safe_url}\nstore:  {store.uri}")

@@ -7,8 +7,11 @@ keeps working around a store lookup::
     DataflowError
     ├── InvalidSampleIdError (ValueError)
     ├── InvalidRefError (ValueError)
+    ├── InvalidIdError (ValueError)            a bad run, producer or consumer id
     ├── TensorInRefError (TypeError)
     ├── LedgerError
+    │   ├── NotALedgerError                    nothing at the URL, or it is not a ledger
+    │   ├── InvalidCheckpointPathError (ValueError)  missing, or not a file or directory
     │   ├── SchemaVersionError
     │   ├── LedgerStateError (ValueError)      a write the run's state forbids
     │   │   └── UnknownCheckpointError (LookupError)
@@ -21,7 +24,7 @@ keeps working around a store lookup::
     │   ├── StoreClosedError
     │   ├── StaleRefError (KeyError)           the ref's generation is gone or superseded
     │   ├── StoreFullError (MemoryError)
-    │   ├── CorruptFeatureError                truncated file, short read, bad header
+    │   ├── CorruptFeatureError                stored bytes differ from what was put
     │   └── StoreUnavailableError (ConnectionError)
     └── StreamError
         ├── BadFrameError (ValueError)
@@ -48,12 +51,35 @@ class InvalidRefError(DataflowError, ValueError):
     """A SampleRef or its JSON form is malformed (bad field type, non-JSON metadata)."""
 
 
+class InvalidIdError(DataflowError, ValueError):
+    """A run, producer or consumer id is not 1-256 printable characters without outer spaces.
+
+    Control characters (NUL, tab, newline, DEL ...) are refused: an id is
+    printed by the CLI and compared byte for byte, and an invisible character
+    would make two different runs look alike.
+    """
+
+
 class TensorInRefError(DataflowError, TypeError):
     """A tensor was found inside a ref or its metadata; refs must stay tensor-free."""
 
 
 class LedgerError(DataflowError):
     """Base of errors raised by the ledger."""
+
+
+class NotALedgerError(LedgerError):
+    """There is no ledger at the URL, or the file or database there is not one.
+
+    Raised when opening: a missing file where nothing may be created
+    (``Ledger.open(url, create=False)``), an existing file that is empty, not
+    a SQLite database, or a database without the dataflow tables. Such a file
+    is never initialized over: it may be a ledger that lost its data.
+    """
+
+
+class InvalidCheckpointPathError(LedgerError, ValueError):
+    """A checkpoint path does not exist, is not a file or directory, or has a ``..`` part."""
 
 
 class SchemaVersionError(LedgerError):
@@ -108,7 +134,14 @@ class StoreFullError(StoreError, MemoryError):
 
 
 class CorruptFeatureError(StoreError):
-    """Stored features are truncated or malformed (short read, bad header)."""
+    """Stored features differ from what was put: truncated or malformed (short read,
+    bad header), failing a checksum (a flipped or zeroed byte), a header or head that
+    names another sample, or a format version this dataflow does not read.
+
+    The message names the sample, the feature where one is to blame, and the file or
+    Mooncake key, and says what to do: the sample must be put again (regenerated).
+    Not a StaleRefError: a ref whose generation was deleted or superseded raises that.
+    """
 
 
 class StoreUnavailableError(StoreError, ConnectionError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,9 +35,22 @@ def export_parquet(ledger: Ledger, run_id: str, path: str | os.PathLike[str]) ->
     """Write every event of ``run_id`` to ``path`` atomically; return the number of events.
 
     Streams in batches, so memory stays bounded for long runs. Payloads stay
-    JSON text.
+    JSON text. ``path`` must name a file in an existing directory
+    (IsADirectoryError, FileNotFoundError before anything is written).
     """
     target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"cannot export to {str(target)!r}: it is a directory; name the file to write, "
+            f"e.g. {target / 'events.parquet'}",
+        )
+    if not target.absolute().parent.is_dir():
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"cannot export to {str(target)!r}: its directory {target.absolute().parent} "
+            "does not exist; create it first",
+        )
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     count = 0
     try:

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Row, func, insert, select, update
+from sqlalchemy import Connection, Row, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 
 from dataflow._db import (
     DEFAULT_URL,
     backend_for,
     check_durability,
+    create_schema,
     translate_errors,
     write_options,
 )
-from dataflow._errors import SchemaVersionError, StaleEpochError
+from dataflow._errors import InvalidIdError, NotALedgerError, SchemaVersionError, StaleEpochError
 from dataflow._events import Event, Kind, load_payload
-from dataflow._schema import SCHEMA_VERSION, events, metadata, schema_info
+from dataflow._schema import SCHEMA_VERSION, events, schema_info
 from dataflow._schema import runs as runs_table
 
 #: Columns of a raw event row, in order: what the fold consumes.
@@ -40,12 +41,45 @@ ROW_COLUMNS = (
 _PAGE = 5000
 
 
-def _check_run_id(run_id: object) -> str:
-    if not isinstance(run_id, str) or not 0 < len(run_id) <= 256:
-        raise ValueError(
-            f"run_id must be a non-empty str of at most 256 characters, got {run_id!r}"
+MAX_ID_LENGTH = 256
+
+
+def check_id(name: str, value: object) -> str:
+    """Return ``value`` if it is a valid run, producer or consumer id, else raise InvalidIdError.
+
+    A valid id is a str of 1 to 256 printable characters (``str.isprintable``:
+    letters, digits, punctuation and spaces of any script) that does not
+    start or end with whitespace. Control characters (NUL, tab, newline,
+    DEL ...) and other invisible ones are refused.
+    """
+    if not isinstance(value, str):
+        raise InvalidIdError(
+            f"{name} must be a str of 1 to {MAX_ID_LENGTH} printable characters, "
+            f"got {value!r} ({type(value).__name__})"
         )
-    return run_id
+    if not 0 < len(value) <= MAX_ID_LENGTH:
+        shown = repr(value) if len(value) <= 40 else f"{len(value)} characters: {value[:40]!r}..."
+        raise InvalidIdError(
+            f"{name} must be a str of 1 to {MAX_ID_LENGTH} printable characters (at most "
+            f"{MAX_ID_LENGTH}), got {shown}"
+        )
+    if not value.isprintable():
+        bad = next(c for c in value if not c.isprintable())
+        raise InvalidIdError(
+            f"{name} {value!r} holds the control or invisible character {bad!r} at position "
+            f"{value.index(bad)}; ids are 1 to {MAX_ID_LENGTH} printable characters: "
+            "remove or replace it"
+        )
+    if value != value.strip():
+        raise InvalidIdError(
+            f"{name} {value!r} starts or ends with whitespace; strip it (ids are compared "
+            "exactly, and an outer space is invisible when printed)"
+        )
+    return value
+
+
+def _check_run_id(run_id: object) -> str:
+    return check_id("run_id", run_id)
 
 
 @dataclass
@@ -91,11 +125,14 @@ def _released_revision(conn: Connection, run_id: str, sample_id: str) -> int | N
     return max(revisions) if revisions else None
 
 
+MAX_SEQ = 2**63 - 1
+
+
 def _check_seq(name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEQ:
+        raise ValueError(f"{name} must be an int from 0 to 2**63-1 (a seq), got {value!r}")
 
 
 class WriteTransaction:
@@ -182,28 +219,63 @@ class Ledger:
     transaction by the database, not by in-memory state.
     """
 
-    def __init__(self, url: str, *, durability: str = "full", busy_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        durability: str = "full",
+        busy_timeout: float = 30.0,
+        create: bool = True,
+    ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"ledger URL must be a str, got {type(url).__name__}")
         check_durability(durability)
-        if not isinstance(busy_timeout, (int, float)) or busy_timeout <= 0:
+        if (
+            not isinstance(busy_timeout, (int, float))
+            or isinstance(busy_timeout, bool)
+            or not 0 < busy_timeout < math.inf
+        ):
             raise ValueError(
                 f"busy_timeout must be a positive number of seconds, got {busy_timeout!r}"
             )
+        if not isinstance(create, bool):
+            raise TypeError(f"create must be a bool, got {create!r}")
         self._backend = backend_for(url)
         self.url = url
         self.durability = durability
+        timeout_s = float(busy_timeout)
         with translate_errors(f"opening ledger {self.safe_url}"):
-            self._engine = self._backend.create_engine(
-                url, durability=durability, busy_timeout_s=float(busy_timeout)
+            self._backend.prepare(
+                url, create=create, durability=durability, busy_timeout_s=timeout_s
             )
-            self._create_schema()
+            self._engine = self._backend.create_engine(
+                url, durability=durability, busy_timeout_s=timeout_s
+            )
+            try:
+                self._open_schema(create)
+            except BaseException:
+                self._engine.dispose()
+                raise
 
     @classmethod
     def open(
-        cls, url: str | None = None, *, durability: str = "full", busy_timeout: float = 30.0
+        cls,
+        url: str | None = None,
+        *,
+        create: bool = True,
+        durability: str = "full",
+        busy_timeout: float = 30.0,
     ) -> Ledger:
-        """Open (creating on first use) the ledger at ``url``.
+        """Open the ledger at ``url``; with ``create`` (default) make it where there is none.
+
+        ``create=True``: a missing SQLite file (and its directories) is
+        created, and a PostgreSQL database without the ledger's tables gets
+        them. ``create=False``: the ledger must exist; nothing is created, and
+        NotALedgerError says so. Either way, an existing SQLite file that is
+        empty, not a SQLite database, or a database without the ledger's
+        tables raises NotALedgerError and is left as it is: it may be a
+        ledger that lost its data, and starting afresh over it would make
+        every trainer begin from scratch.
 
         ``durability="full"`` (default) fsyncs every transaction; ``"normal"``
         is faster but may lose the last transactions on power loss (SQLite
@@ -211,11 +283,7 @@ class Ledger:
         ``busy_timeout`` bounds how long a writer waits for the write lock.
         """
         url = DEFAULT_URL if url is None else url
-        if isinstance(url, str) and url.startswith("sqlite:///"):
-            database = make_url(url).database
-            if database and database != ":memory:":
-                Path(database).parent.mkdir(parents=True, exist_ok=True)
-        return cls(url, durability=durability, busy_timeout=busy_timeout)
+        return cls(url, durability=durability, busy_timeout=busy_timeout, create=create)
 
     @property
     def safe_url(self) -> str:
@@ -228,14 +296,19 @@ class Ledger:
     def __repr__(self) -> str:
         return f"Ledger({self.safe_url!r})"
 
-    def _create_schema(self) -> None:
-        with self._engine.connect().execution_options(**write_options()) as conn, conn.begin():
-            self._backend.lock_schema(conn)
-            metadata.create_all(conn)
+    def _open_schema(self, create: bool) -> None:
+        options = write_options() if create else {}
+        with self._engine.connect().execution_options(**options) as conn, conn.begin():
+            if create:
+                self._backend.lock_schema(conn)
+                create_schema(conn)
+            elif not inspect(conn).has_table(schema_info.name):
+                raise NotALedgerError(
+                    f"{self.safe_url} holds no dataflow ledger (no {schema_info.name} table); "
+                    "nothing was created: check the URL"
+                )
             version = conn.execute(select(schema_info.c.version)).scalar()
-            if version is None:
-                conn.execute(insert(schema_info).values(id=1, version=SCHEMA_VERSION))
-            elif version > SCHEMA_VERSION:
+            if version is not None and version > SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"ledger {self.safe_url} has schema version {version}, newer than this "
                     f"dataflow's {SCHEMA_VERSION}: upgrade dataflow to read it"

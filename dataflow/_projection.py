@@ -90,6 +90,7 @@ class _Epoch:
     acks: list[tuple[int, str, int, int]] = field(default_factory=list)  # seq, id, step, data epoch
     data_epochs: list[tuple[int, int, int]] = field(default_factory=list)  # seq, number, seed
     last_checkpoint_step: int = -1
+    ack_steps: dict[str, int] = field(default_factory=dict)  # consumer id -> its newest ack step
 
 
 def seeded_order(sample_ids: Iterable[str], seed: int) -> list[str]:
@@ -189,6 +190,11 @@ class RunState:
         if node is None:
             return -1
         return max(node.last_checkpoint_step, node.cut_step)
+
+    def last_ack_step(self, consumer_id: str) -> int:
+        """Newest step ``consumer_id`` acked in the current epoch (0 when none)."""
+        node = self._epochs.get(self.epoch)
+        return node.ack_steps.get(consumer_id, 0) if node else 0
 
     @property
     def order_seed(self) -> int | None:
@@ -529,7 +535,10 @@ class RunState:
         del self.leased[sid]
         self.trained[sid] = step
         self._unreleased_acks[sid] = step
-        self._epochs[self.epoch].acks.append((seq, sid, step, self.data_epoch))
+        node = self._epochs[self.epoch]
+        node.acks.append((seq, sid, step, self.data_epoch))
+        if step is not None and step > node.ack_steps.get(actor, 0):
+            node.ack_steps[actor] = step
 
     def _holds_lease(self, seq: int, kind: str, sid: str, actor: str) -> bool:
         if self.leased.get(sid) == actor:
@@ -709,7 +718,7 @@ def replay(ledger: Ledger, run_id: str, upto_seq: int | None = None) -> RunState
     if not isinstance(ledger, Ledger):
         raise TypeError(f"replay needs a Ledger, got {type(ledger).__name__}")
     if upto_seq is not None and (
-        not isinstance(upto_seq, int) or isinstance(upto_seq, bool) or upto_seq < 0
+        not isinstance(upto_seq, int) or isinstance(upto_seq, bool) or not 0 <= upto_seq < 2**63
     ):
-        raise ValueError(f"upto_seq must be a non-negative int or None, got {upto_seq!r}")
+        raise ValueError(f"upto_seq must be an int from 0 to 2**63-1 or None, got {upto_seq!r}")
     return RunState(run_id).apply_rows(ledger.rows(run_id, upto_seq=upto_seq))

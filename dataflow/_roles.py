@@ -13,7 +13,10 @@ import contextlib
 import itertools
 import logging
 import math
+import os
+import re
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,19 +32,25 @@ from dataflow._contracts import (
 from dataflow._errors import (
     BackpressureError,
     DataflowError,
+    InvalidCheckpointPathError,
     LedgerStateError,
     StaleEpochError,
     StreamIdleError,
     UnknownCheckpointError,
 )
 from dataflow._events import Kind, dump_payload
-from dataflow._ledger import Ledger, NewEvent, WriteTransaction, _check_run_id
+from dataflow._ledger import Ledger, NewEvent, WriteTransaction, _check_run_id, check_id
 from dataflow._projection import RELEASE_POLICIES, Checkpoint, ReconcilePlan, RunState
 
 log = logging.getLogger("dataflow")
 
 _POLL_S = 0.02
 _MAX_INT64 = 2**63 - 1
+#: A lease that has waited this long on a run no producer ever committed to or closed
+#: warns (the run id may be mistyped), then goes on waiting.
+NO_PRODUCER_WARNING_S = 30.0
+#: ``scheme://...``: a checkpoint on remote storage, which the ledger cannot look at.
+_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
@@ -54,10 +63,63 @@ def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
     return value
 
 
-def _check_actor(name: str, value: object) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= 256:
-        raise ValueError(f"{name} must be a non-empty str of at most 256 characters, got {value!r}")
-    return value
+def _check_step(what: str, step: object, *, minimum: int) -> int:
+    _check_int("step", step, minimum=-_MAX_INT64 - 1)
+    if step < minimum:  # type: ignore[operator]
+        raise LedgerStateError(
+            f"{what} step must be >= {minimum}, got {step}: step N is the N-th optimizer "
+            "step (acks name the step their samples were trained into, from 1; a "
+            "checkpoint at step 0 holds the state before the first step)"
+        )
+    return step  # type: ignore[return-value]
+
+
+def _checkpoint_path(path: object) -> str:
+    """``path`` as a str, refused when it cannot name a checkpoint (checked on every rank)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise InvalidCheckpointPathError(
+            f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}"
+        )
+    if not path.isprintable():
+        bad = next(c for c in path if not c.isprintable())
+        raise InvalidCheckpointPathError(
+            f"checkpoint path {path!r} holds the control character {bad!r}; pass the path "
+            "the checkpoint's files were written to"
+        )
+    if _URI.match(path):
+        if path.lower().startswith("file:"):
+            raise InvalidCheckpointPathError(
+                f"checkpoint path {path!r} is a file:// URI; pass the local path instead"
+            )
+        return path
+    if ".." in path.replace("\\", "/").split("/"):
+        raise InvalidCheckpointPathError(
+            f"checkpoint path {path!r} has a '..' part, so it may name a place other than it "
+            "seems (through symbolic links); pass the checkpoint's path without '..', "
+            "absolute or relative to the working directory"
+        )
+    return path
+
+
+def _existing_checkpoint(path: str) -> str:
+    """A local checkpoint path as it is recorded: existing, a file or directory, absolute."""
+    if _URI.match(path):
+        return path  # remote storage: recorded as given
+    absolute = os.path.abspath(path)
+    where = "" if absolute == path else f" (resolved to {absolute})"
+    if not os.path.exists(absolute):
+        raise InvalidCheckpointPathError(
+            f"checkpoint path {path!r}{where} does not exist; make the checkpoint's files "
+            "durable first, then record it (name a checkpoint on remote storage by its "
+            "URI, e.g. s3://bucket/step-100)"
+        )
+    if not (os.path.isfile(absolute) or os.path.isdir(absolute)):
+        raise InvalidCheckpointPathError(
+            f"checkpoint path {path!r}{where} is neither a file nor a directory"
+        )
+    return absolute
 
 
 def _check_roles_args(ledger: object, store: object, run_id: object) -> None:
@@ -107,7 +169,7 @@ class Producer:
         self.ledger = ledger
         self.store = store
         self.run_id = run_id
-        self.producer_id = _check_actor("producer_id", producer_id)
+        self.producer_id = check_id("producer_id", producer_id)
         self.stream = stream
 
     def emit(
@@ -121,6 +183,9 @@ class Producer:
 
         An id the ledger already holds is answered without touching the
         store, so re-emitting after a restart costs one read and leaks nothing.
+        An emit that returns was committed; one that raises was not (a ref
+        the stream would refuse, e.g. with too much metadata for a frame,
+        raises BadFrameError before the commit).
         """
         return self.emit_many([(sample_id, tensors, metadata)])[0]
 
@@ -153,8 +218,10 @@ class Producer:
         """Commit refs whose features are already in the store, in one transaction.
 
         Returns each ref, or None where its id was already committed; those
-        fresh features are deleted again. If the commit fails, every ref's
-        features are deleted and the error propagates.
+        fresh features are deleted again. If the commit fails, or the stream
+        would refuse a ref (``RefSender.check``), every ref's features are
+        deleted and the error propagates: a call that raises committed
+        nothing, one that returns committed everything it returned.
         """
         refs = list(refs)
         for ref in refs:
@@ -163,6 +230,7 @@ class Producer:
         # A later put of the same id supersedes an earlier one: the newest wins.
         newest = {ref.sample_id: ref for ref in refs}
         try:
+            self._check_sendable(newest.values())
             with self.ledger.write(self.run_id, "commit") as tx:
                 known = tx.commits(list(newest))
                 fresh = [ref for sid, ref in newest.items() if sid not in known]
@@ -190,18 +258,29 @@ class Producer:
         self._send(fresh)
         return results
 
+    def _check_sendable(self, refs: Iterable[SampleRef]) -> None:
+        """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).
+
+        So an emit that raises was not committed, and one that returns was.
+        """
+        if self.stream is not None:
+            for ref in refs:
+                self.stream.check(ref)
+
     def _send(self, refs: Sequence[SampleRef]) -> None:
-        """Push committed refs to the stream; the ledger already holds them."""
+        """Push committed refs to the stream; the ledger already holds them.
+
+        Committed is committed: a ref the stream does not take stays pending
+        in the ledger, and consumers lease it from there once the stream has
+        ended (or at their next resume). Raising here would make the caller
+        believe the commit failed, and retry into a None.
+        """
         if self.stream is None:
             return
         for n, ref in enumerate(refs):
             try:
                 self.stream.send(ref)
             except BackpressureError as exc:
-                # Committed is committed: the unsent refs stay pending in the
-                # ledger, and consumers lease them from it once the stream has
-                # ended (or at their next resume). Raising here would make the
-                # caller believe the emit failed.
                 log.warning(
                     "stream backpressure: %d committed refs of run %r not sent, they stay "
                     "pending in the ledger (%s)",
@@ -210,6 +289,15 @@ class Producer:
                     exc,
                 )
                 return
+            except DataflowError as exc:  # check() let through a ref send() refuses
+                log.warning(
+                    "stream refused committed ref %r of run %r; it stays pending in the "
+                    "ledger (%s: %s)",
+                    ref.sample_id,
+                    self.run_id,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
         """Another producer committed this id first; keep whichever features are live.
@@ -260,6 +348,7 @@ class Producer:
         )
         ref = self.store.put(sample_id, tensors, metadata=metadata)
         try:
+            self._check_sendable([ref])
             with self.ledger.write(self.run_id, "regenerate") as tx:
                 newest = tx.commits([sample_id])
                 revision = self._check_regenerable(
@@ -338,7 +427,7 @@ class Consumer:
         order_seed: int | None = None,
     ) -> None:
         _check_roles_args(ledger, store, run_id)
-        self.consumer_id = _check_actor("consumer_id", consumer_id)
+        self.consumer_id = check_id("consumer_id", consumer_id)
         _check_int("world_size", world_size, minimum=1)
         _check_int("rank", rank)
         if rank >= world_size:
@@ -431,10 +520,23 @@ class Consumer:
         lineage, or from scratch when there is none), a step (int) naming a
         recorded checkpoint (UnknownCheckpointError otherwise), a Checkpoint
         from ``state.checkpoints``, or None (from scratch). Ranks other than 0
-        join the epoch rank 0 started.
+        join the epoch rank 0 started. Resuming a run that has no events
+        yet, in a ledger that holds other runs, warns and names them (a
+        mistyped run id would otherwise start a new, empty run in silence);
+        the first run of a new ledger starts quietly.
         """
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
             _check_int("checkpoint step", checkpoint)
+        if (
+            self.rank == 0
+            and self.ledger.head_seq(self.run_id) == 0
+            and any(run != self.run_id for run in self.ledger.runs())
+        ):
+            warnings.warn(
+                f"run {self.run_id!r} has no events in {self.ledger.safe_url}: resume() starts "
+                f"it as a new run. {self._known_runs_hint()}",
+                stacklevel=2,
+            )
         epoch = self._start_epoch(checkpoint) if self.rank == 0 else self._join_epoch()
         self.epoch = epoch
         # Stream refs of the old epoch are finished by this resume: they go
@@ -449,6 +551,12 @@ class Consumer:
                 self._sync(tx)
             self._delete_features(pending_release)
         return plan.for_rank(self.rank)
+
+    def _known_runs_hint(self) -> str:
+        known = [r for r in self.ledger.runs() if r != self.run_id]
+        shown = ", ".join(repr(r) for r in known[:20]) or "none"
+        more = f" (and {len(known) - 20} more)" if len(known) > 20 else ""
+        return f"If you meant an existing run, check the run id; known runs: {shown}{more}"
 
     def _start_epoch(self, checkpoint: object) -> int:
         with self.ledger.write(self.run_id, "resume") as tx:
@@ -569,6 +677,8 @@ class Consumer:
 
         Waits up to ``timeout`` seconds (None: until something comes or this
         rank is drained) for at least one; returns [] when nothing came.
+        After ``NO_PRODUCER_WARNING_S`` (30 s) of waiting on a run to which no
+        producer ever committed or closed, it warns once and goes on waiting.
         """
         self._require_epoch()
         _check_int("max_refs", max_refs, minimum=1)
@@ -579,13 +689,28 @@ class Consumer:
             or timeout < 0
         ):
             raise ValueError(f"timeout must be a non-negative number or None, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        warned = False
         while True:
             refs = self._lease_once(max_refs, deadline)
             if refs or self.drained:
                 return refs
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 return []
+            if (
+                not warned
+                and now - started >= NO_PRODUCER_WARNING_S
+                and not (self.state.producers or self.state.closed)
+            ):
+                warned = True
+                warnings.warn(
+                    f"lease() has waited {now - started:.0f} s on run {self.run_id!r} of "
+                    f"{self.ledger.safe_url}, to which no producer ever committed or closed; "
+                    f"still waiting. {self._known_runs_hint()}",
+                    stacklevel=2,
+                )
             time.sleep(_POLL_S)
             self._catch_up()
 
@@ -670,9 +795,16 @@ class Consumer:
             self.stream.credit(len(streamed))
 
     def ack(self, refs: Iterable[SampleRef | str], *, step: int) -> None:
-        """Record that ``refs`` were trained into optimizer step ``step`` (one transaction)."""
+        """Record that ``refs`` were trained into optimizer step ``step`` (one transaction).
+
+        Steps count optimizer steps from 1. A step must come after the
+        lineage's newest checkpoint, and must not be lower than a step this
+        consumer already acked in its epoch (a resume from an older
+        checkpoint starts a new epoch, which goes on after that checkpoint's
+        step). LedgerStateError otherwise, before anything is written.
+        """
         ids = _sample_ids(refs, "ack")
-        _check_int("step", step)
+        _check_step("ack", step, minimum=1)
         with self._write("ack") as tx:
             self._check_leased(ids, "ack")
             floor = self.state.last_checkpoint_step
@@ -680,6 +812,13 @@ class Consumer:
                 raise LedgerStateError(
                     f"ack at step {step} in run {self.run_id!r}, but a checkpoint at step {floor} "
                     "already exists in this lineage: acks must name a later step"
+                )
+            newest = self.state.last_ack_step(self.consumer_id)
+            if step < newest:
+                raise LedgerStateError(
+                    f"ack at step {step} in run {self.run_id!r}, but {self.consumer_id!r} already "
+                    f"acked step {newest} in epoch {self.epoch}: steps must not go backwards; "
+                    "ack with the number of the optimizer step just taken"
                 )
             tx.append(
                 NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step) for s in ids
@@ -709,7 +848,9 @@ class Consumer:
             self._sync(tx)
         self._credit(ids)
 
-    def checkpoint(self, step: int, path: str, *, digest: str | None = None) -> Checkpoint | None:
+    def checkpoint(
+        self, step: int, path: str | os.PathLike[str], *, digest: str | None = None
+    ) -> Checkpoint | None:
         """Record a durable checkpoint at ``step``; release features per the policy.
 
         Call it after the checkpoint files are durable. Every rank calls it:
@@ -718,10 +859,17 @@ class Consumer:
         the ledger. ``digest`` (e.g. the sha256 of the checkpoint's manifest)
         is recorded so a resume can check it loads exactly these bytes.
         Returns the Checkpoint on rank 0, None elsewhere.
+
+        ``path``: the checkpoint's file or directory. A local path must exist
+        (rank 0 checks it) and must not have a ``..`` part; it is recorded as
+        an absolute path, so a resume from another working directory finds
+        it. A URI (``s3://bucket/step-100``) names a checkpoint on remote
+        storage and is recorded as given. ``step`` counts optimizer steps
+        (0: before the first) and must be above the lineage's newest
+        checkpoint step.
         """
-        _check_int("step", step)
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"checkpoint path must be a non-empty str, got {path!r}")
+        _check_step("checkpoint", step, minimum=0)
+        path = _checkpoint_path(path)
         if digest is not None and (not isinstance(digest, str) or not digest):
             raise ValueError(f"checkpoint digest must be a non-empty str or None, got {digest!r}")
         self._require_epoch()
@@ -736,6 +884,7 @@ class Consumer:
                     f"checkpoint at step {step} in run {self.run_id!r}, but this lineage already "
                     f"has one at step {floor}: checkpoint steps must increase"
                 )
+            path = _existing_checkpoint(path)
             tx.append(
                 [
                     NewEvent(

@@ -1,17 +1,28 @@
-"""SQLite specifics of the ledger: WAL, fsync level, and writers that lock up front."""
+"""SQLite specifics of the ledger: WAL, fsync level, writers that lock up front, and a
+ledger file that appears whole or not at all."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import sqlite3
 import time
+import urllib.parse
+import uuid
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, select
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.engine import make_url
 
-from dataflow._db import WRITE_OPTION, Backend
-from dataflow._schema import runs
+from dataflow._db import WRITE_OPTION, Backend, create_schema, write_options
+from dataflow._durable import fsync_path
+from dataflow._errors import NotALedgerError
+from dataflow._schema import runs, schema_info
+
+#: SQLite's smallest page size: a database file is never shorter.
+_MIN_PAGE = 512
 
 
 def _enable_wal(cur: Any, timeout_s: float) -> None:
@@ -29,17 +40,144 @@ def _enable_wal(cur: Any, timeout_s: float) -> None:
             time.sleep(0.01)
 
 
+def _database_path(url: str) -> str:
+    parsed = make_url(url)
+    database = parsed.database
+    if database in (None, "", ":memory:"):
+        raise ValueError(
+            f"ledger URL {url!r} is an in-memory SQLite database, which no other "
+            "connection or process can see; use a file: sqlite:///PATH/ledger.db"
+        )
+    if parsed.query:
+        raise ValueError(
+            f"ledger URL {url!r} has query parameters {sorted(parsed.query)}; dataflow sets "
+            "the SQLite options itself (Ledger.open's durability and busy_timeout): use "
+            "sqlite:///PATH/ledger.db"
+        )
+    return database
+
+
+def _connect(path: str, timeout_s: float, *, create: bool = False) -> sqlite3.Connection:
+    """A connection to ``path``; without ``create`` it never creates the file (``mode=rw``)."""
+    mode = "rwc" if create else "rw"
+    uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode={mode}"
+    return sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
+
+
+def _check_ledger_file(path: str, timeout_s: float) -> None:
+    """Raise NotALedgerError unless ``path`` is a SQLite database holding our schema.
+
+    Reads only: a foreign database is not even switched to WAL.
+    """
+    if not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise NotALedgerError(
+            f"ledger path {path} is {kind}; name the ledger's file, e.g. "
+            f"sqlite:///{os.path.join(path, 'ledger.db')}"
+        )
+    # Sizes only: opening the file ourselves and closing it again would drop the POSIX
+    # locks of every SQLite connection this process has on it (SQLite's own warning).
+    size = os.path.getsize(path)
+    if size == 0:
+        raise NotALedgerError(
+            f"{path} is an empty file (0 bytes), not a ledger; a ledger is never empty, so "
+            "this one may have lost its data. It was left as it is: restore it from a "
+            "backup, or delete it (or pick another path) to start a new ledger"
+        )
+    if size < _MIN_PAGE:
+        raise NotALedgerError(
+            f"{path} is not a SQLite database ({size} bytes, less than one database page), "
+            "so it is no ledger. It was left as it is: check the path"
+        )
+    conn = _connect(path, timeout_s)
+    try:
+        tables = sorted(
+            name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+        )
+    finally:
+        conn.close()
+    if schema_info.name not in tables:
+        found = f"its tables: {', '.join(tables[:10])}" if tables else "it has no tables"
+        raise NotALedgerError(
+            f"{path} is a SQLite database but not a dataflow ledger ({found}; no "
+            f"{schema_info.name} table). It was left as it is: check the path, or pick "
+            "a new file for the ledger"
+        )
+
+
+def _publish(tmp: str, path: str) -> None:
+    """Give the finished database ``tmp`` the name ``path``, unless a ledger got there first."""
+    try:
+        os.link(tmp, path)  # atomic, and never replaces a file
+    except FileExistsError:
+        return  # another process created the ledger meanwhile: open theirs
+    except OSError:
+        # A file system without hard links: O_EXCL still never replaces a file,
+        # though a concurrent open may see it before it is whole (and is then
+        # refused as not a ledger, never handed an empty one).
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "wb") as out, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(out.fileno())
+    fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+
+
 class SQLiteBackend(Backend):
     name = "sqlite"
 
-    def create_engine(self, url: str, *, durability: str, busy_timeout_s: float) -> Engine:
-        database = make_url(url).database
-        if database in (None, "", ":memory:"):
-            raise ValueError(
-                f"ledger URL {url!r} is an in-memory SQLite database, which no other "
-                "connection or process can see; use a file: sqlite:///PATH/ledger.db"
+    def prepare(self, url: str, *, create: bool, durability: str, busy_timeout_s: float) -> None:
+        path = _database_path(url)
+        if os.path.lexists(path):
+            _check_ledger_file(path, busy_timeout_s)
+            return
+        if not create:
+            shown = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
+            raise NotALedgerError(
+                f"no ledger at {shown}: the file does not exist (nothing was created); "
+                "check the path"
             )
-        engine = create_engine(url, connect_args={"timeout": busy_timeout_s})
+        # Built under a temporary name and linked into place, so the ledger's
+        # path never holds an empty or half-made file: an empty file there
+        # always means lost data, never a ledger that another process is
+        # still creating.
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.new-{uuid.uuid4().hex[:12]}")
+        try:
+            engine = self._engine(
+                f"sqlite:///{tmp}",
+                durability=durability,
+                busy_timeout_s=busy_timeout_s,
+                create_file=True,
+            )
+            try:
+                with engine.connect().execution_options(**write_options()) as conn, conn.begin():
+                    create_schema(conn)
+            finally:
+                engine.dispose()  # the last close folds the WAL into the file
+            fsync_path(tmp)
+            _publish(tmp, path)
+        finally:
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp + suffix)
+
+    def create_engine(self, url: str, *, durability: str, busy_timeout_s: float) -> Engine:
+        return self._engine(url, durability=durability, busy_timeout_s=busy_timeout_s)
+
+    def _engine(
+        self, url: str, *, durability: str, busy_timeout_s: float, create_file: bool = False
+    ) -> Engine:
+        # Our own connect: the ledger's file exists (prepare made sure), and a
+        # connection must never create an empty one in its place.
+        path = _database_path(url)
+        engine = create_engine(
+            url, creator=lambda: _connect(path, busy_timeout_s, create=create_file)
+        )
         synchronous = "FULL" if durability == "full" else "NORMAL"
 
         @event.listens_for(engine, "connect")

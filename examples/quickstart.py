@@ -15,6 +15,13 @@ from dataflow import Consumer, Ledger, Producer, StaleEpochError, replay
 from stores import LocalFeatureStore
 
 
+def save_checkpoint(workdir: Path, step: int) -> str:
+    """The trainer's checkpoint files, durable before the ledger records them."""
+    path = workdir / f"r1-step{step}.pt"
+    torch.save({"step": step}, path)
+    return str(path)
+
+
 def main(workdir: Path) -> int:
     led = Ledger.open(f"sqlite:///{workdir / 'ledger.db'}")
     store = LocalFeatureStore("quickstart")
@@ -33,7 +40,7 @@ def main(workdir: Path) -> int:
         batch = [cons.load(ref)["hidden"] for ref in refs]
         _ = torch.stack(batch).mean()  # the training step
         cons.ack(refs, step=step)
-        cons.checkpoint(step=step, path=f"ckpt/r1-step{step}")
+        cons.checkpoint(step=step, path=save_checkpoint(workdir, step))
     cons.lease(2)  # in flight when the trainer dies
 
     # The trainer dies; its replacement resumes from an older checkpoint.
@@ -55,7 +62,7 @@ def main(workdir: Path) -> int:
     for refs in new.batches(4, timeout=1.0):
         step += 1
         new.ack(refs, step=step)
-    new.checkpoint(step=step, path=f"ckpt/r1-step{step}")
+    new.checkpoint(step=step, path=save_checkpoint(workdir, step))
 
     state = replay(led, "r1")
     print(

@@ -4,6 +4,9 @@ names the offending value, and a ledger (and store) left exactly as it was."""
 import contextlib
 import dataclasses
 import math
+import os
+import sqlite3
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,11 +17,14 @@ from dataflow import (
     Checkpoint,
     Consumer,
     IntegrityError,
+    InvalidCheckpointPathError,
+    InvalidIdError,
     InvalidRefError,
     InvalidSampleIdError,
     Kind,
     Ledger,
     LedgerStateError,
+    NotALedgerError,
     OperationalError,
     Producer,
     SampleRef,
@@ -29,6 +35,7 @@ from dataflow import (
     validate_sample_id,
 )
 from dataflow._ledger import NewEvent
+from stores import LocalFeatureStore
 
 ONE = {"x": torch.ones(1)}
 
@@ -49,6 +56,37 @@ BAD_SAMPLE_IDS = [
     pytest.param(b"bytes", "bytes b'bytes'", id="bytes"),
 ]
 
+# Run, producer and consumer ids: 1 to 256 printable characters, no outer whitespace.
+BAD_IDS = [
+    pytest.param("", "got ''", id="empty"),
+    pytest.param("r" * 257, "at most 256", id="too-long"),
+    pytest.param("nul\x00", r"'\\x00' at position 3", id="nul"),
+    pytest.param("tab\there", r"'\\t' at position 3", id="tab"),
+    pytest.param("new\nline", r"'\\n' at position 3", id="newline"),
+    pytest.param("del\x7f", r"'\\x7f'", id="del"),
+    pytest.param("esc\x1b[31m", r"'\\x1b'", id="escape-sequence"),
+    pytest.param("zero\u200bwidth", r"'\\u200b'", id="zero-width-space"),
+    pytest.param(" run", "starts or ends with whitespace", id="leading-space"),
+    pytest.param("run ", "starts or ends with whitespace", id="trailing-space"),
+    pytest.param(None, r"got None \(NoneType\)", id="none"),
+    pytest.param(5, r"got 5 \(int\)", id="int"),
+    pytest.param(b"run", r"got b'run' \(bytes\)", id="bytes"),
+]
+
+
+def ckpt(name: object) -> str:
+    """The path of checkpoint directory ``ckpt/NAME``, made (checkpoint paths must exist)."""
+    path = Path("ckpt", str(name)).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Run in tmp_path, where ``ckpt`` makes the checkpoint directories."""
+    monkeypatch.chdir(tmp_path)
+
+
 # A consumer option or step that must be a non-negative int.
 BAD_INTS = [
     pytest.param(-1, ValueError, "got -1", id="negative"),
@@ -62,7 +100,8 @@ BAD_INTS = [
 @pytest.fixture
 def world(ledger, store, producer, make_consumer):
     """Two ranks of one epoch: a trained at step 1 and checkpointed (so released);
-    c leased by the trainer (rank 0), b by its peer (rank 1); d, e, f pending."""
+    c leased by the trainer (rank 0); b leased and d acked at step 3 by its peer (rank 1);
+    e, f pending."""
     producer.emit_many((sid, ONE) for sid in "abcdef")
     trainer = make_consumer("trainer", world_size=2)
     peer = make_consumer("peer", rank=1, world_size=2)
@@ -70,9 +109,10 @@ def world(ledger, store, producer, make_consumer):
     peer.resume()
     assert [r.sample_id for r in trainer.lease(1)] == ["a"]
     trainer.ack(["a"], step=1)
-    trainer.checkpoint(1, "ckpt/1")
+    trainer.checkpoint(1, ckpt(1))
     assert [r.sample_id for r in trainer.lease(1)] == ["c"]
-    assert [r.sample_id for r in peer.lease(1)] == ["b"]
+    assert [r.sample_id for r in peer.lease(2)] == ["b", "d"]
+    peer.ack(["d"], step=3)
     return SimpleNamespace(
         ledger=ledger,
         store=store,
@@ -261,11 +301,6 @@ def test_bad_producer_input_is_refused(world, call, error, match):
     [
         pytest.param({"ledger": "sqlite:///x.db"}, TypeError, "got str", id="ledger"),
         pytest.param({"store": "mem://s"}, TypeError, "got str", id="store"),
-        pytest.param({"run_id": ""}, ValueError, "got ''", id="run-empty"),
-        pytest.param({"run_id": None}, ValueError, "got None", id="run-none"),
-        pytest.param({"run_id": "r" * 257}, ValueError, "at most 256", id="run-long"),
-        pytest.param({"producer_id": ""}, ValueError, "producer_id.*got ''", id="producer-id"),
-        pytest.param({"producer_id": 3}, ValueError, "producer_id.*got 3", id="producer-id-int"),
         pytest.param({"stream": "tcp://x"}, TypeError, "RefSender, got str", id="stream"),
     ],
 )
@@ -274,6 +309,42 @@ def test_bad_producer_options_are_refused(ledger, store, options, error, match):
     with pytest.raises(error, match=match):
         Producer(args.pop("ledger"), args.pop("store"), **args)
     assert ledger.runs() == []
+
+
+@sqlite_only
+@pytest.mark.parametrize(("bad_id", "match"), BAD_IDS)
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda led, store, i: Producer(led, store, run_id=i), id="producer-run"),
+        pytest.param(
+            lambda led, store, i: Producer(led, store, run_id="run", producer_id=i),
+            id="producer-id",
+        ),
+        pytest.param(
+            lambda led, store, i: Consumer(led, store, run_id=i, consumer_id="c"),
+            id="consumer-run",
+        ),
+        pytest.param(
+            lambda led, store, i: Consumer(led, store, run_id="run", consumer_id=i),
+            id="consumer-id",
+        ),
+        pytest.param(lambda led, store, i: list(led.events(i)), id="events"),
+        pytest.param(lambda led, store, i: led.head_seq(i), id="head_seq"),
+        pytest.param(lambda led, store, i: replay(led, i), id="replay"),
+    ],
+)
+def test_bad_run_producer_and_consumer_ids_are_refused(ledger, store, make, bad_id, match):
+    with pytest.raises(InvalidIdError, match=match):
+        make(ledger, store, bad_id)
+    assert ledger.runs() == []
+    assert issubclass(InvalidIdError, ValueError)
+
+
+@pytest.mark.parametrize("good_id", ["r", "run-1", "Run 1 (retry)", "训练/第一轮", "a" * 256])
+def test_valid_run_ids_pass(ledger, store, good_id):
+    Producer(ledger, store, run_id=good_id, producer_id=good_id).emit("s", ONE)
+    assert ledger.runs() == [good_id]
 
 
 @sqlite_only
@@ -299,9 +370,7 @@ def test_bad_producer_options_are_refused(ledger, store, options, error, match):
             {"max_attempts": 0}, ValueError, "max_attempts must be >= 1, got 0", id="attempts-zero"
         ),
         pytest.param({"max_attempts": True}, TypeError, "bool True", id="attempts-bool"),
-        pytest.param({"consumer_id": ""}, ValueError, "consumer_id.*got ''", id="consumer-id"),
         pytest.param({"stream": object()}, TypeError, "RefReceiver, got object", id="stream"),
-        pytest.param({"run_id": 5}, ValueError, "got 5", id="run-int"),
         pytest.param({"ledger": None}, TypeError, "got NoneType", id="ledger"),
     ],
 )
@@ -314,6 +383,22 @@ def test_bad_consumer_options_are_refused(ledger, store, options, error, match):
 
 # -- consumer calls ------------------------------------------------------------------------------
 
+
+# Checkpoint paths (the process runs in tmp_path): (id, path, what the error says).
+BAD_CHECKPOINT_PATHS = [
+    ("empty", "", "got ''"),
+    ("none", None, "got None"),
+    ("int", 2, "got 2"),
+    ("missing", "ckpt/never-written", r"'ckpt/never-written' \(resolved to .*\) does not exist"),
+    ("missing-absolute", "/nonexistent/ckpt-2", "'/nonexistent/ckpt-2' does not exist"),
+    ("dotdot", "../../etc", "'../../etc' has a '..' part"),
+    ("dotdot-inside", "ckpt/../ckpt", "'ckpt/../ckpt' has a '..' part"),
+    ("dotdot-absolute", "/tmp/../etc", "'/tmp/../etc' has a '..' part"),
+    ("device", os.devnull, "is neither a file nor a directory"),
+    ("nul", "ckpt/2\x00", "control character"),
+    ("newline", "ckpt/2\n", "control character"),
+    ("file-uri", "file:///tmp", "file:// URI; pass the local path"),
+]
 
 # Calls taking a non-negative int; True where None is a valid value there.
 INT_CALLS = {
@@ -437,8 +522,14 @@ def test_steps_beyond_64_bits_are_refused(world, call):
         pytest.param(
             lambda w: w.trainer.ack(["c"], step=0),
             LedgerStateError,
-            "ack at step 0",
-            id="ack-before-checkpoint",
+            "ack step must be >= 1, got 0",
+            id="ack-step-zero",
+        ),
+        pytest.param(
+            lambda w: w.peer.ack(["b"], step=2),
+            LedgerStateError,
+            "ack at step 2.*'peer' already acked step 3 in epoch 1: steps must not go backwards",
+            id="ack-step-backwards",
         ),
         pytest.param(
             lambda w: w.fresh.ack(["c"], step=2),
@@ -478,26 +569,26 @@ def test_steps_beyond_64_bits_are_refused(world, call):
         ),
         # checkpoints and resumes
         pytest.param(
-            lambda w: w.trainer.checkpoint(1, "ckpt/again"),
+            lambda w: w.trainer.checkpoint(1, ckpt("again")),
             LedgerStateError,
             "checkpoint at step 1.*already has one at step 1",
             id="checkpoint-same-step",
         ),
         pytest.param(
-            lambda w: w.trainer.checkpoint(0, "ckpt/0"),
+            lambda w: w.trainer.checkpoint(0, ckpt(0)),
             LedgerStateError,
             "checkpoint at step 0",
             id="checkpoint-older-step",
         ),
-        pytest.param(
-            lambda w: w.trainer.checkpoint(2, ""), ValueError, "got ''", id="checkpoint-path-empty"
-        ),
-        pytest.param(
-            lambda w: w.trainer.checkpoint(2, None),
-            ValueError,
-            "got None",
-            id="checkpoint-path-none",
-        ),
+        *[
+            pytest.param(
+                lambda w, path=path: w.trainer.checkpoint(2, path),
+                InvalidCheckpointPathError,
+                match,
+                id=f"checkpoint-path-{name}",
+            )
+            for name, path, match in BAD_CHECKPOINT_PATHS
+        ],
         pytest.param(
             lambda w: w.fresh.checkpoint(2, "ckpt/2"),
             LedgerStateError,
@@ -584,6 +675,19 @@ def test_bad_consumer_calls_are_refused(world, call, error, match):
     check(world, call, error, match)
 
 
+@pytest.mark.parametrize("step", [0, -1])
+def test_steps_start_at_1_also_before_any_checkpoint(ledger, emit, make_consumer, run_id, step):
+    emit("a")
+    cons = make_consumer()
+    cons.resume()
+    refs = cons.lease(1)
+    head = ledger.head_seq(run_id)
+    with pytest.raises(LedgerStateError, match=f"ack step must be >= 1, got {step}"):
+        cons.ack(refs, step=step)
+    assert ledger.head_seq(run_id) == head
+    cons.ack(refs, step=1)
+
+
 def test_a_refused_regenerate_keeps_the_live_features(world):
     live = world.trainer.state.ref("d")
     check(world, lambda w: w.producer.regenerate("d", ONE), LedgerStateError, "still stored")
@@ -594,7 +698,7 @@ def test_a_refused_regenerate_keeps_the_live_features(world):
 def test_a_refused_ack_leaves_the_valid_part_leased_too(world):
     check(world, lambda w: w.trainer.ack(["c", "e"], step=2), LedgerStateError, "'e'")
     world.trainer.ack(["c"], step=2)
-    assert world.trainer.state.trained == {"a": 1, "c": 2}
+    assert world.trainer.state.trained == {"a": 1, "d": 3, "c": 2}
 
 
 # -- the ledger ----------------------------------------------------------------------------------
@@ -622,6 +726,69 @@ def test_bad_ledger_urls_are_refused(tmp_path, monkeypatch, url, error, match):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(error, match=match):
         Ledger.open(url)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _truncated_ledger(path: Path) -> None:
+    with Ledger.open(f"sqlite:///{path}") as led:
+        Producer(led, LocalFeatureStore(), run_id="run").emit("a", ONE)
+    path.write_bytes(b"")  # lost its data, e.g. a crash during a copy
+
+
+def _sqlite_database(*statements: str):
+    def make(path: Path) -> None:
+        conn = sqlite3.connect(path)
+        for statement in statements:
+            conn.execute(statement)
+        conn.commit()
+        conn.close()
+
+    return make
+
+
+# What may lie at a ledger's path: (id, make it at PATH, what the error says).
+NOT_A_LEDGER = [
+    ("empty-file", lambda p: p.write_bytes(b""), r"is an empty file \(0 bytes\), not a ledger"),
+    ("truncated-ledger", _truncated_ledger, "empty file .* may have lost its data"),
+    ("text-file", lambda p: p.write_text("a,b\n1,2\n" * 50), "not a SQLite database"),
+    ("short-file", lambda p: p.write_bytes(b"x"), "not a SQLite database"),
+    (
+        "foreign-sqlite",
+        _sqlite_database("CREATE TABLE users (name TEXT)"),
+        r"not a dataflow ledger \(its tables: users; no dataflow_schema table\)",
+    ),
+    (
+        "table-less-sqlite",
+        _sqlite_database("PRAGMA user_version = 7"),
+        r"not a dataflow ledger \(it has no tables",
+    ),
+    ("directory", lambda p: p.mkdir(), "is a directory; name the ledger's file"),
+]
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("create", [True, False], ids=["create", "no-create"])
+@pytest.mark.parametrize(("make", "match"), [pytest.param(*r[1:], id=r[0]) for r in NOT_A_LEDGER])
+def test_what_is_not_a_ledger_is_refused_and_left_as_it_is(tmp_path, make, match, create):
+    """Never initialized over: an empty or foreign file may be a ledger that lost its data."""
+    path = tmp_path / "ledger.db"
+    make(path)
+    before = _tree(tmp_path)
+    with pytest.raises(NotALedgerError, match=match):
+        Ledger.open(f"sqlite:///{path}", create=create)
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("where", ["ledger.db", "a/b/ledger.db"])
+def test_without_create_a_missing_ledger_is_refused_and_nothing_is_made(tmp_path, where):
+    with pytest.raises(NotALedgerError, match=f"no ledger at .*{where}: the file does not exist"):
+        Ledger.open(f"sqlite:///{tmp_path / where}", create=False)
     assert list(tmp_path.iterdir()) == []
 
 

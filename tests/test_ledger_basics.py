@@ -1,23 +1,48 @@
 """The ledger contract on SQLite and PostgreSQL: commits, leases, acks, releases, reads."""
 
+import logging
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+
 import pytest
 import sqlalchemy
 import torch
 
 from dataflow import (
+    BadFrameError,
+    Consumer,
     Event,
     Kind,
     Ledger,
     LedgerStateError,
     Producer,
+    RefSender,
     SampleRef,
     SchemaVersionError,
     StaleRefError,
     StoreStats,
     _ledger,
+    _roles,
     replay,
 )
+from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
 from stores import LocalFeatureStore
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Run in tmp_path, where ``ckpt`` makes the checkpoint directories."""
+    monkeypatch.chdir(tmp_path)
+
+
+def ckpt(name: object) -> str:
+    """The path of checkpoint directory ``ckpt/NAME``, made (checkpoint paths must exist)."""
+    path = Path("ckpt", str(name)).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def commit_events(ledger, run_id, sample_id=None):
@@ -219,8 +244,8 @@ def test_release_policy_decides_when_features_are_freed(
     cons.ack(cons.lease(2), step=1)
     assert store.stats() == StoreStats(objects_after_ack, objects_after_ack)  # 1 byte per sample
 
-    checkpoint = cons.checkpoint(1, "ckpt/1")
-    assert (checkpoint.step, checkpoint.path, checkpoint.epoch) == (1, "ckpt/1", 1)
+    checkpoint = cons.checkpoint(1, ckpt("1"))
+    assert (checkpoint.step, checkpoint.path, checkpoint.epoch) == (1, ckpt("1"), 1)
     assert store.stats() == StoreStats(objects_after_checkpoint, objects_after_checkpoint)
     released = {"a", "b"} if policy != "never" else set()
     assert cons.state.released == released
@@ -237,10 +262,10 @@ def test_checkpoint_releases_only_samples_trained_up_to_its_step(emit, make_cons
     cons.resume()
     cons.ack(cons.lease(1), step=1)
     cons.ack(cons.lease(1), step=5)
-    cons.checkpoint(3, "ckpt/3")
+    cons.checkpoint(3, ckpt("3"))
     assert cons.state.released == {"a"}
-    cons.ack(cons.lease(1), step=4)
-    cons.checkpoint(6, "ckpt/6")
+    cons.ack(cons.lease(1), step=6)  # not 4: a consumer's acks never go back to a lower step
+    cons.checkpoint(6, ckpt("6"))
     assert cons.state.released == {"a", "b", "c"}
     assert store.stats().objects == 0
 
@@ -250,7 +275,7 @@ def test_resume_releases_the_trained_features_a_never_policy_kept(emit, make_con
     first = make_consumer("first", release_policy="never")
     first.resume()
     first.ack(first.lease(2), step=1)
-    first.checkpoint(1, "ckpt/1")
+    first.checkpoint(1, ckpt("1"))
     assert store.stats().objects == 3
 
     plan = make_consumer("second").resume()
@@ -266,14 +291,14 @@ def test_acks_must_come_after_the_last_checkpoint_and_checkpoints_must_increase(
     cons = make_consumer()
     cons.resume()
     cons.ack(cons.lease(1), step=2)
-    cons.checkpoint(2, "ckpt/2")
+    cons.checkpoint(2, ckpt("2"))
     refs = cons.lease(1)
     with pytest.raises(LedgerStateError, match="step 2"):
         cons.ack(refs, step=2)
     with pytest.raises(LedgerStateError, match="step 1"):
-        cons.checkpoint(1, "ckpt/1")
+        cons.checkpoint(1, ckpt("1"))
     cons.ack(refs, step=3)
-    cons.checkpoint(3, "ckpt/3")
+    cons.checkpoint(3, ckpt("3"))
     assert [c.step for c in cons.state.checkpoints] == [2, 3]
 
 
@@ -286,7 +311,7 @@ def test_replay_equals_the_live_state_of_the_consumer(ledger, emit, make_consume
     cons.resume()
     cons.ack(cons.lease(2), step=1)
     cons.nack(cons.lease(1), reason="flaky")
-    cons.checkpoint(1, "ckpt/1")
+    cons.checkpoint(1, ckpt("1"))
     emit("f")
     cons.lease(2)
     emit("g")  # after the consumer's last read: a replay up to its head must not see it
@@ -412,6 +437,147 @@ def test_event_payloads_round_trip(ledger, producer, make_consumer, run_id):
     assert Event(**commit.to_dict()) == commit
 
 
+# -- a stream that would refuse a ref: returned means committed, raised means not ----------
+
+FAST = {"heartbeat_interval": 0.05, "heartbeat_timeout": 1.0}
+
+
+def test_an_emit_the_stream_cannot_carry_raises_and_commits_nothing(ledger, store, run_id):
+    """2 MiB of metadata is over a ZeroMQ frame: refused before the commit, so a retry is
+    refused again instead of returning None (as if it had been committed)."""
+    receiver = ZmqRefReceiver(ReceiverConfig(**FAST))
+    sender = ZmqRefSender(
+        SenderConfig(endpoints=(receiver.endpoint,), close_timeout=2.0, send_timeout=10.0, **FAST)
+    )
+    try:
+        producer = Producer(ledger, store, run_id=run_id, stream=sender)
+        huge = {"text": "x" * (2 << 20)}
+        for _attempt in range(2):
+            with pytest.raises(BadFrameError, match="max_frame_bytes"):
+                producer.emit("big", {"x": torch.ones(1)}, metadata=huge)
+            assert ledger.head_seq(run_id) == 0
+            assert store.stats().objects == 0
+        with pytest.raises(BadFrameError, match="max_frame_bytes"):
+            producer.emit_many([("ok", {"x": torch.ones(1)}), ("big", {"x": torch.ones(1)}, huge)])
+        assert ledger.head_seq(run_id) == 0 and store.stats().objects == 0
+        ref = producer.emit("big", {"x": torch.ones(1)}, metadata={"text": "fits"})
+        assert ref is not None and list(ledger.commits(run_id, ["big"])) == ["big"]
+        assert receiver.receive(1, timeout=10) == [ref]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+class PickySender(RefSender):
+    """Refuses refs whose id starts with "bad" in ``send`` and, if ``checks``, in ``check``."""
+
+    def __init__(self, *, checks: bool = True) -> None:
+        self.checks = checks
+        self.sent: list[str] = []
+
+    def check(self, ref: SampleRef) -> None:
+        if self.checks and ref.sample_id.startswith("bad"):
+            raise BadFrameError(f"{ref.sample_id!r} is refused")
+
+    def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
+        if ref.sample_id.startswith("bad"):
+            raise BadFrameError(f"{ref.sample_id!r} is refused")
+        self.sent.append(ref.sample_id)
+
+    def close(self) -> None:
+        pass
+
+
+def _released(ledger, store, run_id, sample_id: str) -> None:
+    """Commit ``sample_id`` (no stream) and train it under "on_ack": its features are gone."""
+    Producer(ledger, store, run_id=run_id).emit(sample_id, {"x": torch.ones(1)})
+    cons = Consumer(ledger, store, run_id=run_id, consumer_id="c", release_policy="on_ack")
+    cons.resume()
+    cons.ack(cons.lease(1), step=1)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda p, s: p.emit("bad-1", {"x": torch.ones(1)}), id="emit"),
+        pytest.param(
+            lambda p, s: p.emit_many(
+                [("ok", {"x": torch.ones(1)}), ("bad-1", {"x": torch.ones(1)})]
+            ),
+            id="emit_many",
+        ),
+        pytest.param(
+            lambda p, s: p.commit([s.put("ok", {"x": torch.ones(1)}), s.put("bad-1", {})]),
+            id="commit",
+        ),
+        pytest.param(
+            lambda p, s: p.regenerate("bad-released", {"x": torch.ones(1)}), id="regenerate"
+        ),
+    ],
+)
+def test_every_write_checks_its_refs_with_the_stream_before_committing(ledger, store, run_id, call):
+    _released(ledger, store, run_id, "bad-released")
+    head, objects = ledger.head_seq(run_id), store.stats().objects
+    sender = PickySender()
+    producer = Producer(ledger, store, run_id=run_id, stream=sender)
+    with pytest.raises(BadFrameError, match=r"'bad-(1|released)' is refused"):
+        call(producer, store)
+    assert ledger.head_seq(run_id) == head
+    assert store.stats().objects == objects  # the features put for the write are gone again
+    assert sender.sent == []
+
+
+def test_a_committed_ref_the_stream_then_refuses_is_returned_and_stays_pending(
+    ledger, store, run_id, caplog
+):
+    """A sender whose ``check`` misses a refusal: the emit still returns (it committed)."""
+    producer = Producer(ledger, store, run_id=run_id, stream=PickySender(checks=False))
+    with caplog.at_level(logging.WARNING, logger="dataflow"):
+        ref = producer.emit("bad-1", {"x": torch.ones(1)})
+    assert ref is not None and list(ledger.commits(run_id, ["bad-1"])) == ["bad-1"]
+    assert "stream refused committed ref 'bad-1'" in caplog.text
+    assert replay(ledger, run_id).pending == ["bad-1"]  # leased from the ledger instead
+
+
+# -- a mistyped run id is not served in silence -------------------------------------------
+
+
+def test_resuming_a_run_without_events_warns_and_names_the_known_runs(
+    ledger, store, emit, make_consumer
+):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # The first run of a new ledger (a trainer started before its producers) is no typo.
+        Consumer(ledger, store, run_id="first", consumer_id="c").resume()
+    emit("a")
+    with pytest.warns(UserWarning, match=r"run 'rnu' has no events .* known runs: "):
+        Consumer(ledger, store, run_id="rnu", consumer_id="c").resume()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_consumer().resume()  # a run with events: no warning
+
+
+def test_a_lease_waiting_on_a_run_no_producer_opened_warns(ledger, store, emit, monkeypatch):
+    monkeypatch.setattr(_roles, "NO_PRODUCER_WARNING_S", 0.2)
+    emit("a")
+    cons = Consumer(ledger, store, run_id="rnu", consumer_id="c")
+    with pytest.warns(UserWarning, match="no events"):
+        cons.resume()
+
+    def produce_later() -> None:
+        time.sleep(1.0)
+        Producer(ledger, store, run_id="rnu").emit("late", {"x": torch.ones(1)})
+
+    producer = threading.Thread(target=produce_later)
+    producer.start()
+    with pytest.warns(
+        UserWarning, match=r"'rnu' .* no producer ever committed .* known runs: 'run'"
+    ):
+        refs = cons.lease(1, timeout=None)
+    producer.join()
+    assert [r.sample_id for r in refs] == ["late"]
+
+
 # -- opening ---------------------------------------------------------------------------
 
 
@@ -427,7 +593,28 @@ def test_reopening_keeps_the_log(ledger_url, store, run_id):
 def test_opening_a_sqlite_ledger_creates_its_directory(tmp_path, store):
     with Ledger.open(f"sqlite:///{tmp_path}/a/b/ledger.db") as led:
         Producer(led, store, run_id="r").emit("s", {"x": torch.ones(1)})
-    assert (tmp_path / "a" / "b" / "ledger.db").is_file()
+    assert os.listdir(tmp_path / "a" / "b") == ["ledger.db"]  # no temporary file left
+
+
+def test_without_hard_links_a_new_ledger_still_appears_whole(tmp_path, store, monkeypatch):
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with Ledger.open(f"sqlite:///{tmp_path}/ledger.db") as led:
+        Producer(led, store, run_id="r").emit("s", {"x": torch.ones(1)})
+    assert os.listdir(tmp_path) == ["ledger.db"]
+    with Ledger.open(f"sqlite:///{tmp_path}/ledger.db", create=False) as led:
+        assert list(led.commits("r", ["s"])) == ["s"]
+
+
+def test_without_create_an_existing_ledger_opens_as_usual(ledger_url, store):
+    with Ledger.open(ledger_url) as led:
+        Producer(led, store, run_id="r").emit("s", {"x": torch.ones(1)})
+    with Ledger.open(ledger_url, create=False) as led:
+        assert led.runs() == ["r"]
+        Producer(led, store, run_id="r").emit("t", {"x": torch.ones(1)})  # and it writes
+        assert list(led.commits("r", ["s", "t"])) == ["s", "t"]
 
 
 def test_a_newer_schema_version_is_refused(ledger_url):

@@ -1,6 +1,7 @@
 """Lineage and reconcile: resumes from checkpoints, fencing, ranks and data epochs."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,19 @@ from dataflow import (
 from stores import LocalFeatureStore
 
 IDS = ("a", "b", "c", "d", "e", "f")
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Run in tmp_path, where ``ckpt`` makes the checkpoint directories."""
+    monkeypatch.chdir(tmp_path)
+
+
+def ckpt(name: object) -> str:
+    """The path of checkpoint directory ``ckpt/NAME``, made (checkpoint paths must exist)."""
+    path = Path("ckpt", str(name)).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
 
 
 def features(sample_id: str) -> dict[str, torch.Tensor]:
@@ -45,9 +59,9 @@ def history(emit, make_consumer, store):
     first = make_consumer("first")
     first.resume()
     assert train(first, 2, 1) == ["a", "b"]
-    first.checkpoint(1, "ckpt/1")
+    first.checkpoint(1, ckpt("1"))
     assert train(first, 2, 2) == ["c", "d"]
-    first.checkpoint(2, "ckpt/2")
+    first.checkpoint(2, ckpt("2"))
     assert train(first, 1, 3) == ["e"]
     assert ids(first.lease(1)) == ["f"]
     assert store.stats().objects == 2  # a-d were released by their checkpoints
@@ -60,7 +74,7 @@ def history(emit, make_consumer, store):
 def test_resume_from_latest_keeps_what_the_checkpoint_trained(history, make_consumer, store):
     cons = make_consumer("second")
     plan = cons.resume()
-    assert (plan.epoch, plan.checkpoint_step, plan.checkpoint.path) == (2, 2, "ckpt/2")
+    assert (plan.epoch, plan.checkpoint_step, plan.checkpoint.path) == (2, 2, ckpt("2"))
     assert plan.trained == {"a", "b", "c", "d"}
     assert cons.state.trained == {"a": 1, "b": 1, "c": 2, "d": 2}
     assert plan.requeued == ("e", "f")  # e's ack after the checkpoint is void
@@ -72,7 +86,7 @@ def test_resume_from_latest_keeps_what_the_checkpoint_trained(history, make_cons
     with pytest.raises(LedgerStateError, match="step 2"):
         cons.ack(leased, step=2)  # the lineage's checkpoint at step 2 is the floor
     with pytest.raises(LedgerStateError, match="step 2"):
-        cons.checkpoint(2, "ckpt/2-again")
+        cons.checkpoint(2, ckpt("2-again"))
 
 
 def test_resume_from_an_older_checkpoint_voids_later_acks_and_regenerates(
@@ -80,7 +94,7 @@ def test_resume_from_an_older_checkpoint_voids_later_acks_and_regenerates(
 ):
     cons = make_consumer("second")
     plan = cons.resume(checkpoint=1)
-    assert (plan.checkpoint_step, plan.checkpoint.path) == (1, "ckpt/1")
+    assert (plan.checkpoint_step, plan.checkpoint.path) == (1, ckpt("1"))
     assert cons.state.trained == {"a": 1, "b": 1}
     assert plan.requeued == ("e", "f")
     assert plan.regenerate == ("c", "d")  # to train again, but released by checkpoint 2
@@ -94,7 +108,7 @@ def test_resume_from_an_older_checkpoint_voids_later_acks_and_regenerates(
     assert leased[2:] == regenerated
     assert [cons.load(ref)["x"].numpy().tobytes().decode() for ref in leased] == list("efcd")
     cons.ack(leased, step=2)  # step 2 again: this lineage's last checkpoint is step 1
-    cons.checkpoint(2, "ckpt/2-again")
+    cons.checkpoint(2, ckpt("2-again"))
     assert cons.state.trained == dict.fromkeys("ab", 1) | dict.fromkeys("efcd", 2)
     assert replay(ledger, run_id).verify() == []
 
@@ -139,16 +153,16 @@ def test_resume_from_a_checkpoint_in_an_abandoned_branch(
     for sid in plan.regenerate:
         producer.regenerate(sid, features(sid))
     assert train(branch, 2, 2) == ["e", "f"]
-    branch.checkpoint(2, "ckpt/2-branch")  # step 2 exists in both branches now
+    branch.checkpoint(2, ckpt("2-branch"))  # step 2 exists in both branches now
     assert train(branch, 1, 3) == ["c"]
-    branch.checkpoint(3, "ckpt/3-branch")
+    branch.checkpoint(3, ckpt("3-branch"))
 
     # A step names the checkpoint of the current lineage first.
     plan = make_consumer("third").resume(checkpoint=2)
-    assert (plan.checkpoint.path, plan.trained) == ("ckpt/2-branch", {"a", "b", "e", "f"})
+    assert (plan.checkpoint.path, plan.trained) == (ckpt("2-branch"), {"a", "b", "e", "f"})
 
     # The abandoned step 2 of epoch 1 is reachable through its Checkpoint.
-    abandoned = next(c for c in replay(ledger, run_id).checkpoints if c.path == "ckpt/2")
+    abandoned = next(c for c in replay(ledger, run_id).checkpoints if c.path == ckpt("2"))
     cons = make_consumer("fourth")
     plan = cons.resume(checkpoint=abandoned)
     assert (plan.checkpoint, plan.trained) == (abandoned, {"a", "b", "c", "d"})
@@ -183,7 +197,7 @@ def test_a_zombie_consumer_is_fenced_and_changes_nothing(history, make_consumer,
         "lease": lambda: history.lease(1),
         "ack": lambda: history.ack(["f"], step=9),
         "nack": lambda: history.nack(["f"]),
-        "checkpoint": lambda: history.checkpoint(9, "ckpt/9"),
+        "checkpoint": lambda: history.checkpoint(9, ckpt("9")),
         "data epoch": lambda: history.start_data_epoch(seed=1),
     }
     for name, attempt in attempts.items():
@@ -231,9 +245,9 @@ def test_ranks_split_requeued_work_and_new_commits(emit, make_consumer, ledger, 
             [s for s, holder in cons.state.leased.items() if holder == cons.consumer_id], step=1
         )
     head = ledger.head_seq(run_id)
-    assert ranks[1].checkpoint(2, "ckpt/2") is None  # rank 0 records checkpoints
+    assert ranks[1].checkpoint(2, ckpt("2")) is None  # rank 0 records checkpoints
     assert ledger.head_seq(run_id) == head
-    assert ranks[0].checkpoint(2, "ckpt/2").step == 2
+    assert ranks[0].checkpoint(2, ckpt("2")).step == 2
     assert replay(ledger, run_id).verify() == []
 
 
@@ -305,7 +319,7 @@ def test_every_live_sample_is_trained_once_per_data_epoch(emit, make_consumer, l
     live = set(IDS) - {"a"}
     assert set(train(cons, 10, 1)) == live
     assert cons.lease(10) == []
-    cons.checkpoint(1, "ckpt/1")
+    cons.checkpoint(1, ckpt("1"))
     assert cons.start_data_epoch(seed=3) == 1
     assert cons.state.trained == {}
     assert set(cons.state.pending) == live
@@ -321,11 +335,11 @@ def test_resume_inside_a_data_epoch_keeps_its_order_and_trained_set(emit, make_c
     cons = make_consumer(release_policy="never")
     cons.resume()
     train(cons, 8, 1)
-    cons.checkpoint(1, "ckpt/1")
+    cons.checkpoint(1, ckpt("1"))
     cons.start_data_epoch(seed=11)
     order = cons.state.pending
     done = train(cons, 3, 2)
-    cons.checkpoint(2, "ckpt/2")
+    cons.checkpoint(2, ckpt("2"))
     train(cons, 2, 3)  # void after resuming from step 2
 
     plan = make_consumer("second", release_policy="never").resume(checkpoint=2)
@@ -343,7 +357,7 @@ def test_a_data_epoch_lists_released_samples_for_regeneration(emit, make_consume
     cons = make_consumer()  # on_checkpoint
     cons.resume()
     train(cons, 2, 1)
-    cons.checkpoint(1, "ckpt/1")
+    cons.checkpoint(1, ckpt("1"))
     cons.lease(1)
     with pytest.raises(LedgerStateError, match="still leased"):
         cons.start_data_epoch()
@@ -408,7 +422,7 @@ def test_resume_restores_exactly_what_the_checkpoint_lineage_trained(sqlite_url,
                     cons.nack(chosen, retryable=data.draw(st.booleans()))
             elif op == "checkpoint":
                 step += 1
-                checkpoint = cons.checkpoint(step, f"ckpt/{step}")
+                checkpoint = cons.checkpoint(step, ckpt(step))
                 lineage.append(checkpoint.seq)
                 at_checkpoint[checkpoint.seq] = (dict(trained), list(lineage))
             elif op == "data_epoch" and not cons.state.leased:

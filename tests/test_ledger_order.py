@@ -47,6 +47,12 @@ def _lease_all(consumers: list[Consumer], batch: int, *, step: int = 0) -> list[
     return orders
 
 
+def _made(directory: Path) -> str:
+    """``directory``, made: checkpoint paths must exist."""
+    directory.mkdir()
+    return str(directory)
+
+
 @pytest.fixture
 def workdir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory() as d:
@@ -109,7 +115,7 @@ def test_a_resume_that_regenerates_puts_the_samples_back_at_their_places(workdir
         for step in range(1, 5):  # 3 per step; checkpoints at 2 and 4 release what they hold
             first.ack(first.lease(3), step=step)
             if step % 2 == 0:
-                first.checkpoint(step, f"ckpt/{step}")
+                first.checkpoint(step, _made(workdir / f"ckpt-{step}"))
         uninterrupted = seeded_order(IDS, SEED)
         assert _trained_in_order(led) == uninterrupted
 
@@ -156,7 +162,7 @@ def test_a_resume_keeps_each_rank_on_its_own_queue(workdir: Path) -> None:
             c.resume()
         first[0].ack(first[0].lease(2), step=1)
         first[1].ack(first[1].lease(1), step=1)  # rank 1 took less: uneven progress
-        first[0].checkpoint(1, "ckpt/1")
+        first[0].checkpoint(1, _made(workdir / "ckpt-1"))
         expected = seeded_order(IDS, SEED)
         second = ranks("b")
         for c in second:

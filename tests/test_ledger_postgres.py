@@ -5,9 +5,10 @@ import re
 
 import psycopg
 import pytest
+import sqlalchemy
 import torch
 
-from dataflow import Ledger, Producer, replay
+from dataflow import Ledger, NotALedgerError, Producer, replay
 from dataflow.testing import _postgres
 from dataflow.testing._postgres import (
     PostgresServer,
@@ -88,3 +89,25 @@ def test_a_url_without_a_driver_uses_psycopg(postgres_url, store):
         Producer(ledger, store, run_id="r").emit("a", {"x": torch.ones(1)})
     with Ledger.open(postgres_url) as ledger:
         assert list(replay(ledger, "r").committed) == ["a"]
+
+
+def _tables(url: str) -> list[str]:
+    engine = sqlalchemy.create_engine(url)
+    try:
+        return sorted(sqlalchemy.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_without_create_a_database_without_the_ledger_is_refused_and_left_as_it_is(
+    postgres_url, store
+):
+    with pytest.raises(NotALedgerError, match=r"holds no dataflow ledger .*nothing was created"):
+        Ledger.open(postgres_url, create=False)
+    assert _tables(postgres_url) == []
+    Ledger.open(postgres_url).close()  # create=True (the default) makes the ledger
+    assert "dataflow_schema" in _tables(postgres_url)
+    with Ledger.open(postgres_url, create=False) as ledger:
+        Producer(ledger, store, run_id="r").emit("a", {"x": torch.ones(1)})
+        assert ledger.runs() == ["r"]

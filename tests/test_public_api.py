@@ -24,6 +24,9 @@ REQUIRED = {
     "StaleEpochError",
     "InvalidSampleIdError",
     "TensorInRefError",
+    "NotALedgerError",
+    "InvalidIdError",
+    "InvalidCheckpointPathError",
 }
 
 
@@ -48,6 +51,10 @@ def test_every_error_derives_from_the_root() -> None:
     assert issubclass(dataflow.InvalidSampleIdError, ValueError)
     assert issubclass(dataflow.StaleRefError, KeyError)
     assert issubclass(dataflow.StoreFullError, MemoryError)
+    assert issubclass(dataflow.NotALedgerError, dataflow.LedgerError)
+    assert issubclass(dataflow.InvalidCheckpointPathError, dataflow.LedgerError)
+    assert issubclass(dataflow.InvalidCheckpointPathError, ValueError)
+    assert issubclass(dataflow.InvalidIdError, ValueError)
 
 
 def test_layering() -> None:

@@ -10,6 +10,7 @@ import torch
 from dataflow import (
     BackpressureError,
     BadFrameError,
+    FeatureSpec,
     ProducerLostError,
     SampleRef,
     StreamError,
@@ -165,6 +166,34 @@ def test_credit_and_send_are_checked() -> None:
         sender.send(ref(1))
     receiver.mark_producer_closed("someone")
     assert receiver.receive(1, timeout=0) == []
+
+
+def test_check_refuses_what_send_refuses() -> None:
+    stream = MemoryStream(max_frame_bytes=512)
+    receiver = stream.receiver()
+    sender = stream.sender()
+    tensor = ref("t")
+    tensor.metadata["t"] = torch.zeros(1)  # type: ignore[index]
+    # a body that fits max_frame_bytes while its frame does not: send refused it
+    # in decode, after a check that looked at the body alone would have passed
+    tight = SampleRef("tight", "mem://test", 1, metadata={"x": "y" * 420})
+    refused = {
+        "oversized": SampleRef("big", "mem://test", 1, metadata={"x": "y" * 1000}),
+        "malformed": SampleRef(
+            "huge", "mem://test", 1, specs={"x": FeatureSpec((2**62, 2**62), torch.float32)}
+        ),
+        "tensor": tensor,
+    }
+    for kind, bad in {**refused, "oversized ": tight}.items():
+        with pytest.raises(BadFrameError) as info:
+            sender.check(bad)
+        assert info.value.kind == kind.strip()  # type: ignore[attr-defined]
+        with pytest.raises((BadFrameError, TensorInRefError)):
+            sender.send(bad, timeout=0)
+    sender.check(ref(0))
+    assert receiver.stats().received == 0
+    sender.send(ref(0))
+    assert [r.sample_id for r in receiver.receive(5, timeout=1)] == ["s-0"]
 
 
 @pytest.mark.parametrize(

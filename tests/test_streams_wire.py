@@ -21,10 +21,12 @@ from dataflow.streams._wire import (
     EofFrame,
     HeartbeatFrame,
     RefFrame,
+    check_limits,
     decode,
     encode,
     encode_ref,
     encode_ref_body,
+    ref_body,
 )
 
 RECEIVER = "0" * 32
@@ -106,7 +108,7 @@ specs = st.dictionaries(
     st.from_regex(r"[A-Za-z0-9_.-]{1,16}", fullmatch=True),
     st.builds(
         FeatureSpec,
-        st.lists(st.integers(0, 4096), max_size=4).map(tuple),
+        st.lists(st.integers(0, 1024), max_size=4).map(tuple),  # within MAX_FEATURE_BYTES
         st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]),
     ),
     max_size=4,
@@ -168,8 +170,8 @@ spec_dicts = st.one_of(
 )
 def test_fast_decode_accepts_exactly_what_sample_ref_accepts(**fields: object) -> None:
     data = json.loads(json.dumps(fields))
-    try:
-        expected: object = SampleRef.from_dict(json.loads(json.dumps(data)))
+    try:  # SampleRef's own rules, and the wire's limits on top
+        expected: object = check_limits(SampleRef.from_dict(json.loads(json.dumps(data))))
     except (DataflowError, ValueError, TypeError):
         expected = "refused"
     try:
@@ -196,6 +198,21 @@ def dumps(obj: object) -> bytes:
     return json.dumps(obj).encode()
 
 
+def with_spec(shape: list[int], dtype: str = "float32") -> bytes:
+    ref = {**make_ref().to_dict(), "specs": {"x": {"shape": shape, "dtype": dtype}}}
+    return dumps({**good_ref_frame(), "ref": ref})
+
+
+def with_ref(**fields: object) -> bytes:
+    return dumps({**good_ref_frame(), "ref": {**make_ref().to_dict(), **fields}})
+
+
+def repeat_key(data: bytes, key: str, value: str) -> bytes:
+    """``data`` with ``"key": value`` written a second time, after the first."""
+    first = data.index(f'"{key}": '.encode())
+    return data[:first] + f'"{key}": {value}, '.encode() + data[first:]
+
+
 @pytest.mark.parametrize(
     ("parts", "kind"),
     [
@@ -214,6 +231,31 @@ def dumps(obj: object) -> bytes:
         ),
         ([dumps({**good_ref_frame(), "ref": {"sample_id": "../etc"}})], "malformed"),
         ([dumps({**good_ref_frame(), "line": True})], "malformed"),
+        ([dumps({**good_ref_frame(), "line": 2**63})], "malformed"),
+        # a key given twice: json.loads keeps the last, another reader the first
+        (
+            [repeat_key(dumps({"v": 1, "type": "hb", "producer": "p"}), "producer", '"q"')],
+            "malformed",
+        ),
+        ([repeat_key(dumps(good_ref_frame()), "sample_id", '"s-2"')], "malformed"),
+        ([repeat_key(dumps(good_ref_frame()), "receiver", f'"{"1" * 32}"')], "malformed"),
+        (
+            [repeat_key(dumps(good_ref_frame()), "x", '{"shape": [1], "dtype": "int8"}')],
+            "malformed",
+        ),
+        ([repeat_key(with_ref(metadata={"k": 1}), "k", "2")], "malformed"),
+        # beyond the wire's limits on what a ref describes
+        ([with_spec([2**62, 2**62])], "malformed"),
+        ([with_spec([2**48, 2])], "malformed"),
+        ([with_spec([0, 2**49])], "malformed"),
+        ([with_spec([1] * 65)], "malformed"),
+        ([with_spec([-1, 4])], "malformed"),
+        (
+            [with_ref(specs={f"f{i}": {"shape": [1], "dtype": "int8"} for i in range(1025)})],
+            "malformed",
+        ),
+        ([with_ref(generation=2**63)], "malformed"),
+        ([with_ref(store="m" * 4097)], "malformed"),
         ([dumps({"v": 2, "type": "hb", "producer": "p"})], "version"),
         ([dumps({"v": 0, "type": "ref"})], "version"),
         ([dumps(good_ref_frame()), b"\x00" * 64], "tensor"),
@@ -225,6 +267,50 @@ def dumps(obj: object) -> bytes:
 )
 def test_bad_frames_are_classified(parts: list[bytes], kind: str) -> None:
     assert kind_of(parts) == kind
+
+
+def test_the_limits_themselves_are_accepted() -> None:
+    frames = [
+        with_spec([2**48], "int8"),
+        with_spec([2**46], "float32"),
+        with_spec([1] * 64),
+        with_spec([0, 2**48]),
+        with_ref(specs={f"f{i}": {"shape": [1], "dtype": "int8"} for i in range(1024)}),
+        with_ref(generation=2**63 - 1),
+        with_ref(store="m" * 4096),
+        dumps({**good_ref_frame(), "line": 2**63 - 1}),
+    ]
+    for data in frames:
+        assert isinstance(decode([data]), RefFrame)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.sampled_from([0, 1, 3, 2**16, 2**24, 2**46, 2**48, 2**49, 2**62]), max_size=4)
+    | st.lists(st.just(1), min_size=60, max_size=70),
+    dtype=st.sampled_from([torch.int8, torch.float32, torch.float64]),
+    features=st.sampled_from([0, 1, 1024, 1025]),
+    generation=st.sampled_from([0, 2**63 - 1, 2**63, 2**70]),
+    store=st.sampled_from(["mem://s", "m" * 4096, "m" * 4097]),
+)
+def test_what_a_sender_refuses_is_what_a_receiver_drops(
+    shape: list[int], dtype: torch.dtype, features: int, generation: int, store: str
+) -> None:
+    specs = {"x": FeatureSpec(tuple(shape), dtype)}
+    specs.update({f"f{i}": FeatureSpec((1,), torch.int8) for i in range(features)})
+    ref = SampleRef("s-1", store, generation, specs=specs)
+    try:
+        ref_body(ref, 1 << 20)
+        refused = False
+    except BadFrameError as exc:
+        assert exc.kind == "malformed"  # type: ignore[attr-defined]
+        refused = True
+    try:  # the same ref, encoded by hand as a peer that skips our checks would
+        decode([encode_ref(RECEIVER, 1, ref.to_json().encode())])
+        dropped = False
+    except BadFrameError:
+        dropped = True
+    assert refused == dropped
 
 
 def test_oversized_frame() -> None:

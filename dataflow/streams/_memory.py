@@ -7,16 +7,9 @@ import time
 import uuid
 
 from dataflow._contracts import RefReceiver, RefSender, SampleRef
-from dataflow._errors import BackpressureError, InvalidRefError, StreamError
+from dataflow._errors import BackpressureError, StreamError
 from dataflow.streams._window import ReceiverStats, Window, check_count, check_timeout
-from dataflow.streams._wire import (
-    DEFAULT_MAX_FRAME_BYTES,
-    OVERSIZED,
-    bad_frame,
-    decode,
-    encode_ref,
-    encode_ref_body,
-)
+from dataflow.streams._wire import DEFAULT_MAX_FRAME_BYTES, check_ref, decode, encode_ref, ref_body
 
 
 class MemoryStream:
@@ -97,7 +90,7 @@ class MemoryStream:
     # -- used by the two ends ------------------------------------------------------
     def _send(self, ref: SampleRef, timeout: float | None) -> None:
         check_timeout("timeout", timeout, allow_none=True)
-        frame = encode_ref("memory", 0, _body(ref, self.max_frame_bytes))
+        frame = encode_ref("memory", 0, ref_body(ref, self.max_frame_bytes))
         copy = decode([frame], max_bytes=self.max_frame_bytes).ref  # type: ignore[union-attr]
         timeout = self.send_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -136,15 +129,6 @@ class MemoryStream:
             self._cond.notify_all()
 
 
-def _body(ref: SampleRef, max_frame_bytes: int) -> bytes:
-    if not isinstance(ref, SampleRef):
-        raise InvalidRefError(f"send takes a SampleRef, got {type(ref).__name__}")
-    body = encode_ref_body(ref)
-    if len(body) > max_frame_bytes:
-        raise bad_frame(OVERSIZED, f"ref {ref.sample_id!r} encodes to {len(body)} bytes")
-    return body
-
-
 class MemoryRefSender(RefSender):
     """A producer's end of a MemoryStream."""
 
@@ -152,6 +136,10 @@ class MemoryRefSender(RefSender):
         self.stream = stream
         self.producer_id = producer_id
         self._closed = False
+
+    def check(self, ref: SampleRef) -> None:
+        """Raise BadFrameError if ``send`` would refuse ``ref`` (as ``ZmqRefSender.check``)."""
+        check_ref(ref, self.stream.max_frame_bytes)
 
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
         if self._closed:

@@ -2,18 +2,19 @@
 
 The receiver grants credit to each producer session it knows and accepts a ref
 only against credit, so that refs received and not yet credited, plus credit
-granted and not yet used, never exceed the window.
+granted and not yet used, never exceed the window. Whatever else arrives is
+dropped and counted (docs/streams.md, "What a receiver does with hostile frames").
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -48,6 +49,10 @@ log = logging.getLogger("dataflow.streams")
 # ZeroMQ stops reading from that producer: the second bound after credit.
 _CONTROL_SLACK = 256
 _DRAIN = 4096
+# A frame up to this many times max_frame_bytes is read and counted as
+# oversized; ZeroMQ disconnects a peer that sends a larger one before reading
+# it (ZMQ_MAXMSGSIZE), so that no frame can make a receiver allocate much.
+_READ_LIMIT = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,20 +100,34 @@ _LIVE, _CLOSED, _LOST, _REPLACED = "live", "closed", "lost", "replaced"
 
 @dataclass
 class _Session:
-    """One producer session (a sender's lifetime) as this receiver sees it.
+    """One producer session (a sender's lifetime, one ZeroMQ routing id) as this receiver
+    sees it.
 
     Credit is cumulative per line: ``granted`` only grows, so a lost or
     repeated credit frame does no harm. A new line starts when the session
-    (re)appears; refs sent against an older line count as unsolicited.
+    (re)appears; refs sent against an older line are dropped.
+
+    ``producer_id`` is the producer the session named first; it speaks for
+    that producer only while ``bound`` (see ``ZmqRefReceiver._speaks_for``),
+    and only bound sessions get credit.
     """
 
     line: int
     last_heard: float
     producer_id: str | None = None
+    bound: bool = False
     state: str = _LIVE
     granted: int = 0
     received: int = 0
     announced: int = -1
+    delivered: bool = False
+    """A ref arrived on credit: the producer is real, not just a name in a heartbeat."""
+    reopens: bool = False
+    """Bound to a producer that had closed: its first ref reopens that producer."""
+    gone: bool = False
+    """ZeroMQ no longer routes to this session: its connection closed."""
+    probed: float = -math.inf
+    """When ``_gone`` last asked ZeroMQ about this session."""
 
     @property
     def outstanding(self) -> int:
@@ -135,7 +154,8 @@ class ZmqRefReceiver(RefReceiver):
         self.session = uuid.uuid4().hex
         self._window = Window(cfg.window, cfg.expected_producers)
         self._sessions: dict[bytes, _Session] = {}
-        self._seen: set[str] = set()
+        self._owners: dict[str, bytes] = {}  # producer id -> routing id of its bound session
+        self._known: set[str] = set()  # producers that delivered a ref on credit
         self._lines = itertools.count(1)
         self._grant_chunk = max(1, cfg.window // 8)
         self._tick = cfg.heartbeat_interval / 2
@@ -148,7 +168,11 @@ class ZmqRefReceiver(RefReceiver):
         try:
             sock.linger = 0
             sock.router_handover = 1
+            # A send to a connection that closed raises EHOSTUNREACH instead of
+            # vanishing: how a restarted producer's old session is known to be gone.
+            sock.router_mandatory = 1
             sock.rcvhwm = cfg.window + _CONTROL_SLACK
+            sock.maxmsgsize = min(_READ_LIMIT * cfg.max_frame_bytes, (1 << 63) - 1)
             if cfg.curve is not None:
                 self._auth = secure_server(self._ctx, sock, cfg.curve)
             warn_if_exposed(cfg.endpoint, cfg.curve)
@@ -160,6 +184,7 @@ class ZmqRefReceiver(RefReceiver):
         self._sock = sock
         #: The bound address, with the actual port (``tcp://127.0.0.1:41437``).
         self.endpoint: str = sock.last_endpoint.decode()
+        self._warnings = _PeerWarnings(f"ref receiver {self.endpoint}")
         self._ticker = Ticker(
             f"dataflow-receiver[{self.endpoint}]", self._tick, self._lock, lambda: self._pump(0)
         )
@@ -261,21 +286,25 @@ class ZmqRefReceiver(RefReceiver):
         try:
             frame: Frame = decode(body, max_bytes=self.config.max_frame_bytes)
         except BadFrameError as exc:
-            self._window.count_bad(exc.kind)  # type: ignore[attr-defined]
-            log.warning("dropped a bad frame from %s on %s: %s", _name(rid), self.endpoint, exc)
+            kind = exc.kind  # type: ignore[attr-defined]
+            self._window.count_bad(kind)
+            self._warnings.warn(rid, kind, "dropped a bad frame from %s (%s): %s", kind, exc)
             return
         session = self._session(rid)
         if isinstance(frame, RefFrame):
-            self._on_ref(session, frame)
+            self._on_ref(rid, session, frame)
         elif isinstance(frame, HeartbeatFrame):
-            self._introduce(rid, session, frame.producer)
+            self._speaks_for(rid, session, frame.producer)
         elif isinstance(frame, EofFrame):
-            self._introduce(rid, session, frame.producer)
-            self._on_eof(rid, session)
+            if self._speaks_for(rid, session, frame.producer):
+                self._on_eof(rid, session)
         else:
             self._window.count_bad(MALFORMED)
-            log.warning(
-                "dropped a %s frame from %s: it is for producers", type(frame).__name__, _name(rid)
+            self._warnings.warn(
+                rid,
+                MALFORMED,
+                "dropped a frame from %s: %s frames are for producers",
+                type(frame).__name__,
             )
 
     def _session(self, rid: bytes) -> _Session:
@@ -290,56 +319,105 @@ class ZmqRefReceiver(RefReceiver):
             session.granted = session.received = 0
             session.announced = -1
         session.last_heard = now
+        session.gone = False
         return session
 
-    def _introduce(self, rid: bytes, session: _Session, producer_id: str) -> None:
-        if session.producer_id == producer_id:
-            return
-        if session.producer_id is not None:
-            self._window.count_bad(MALFORMED)
-            log.warning("session %s changed its producer id; frame dropped", _name(rid))
-            return
-        session.producer_id = producer_id
-        for other in self._sessions.values():
-            if other is not session and other.producer_id == producer_id and other.state == _LIVE:
-                log.info("producer %r restarted; reclaiming its old session's credit", producer_id)
-                other.end(_REPLACED)
-        if session.state == _LIVE and producer_id in self._window.closed:
-            self._window.closed.discard(producer_id)  # it was closed, now it emits again
-        self._seen.add(producer_id)
-        if len(self._seen) == self.config.expected_producers + 1:
-            log.warning(
-                "%s has seen %d producer ids but expects %d: the stream may end early",
-                self,
-                len(self._seen),
-                self.config.expected_producers,
-            )
+    def _speaks_for(self, rid: bytes, session: _Session, producer_id: str) -> bool:
+        """Whether session ``rid`` may speak for ``producer_id``; binds the two if it may.
 
-    def _on_ref(self, session: _Session, frame: RefFrame) -> None:
+        A producer belongs to one session at a time: the first to name it,
+        until that session closed (EOF), was lost (silent for heartbeat_timeout)
+        or is gone (its connection closed, which is how a killed producer's
+        session ends at once). Until then, a heartbeat or EOF for it from
+        another session, a forger's or a restart's that came too early, is
+        dropped and counted; a restart takes over when the old session ends.
+        """
+        if session.producer_id is None:
+            session.producer_id = producer_id
+        elif session.producer_id != producer_id:
+            self._window.count_bad(MALFORMED)
+            self._warnings.warn(
+                rid,
+                "renamed",
+                "dropped a frame from %s: it spoke for %r, now for %r",
+                session.producer_id,
+                producer_id,
+            )
+            return False
+        if session.bound:
+            return True
+        owner = self._owners.get(producer_id, b"")  # b"" is no routing id
+        held = self._sessions.get(owner)
+        if held is not None and held.state == _LIVE and not self._gone(owner, held):
+            self._window.count("dropped_foreign_connection")
+            self._warnings.warn(
+                rid,
+                "foreign",
+                "dropped a frame from %s for producer %r: it speaks on another connection",
+                producer_id,
+            )
+            return False
+        if held is not None:
+            held.bound = False
+            if held.state == _LIVE:
+                log.info("producer %r restarted; reclaiming its old session's credit", producer_id)
+                held.end(_REPLACED)
+        session.bound = True
+        session.reopens = producer_id in self._window.closed
+        self._owners[producer_id] = rid
+        return True
+
+    def _gone(self, rid: bytes, session: _Session) -> bool:
+        """Whether ZeroMQ no longer routes to ``rid``; asks with its credit, once a tick."""
+        now = time.monotonic()
+        if not session.gone and now - session.probed >= self._tick:
+            session.probed = now
+            self._send(rid, CreditFrame(self.session, session.line, session.granted))
+        return session.gone
+
+    def _on_ref(self, rid: bytes, session: _Session, frame: RefFrame) -> None:
         if (
-            session.state == _LIVE
-            and frame.receiver == self.session
+            session.received < session.granted  # only bound, live sessions get credit
             and frame.line == session.line
-            and session.received < session.granted
+            and frame.receiver == self.session
+            and session.state == _LIVE
         ):
             session.received += 1
             self._window.accept(frame.ref)
-        elif self._window.has_room(self._outstanding()):
-            self._window.accept(frame.ref)
-        else:
-            self._window.drop()
+            if not session.delivered:
+                self._first_ref(session)
+            return
+        self._window.drop()
+        self._warnings.warn(
+            rid,
+            "no credit",
+            "dropped a ref from %s: %r came without credit "
+            "(if it was committed, the ledger still holds it)",
+            frame.ref.sample_id,
+        )
+
+    def _first_ref(self, session: _Session) -> None:
+        """The session's first ref on credit: its producer is known to be real from now on."""
+        producer_id: str = session.producer_id  # type: ignore[assignment]  # bound: named
+        session.delivered = True
+        if session.reopens:  # it was closed, now it emits again
+            session.reopens = False
+            self._window.closed.discard(producer_id)
+        if producer_id in self._known:
+            return
+        self._known.add(producer_id)
+        if len(self._known) == self.config.expected_producers + 1:
             log.warning(
-                "dropped ref %r from %s: it came without credit and the window is full "
-                "(the ledger still holds it)",
-                frame.ref.sample_id,
-                session.producer_id,
+                "%s has seen %d producer ids but expects %d: the stream may end early",
+                self,
+                len(self._known),
+                self.config.expected_producers,
             )
 
     def _on_eof(self, rid: bytes, session: _Session) -> None:
         if session.state != _CLOSED:
             session.end(_CLOSED)
-            if session.producer_id is not None:
-                self._window.mark_closed(session.producer_id)
+            self._window.mark_closed(session.producer_id)  # type: ignore[arg-type]
         self._send(rid, EofAckFrame(self.session))
 
     def _check_liveness(self, now: float) -> None:
@@ -348,8 +426,22 @@ class ZmqRefReceiver(RefReceiver):
                 continue
             session.end(_LOST)
             producer_id = session.producer_id
-            if producer_id is None:
-                del self._sessions[rid]  # connected, never spoke: nothing to report
+            if not session.bound:
+                del self._sessions[rid]  # it never spoke for a producer: nothing to report
+                continue
+            if producer_id not in self._known:
+                # A name in heartbeats, never a ref: anyone can send those, so
+                # its silence is no producer's loss.
+                del self._sessions[rid]
+                del self._owners[producer_id]  # type: ignore[arg-type]
+                self._window.count("dropped_unknown_producer")
+                self._warnings.warn(
+                    rid,
+                    "unknown",
+                    "forgot %s and the producer %r it named: it went silent before it "
+                    "delivered any ref",
+                    producer_id,
+                )
                 continue
             if producer_id in self._window.closed or any(
                 s.state == _LIVE and s.producer_id == producer_id for s in self._sessions.values()
@@ -361,14 +453,14 @@ class ZmqRefReceiver(RefReceiver):
                 self.endpoint,
                 now - session.last_heard,
             )
-            self._window.mark_lost(producer_id)
+            self._window.mark_lost(producer_id)  # type: ignore[arg-type]
 
     def _outstanding(self) -> int:
         return sum(s.outstanding for s in self._sessions.values())
 
     def _grant(self, *, force: bool) -> None:
         """Hand free window slots to live sessions, the least-credited first."""
-        live = [(rid, s) for rid, s in self._sessions.items() if s.state == _LIVE]
+        live = [(rid, s) for rid, s in self._sessions.items() if s.state == _LIVE and s.bound]
         if not live:
             return
         free = self._window.size - self._window.in_flight - self._outstanding()
@@ -383,9 +475,56 @@ class ZmqRefReceiver(RefReceiver):
                 s.announced = s.granted
 
     def _send(self, rid: bytes, frame: Frame) -> None:
-        # Credit is cumulative and repeated every heartbeat: a dropped frame loses nothing.
-        with contextlib.suppress(zmq.Again):
+        try:
             self._sock.send_multipart([rid, encode(frame)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # its pipe is full; credit is cumulative and repeated every heartbeat
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            session = self._sessions.get(rid)
+            if session is not None:
+                session.gone = True
+
+
+class _PeerWarnings:
+    """Warnings about what peers send: once per peer and kind, at most ``burst`` a minute.
+
+    Every dropped frame is counted in the stats; the log gets the first of
+    each kind from each peer, so that a hostile or broken peer cannot flood it.
+    """
+
+    def __init__(
+        self, where: str, *, burst: int = 20, period: float = 60.0, remember: int = 4096
+    ) -> None:
+        self._where = where
+        self._burst, self._period, self._remember = burst, period, remember
+        self._said: set[tuple[bytes, str]] = set()
+        self._times: deque[float] = deque()
+        self._suppressed = 0
+
+    def warn(self, rid: bytes, kind: str, message: str, *args: object) -> None:
+        """Log ``message % (peer, *args)`` unless it is a repeat or over the rate.
+
+        ``kind`` names what went wrong (a bad frame's kind, ``no credit`` ...).
+        """
+        if (rid, kind) in self._said:
+            return
+        if len(self._said) >= self._remember:
+            self._said.clear()
+        self._said.add((rid, kind))
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self._period:
+            self._times.popleft()
+        if len(self._times) >= self._burst:
+            self._suppressed += 1
+            return
+        self._times.append(now)
+        suffix = "; more of this kind from it are only counted"
+        if self._suppressed:
+            suffix += f" ({self._suppressed} warnings about peers suppressed before this one)"
+            self._suppressed = 0
+        log.warning("%s: " + message + suffix, self._where, _name(rid), *args)
 
 
 def water_fill(levels: list[int], amount: int) -> list[int]:
@@ -406,4 +545,5 @@ def water_fill(levels: list[int], amount: int) -> list[int]:
 
 
 def _name(rid: bytes) -> str:
-    return rid.decode("ascii", "replace")[:40] if rid.isascii() else rid.hex()[:40]
+    """A peer's routing id for the log: printable, at most 40 characters."""
+    return repr(rid.decode("ascii"))[1:-1][:40] if rid.isascii() else rid.hex()[:40]

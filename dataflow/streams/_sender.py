@@ -19,31 +19,27 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from dataflow._contracts import RefSender, SampleRef
-from dataflow._errors import BackpressureError, BadFrameError, InvalidRefError, StreamError
+from dataflow._errors import BackpressureError, BadFrameError, StreamError
 from dataflow.streams._security import CurveClientConfig, secure_client
 from dataflow.streams._ticker import Ticker
 from dataflow.streams._window import check_count, check_timeout
 from dataflow.streams._wire import (
     DEFAULT_MAX_FRAME_BYTES,
-    OVERSIZED,
     CreditFrame,
     EofAckFrame,
     EofFrame,
     Frame,
     HeartbeatFrame,
-    bad_frame,
+    check_ref,
     decode,
     encode,
     encode_ref,
-    encode_ref_body,
+    ref_body,
 )
 
 log = logging.getLogger("dataflow.streams")
 
 _CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
-
-# Room in a ref frame for everything around the ref's own JSON.
-_REF_OVERHEAD = 128
 
 
 def _default_producer_id() -> str:
@@ -188,17 +184,17 @@ class ZmqRefSender(RefSender):
         return link
 
     # -- RefSender -------------------------------------------------------------
+    def check(self, ref: SampleRef) -> None:
+        """Raise BadFrameError if ``send`` would refuse ``ref``; sends nothing.
+
+        The refusals: a frame over ``max_frame_bytes``, a ref beyond the wire's
+        limits or not JSON-able, a tensor hidden in it (kind ``tensor``).
+        """
+        check_ref(ref, self.config.max_frame_bytes)
+
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
-        if not isinstance(ref, SampleRef):
-            raise InvalidRefError(f"send takes a SampleRef, got {type(ref).__name__}")
+        body = ref_body(ref, self.config.max_frame_bytes)
         check_timeout("timeout", timeout, allow_none=True)
-        body = encode_ref_body(ref)
-        if len(body) + _REF_OVERHEAD > self.config.max_frame_bytes:
-            raise bad_frame(
-                OVERSIZED,
-                f"ref {ref.sample_id!r} encodes to {len(body)} bytes, over max_frame_bytes="
-                f"{self.config.max_frame_bytes}; keep tensors in the store, not in metadata",
-            )
         timeout = self.config.send_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         waited = False

@@ -27,13 +27,22 @@ class ReceiverStats:
     max_in_flight: int
     """The highest ``in_flight`` seen."""
     dropped_refs: int
-    """Refs that came without credit while the window was full (the ledger requeues them)."""
+    """Well-formed refs dropped on arrival (if committed, the ledger still holds them);
+    each lacked credit, so this equals ``dropped_no_credit``."""
     bad_frames: int
     """Frames dropped as malformed, oversized, of an unknown version, or carrying a tensor."""
     bad_frame_kinds: Mapping[str, int] = field(default_factory=dict)
     """``bad_frames`` by kind: ``malformed``, ``oversized``, ``tensor``, ``version``."""
     producers_closed: int = 0
     producers_lost: int = 0
+    dropped_no_credit: int = 0
+    """Refs beyond the credit granted to their connection: sent against another receiver
+    session or an old line, or with no credit left (a peer that ignores the protocol)."""
+    dropped_unknown_producer: int = 0
+    """Connections that named a producer in heartbeats but went silent before delivering
+    a ref on credit: forgotten without a ProducerLostError."""
+    dropped_foreign_connection: int = 0
+    """Heartbeats and EOFs for a producer that speaks on another live connection."""
 
 
 def check_timeout(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -79,7 +88,13 @@ class Window:
         self._max_in_flight = max(self._max_in_flight, self.in_flight)
 
     def drop(self) -> None:
+        """A ref dropped for coming without credit."""
         self._counts["dropped_refs"] += 1
+        self._counts["dropped_no_credit"] += 1
+
+    def count(self, name: str) -> None:
+        """One more of the ReceiverStats counter ``name`` (a ``dropped_*`` one)."""
+        self._counts[name] += 1
 
     def count_bad(self, kind: str) -> None:
         self._bad[kind] += 1
@@ -148,4 +163,7 @@ class Window:
             bad_frame_kinds=dict(self._bad),
             producers_closed=c["producers_closed"],
             producers_lost=c["producers_lost"],
+            dropped_no_credit=c["dropped_no_credit"],
+            dropped_unknown_producer=c["dropped_unknown_producer"],
+            dropped_foreign_connection=c["dropped_foreign_connection"],
         )

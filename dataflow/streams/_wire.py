@@ -1,8 +1,8 @@
 """Wire format of ref streams, version 1: one UTF-8 JSON object per ZeroMQ frame.
 
 Nothing is pickled: frames are JSON, decoded into SampleRefs through
-``SampleRef.from_dict``, which rejects anything that is not plain data.
-docs/streams.md describes every field.
+``SampleRef.from_dict``, which rejects anything that is not plain data, plus
+the wire's own limits (``check_limits``). docs/streams.md describes every field.
 """
 
 from __future__ import annotations
@@ -23,6 +23,19 @@ from dataflow._errors import BadFrameError, DataflowError, InvalidRefError, Tens
 
 WIRE_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
+#: Room in a ref frame for everything around the ref's own JSON; a sender
+#: refuses a ref whose JSON and this overhead exceed its max_frame_bytes.
+REF_OVERHEAD = 128
+
+# Limits on what a ref may describe, the same on both ends: ``send`` refuses a
+# ref beyond them and a receiver drops it (malformed). No real sample comes
+# near them; they keep a forged ref from sending a consumer off to allocate
+# 2^124 bytes, or to loop over a million features, before any read fails.
+MAX_FEATURES = 1024
+MAX_DIMS = 64
+MAX_FEATURE_BYTES = 1 << 48
+MAX_STORE_CHARS = 4096
+MAX_INT = (1 << 63) - 1  # generation, line, granted: what a database integer holds
 
 # Kinds of bad frames: the keys of ReceiverStats.bad_frame_kinds.
 OVERSIZED = "oversized"
@@ -92,7 +105,17 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-_decoder = json.JSONDecoder(parse_constant=_no_constant)
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    # json keeps the last of repeated keys; a frame that names a field twice
+    # could be read one way here and another way by any other JSON reader.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        keys = [key for key, _ in pairs]
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return obj
+
+
+_decoder = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_object)
 
 
 def _loads(data: bytes) -> object:
@@ -107,16 +130,76 @@ def bad_frame(kind: str, message: str) -> BadFrameError:
 
 
 def encode_ref_body(ref: SampleRef) -> bytes:
-    """The JSON of ``ref``; raises TensorInRefError if a tensor hides in it."""
+    """The JSON of ``ref``; raises TensorInRefError if a tensor hides in it, and
+    BadFrameError if it is not JSON-able or beyond the wire's limits."""
     try:
         return _fast_ref_json(ref).encode()
     except (TypeError, ValueError, AttributeError):
-        pass  # something in the ref is not plain data: find out what, precisely
+        pass  # something in the ref is not plain data, or too large: find out what, precisely
     assert_no_tensors(ref)
     try:
+        check_limits(ref)
         return ref.to_json().encode()
     except (TypeError, ValueError) as exc:
-        raise bad_frame(MALFORMED, f"ref {ref.sample_id!r} is not JSON-able: {exc}") from exc
+        raise bad_frame(MALFORMED, f"ref {ref.sample_id!r} cannot travel: {exc}") from exc
+
+
+def ref_body(ref: object, max_frame_bytes: int) -> bytes:
+    """What a sender sends for ``ref``, or the error it refuses ``ref`` with.
+
+    InvalidRefError for a non-SampleRef, TensorInRefError for a tensor in it,
+    BadFrameError when it is not JSON-able, beyond the wire's limits, or its
+    frame would exceed ``max_frame_bytes``: everything a receiver would drop.
+    """
+    if not isinstance(ref, SampleRef):
+        raise InvalidRefError(f"send takes a SampleRef, got {type(ref).__name__}")
+    body = encode_ref_body(ref)
+    if len(body) + REF_OVERHEAD > max_frame_bytes:
+        raise bad_frame(
+            OVERSIZED,
+            f"ref {ref.sample_id!r} encodes to {len(body)} bytes, over max_frame_bytes="
+            f"{max_frame_bytes}; keep tensors in the store, not in metadata",
+        )
+    return body
+
+
+def check_ref(ref: object, max_frame_bytes: int) -> None:
+    """``RefSender.check``: raise BadFrameError where ``ref_body`` refuses ``ref``.
+
+    A tensor hidden in the ref is a BadFrameError of kind ``tensor`` here
+    (``send`` raises the TensorInRefError itself, which is its cause).
+    """
+    try:
+        ref_body(ref, max_frame_bytes)
+    except TensorInRefError as exc:
+        raise bad_frame(TENSOR, str(exc)) from exc
+
+
+def check_limits(ref: SampleRef) -> SampleRef:
+    """Return ``ref`` if the wire carries it, else raise InvalidRefError (see MAX_FEATURES)."""
+    if len(ref.specs) > MAX_FEATURES:
+        raise InvalidRefError(f"ref has {len(ref.specs)} features, over {MAX_FEATURES}")
+    if ref.generation > MAX_INT:
+        raise InvalidRefError(f"generation {ref.generation} is over {MAX_INT}")
+    if len(ref.store) > MAX_STORE_CHARS:
+        raise InvalidRefError(f"store URI of {len(ref.store)} characters, over {MAX_STORE_CHARS}")
+    for name, spec in ref.specs.items():
+        _check_spec(name, spec)
+    return ref
+
+
+def _check_spec(name: str, spec: FeatureSpec) -> None:
+    shape = spec.shape
+    if len(shape) > MAX_DIMS or any(d > MAX_FEATURE_BYTES for d in shape):
+        raise InvalidRefError(
+            f"feature {name!r} has shape {shape}: more than {MAX_DIMS} dims "
+            f"or a dim over {MAX_FEATURE_BYTES}"
+        )
+    if spec.nbytes > MAX_FEATURE_BYTES:
+        raise InvalidRefError(
+            f"feature {name!r} of shape {shape} and {spec.dtype} would take {spec.nbytes} "
+            f"bytes, over {MAX_FEATURE_BYTES}"
+        )
 
 
 # Encoding and decoding refs is most of a stream's CPU time, so both avoid the
@@ -134,12 +217,17 @@ _dump_str = json.encoder.encode_basestring_ascii  # what _dumps does for a str, 
 
 @functools.lru_cache(maxsize=4096)
 def _spec_json(name: str, spec: FeatureSpec) -> str:
+    _check_spec(name, spec)  # raises, and so is not cached, beyond the limits
     return f"{_dumps(name)}:{_dumps(spec.to_dict())}"
 
 
 def _fast_ref_json(ref: SampleRef) -> str:
     if not _FAST or type(ref.generation) is not int or type(ref.store) is not str:
         raise TypeError("no fast path")
+    if len(ref.specs) > MAX_FEATURES or len(ref.store) > MAX_STORE_CHARS:
+        raise ValueError("beyond the limits")
+    if ref.generation > MAX_INT:
+        raise ValueError("beyond the limits")
     specs = []
     for name, spec in ref.specs.items():
         if type(name) is not str or type(spec) is not FeatureSpec:
@@ -187,7 +275,7 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
     try:
         obj = _loads(data)
     except (ValueError, RecursionError) as exc:
-        raise bad_frame(MALFORMED, f"frame is not UTF-8 JSON: {exc}") from None
+        raise bad_frame(MALFORMED, f"frame is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise bad_frame(MALFORMED, f"frame is a JSON {type(obj).__name__}, expected an object")
     version = obj.get("v")
@@ -207,8 +295,8 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
         if name in obj:
             _check_id(name, obj[name])
     for name in ("line", "granted"):
-        if name in obj and not (_is_int(obj[name]) and obj[name] >= 0):
-            raise bad_frame(MALFORMED, f"{name} must be a non-negative int, got {obj[name]!r}")
+        if name in obj and not (_is_int(obj[name]) and 0 <= obj[name] <= MAX_INT):
+            raise bad_frame(MALFORMED, f"{name} must be an int in [0, 2^63), got {obj[name]!r}")
     if cls is RefFrame:
         return RefFrame(obj["receiver"], obj["line"], _decode_ref(obj["ref"]))
     return cls(**{k: v for k, v in obj.items() if k not in ("v", "type")})
@@ -216,7 +304,7 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
 
 def _decode_ref(data: object) -> SampleRef:
     try:
-        return _fast_ref(data) if _FAST else SampleRef.from_dict(data)
+        return _fast_ref(data) if _FAST else check_limits(SampleRef.from_dict(data))
     except TensorInRefError as exc:  # unreachable from JSON; kept for the generic path
         raise bad_frame(TENSOR, str(exc)) from None
     except (DataflowError, ValueError, TypeError, RecursionError) as exc:
@@ -229,9 +317,9 @@ _MAX_CACHED_SPECS = 4096
 
 
 def _fast_ref(data: object) -> SampleRef:
-    """SampleRef.from_dict for a dict fresh from json.loads, with the same checks."""
+    """SampleRef.from_dict and check_limits, for a dict fresh from json.loads."""
     if type(data) is not dict or data.keys() != _REF_KEYS:
-        return SampleRef.from_dict(data)  # raises the precise error
+        return check_limits(SampleRef.from_dict(data))  # raises the precise error
     sample_id, store, generation = data["sample_id"], data["store"], data["generation"]
     specs, metadata = data["specs"], data["metadata"]
     validate_sample_id(sample_id)
@@ -240,7 +328,9 @@ def _fast_ref(data: object) -> SampleRef:
     if type(generation) is not int or generation < 0:
         raise InvalidRefError(f"SampleRef.generation must be an int >= 0, got {generation!r}")
     if type(specs) is not dict or type(metadata) is not dict:
-        return SampleRef.from_dict(data)
+        return check_limits(SampleRef.from_dict(data))
+    if len(specs) > MAX_FEATURES or generation > MAX_INT or len(store) > MAX_STORE_CHARS:
+        return check_limits(SampleRef.from_dict(data))
     decoded = {name: _spec(name, spec) for name, spec in specs.items()}
     ref = object.__new__(SampleRef)
     values = (sample_id, store, generation, decoded, metadata)
@@ -250,7 +340,8 @@ def _fast_ref(data: object) -> SampleRef:
 
 
 def _spec(name: str, spec: object) -> FeatureSpec:
-    """A validated FeatureSpec, cached by exact value (FeatureSpecs are immutable)."""
+    """A validated FeatureSpec within the limits, cached by exact value (FeatureSpecs are
+    immutable)."""
     key = None
     if type(spec) is dict and spec.keys() == {"shape", "dtype"}:
         shape, dtype = spec["shape"], spec["dtype"]
@@ -261,6 +352,7 @@ def _spec(name: str, spec: object) -> FeatureSpec:
                 return cached
     validate_feature_name(name)
     result = FeatureSpec.from_dict(spec)
+    _check_spec(name, result)
     if key is not None:
         if len(_specs) >= _MAX_CACHED_SPECS:
             _specs.clear()

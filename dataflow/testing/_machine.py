@@ -17,8 +17,11 @@ not by dataflow, is checked against the ledger after every step:
 
 from __future__ import annotations
 
+import tempfile
 import uuid
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +64,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.run_id = f"prop-{uuid.uuid4().hex[:16]}"
+        self.checkpoint_dir = tempfile.TemporaryDirectory(prefix="dataflow-machine-")
         self.store = type(self).make_store()
         self.producer = Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
         self.consumers: list[Consumer] = []
@@ -172,7 +176,10 @@ class LedgerMachine(RuleBasedStateMachine):
         self._resume(target)
 
     def _resume(self, target: Any) -> None:
-        plans = [self.consumers[0].resume(target)]
+        with warnings.catch_warnings():
+            # Each example is a new run in a shared ledger: no mistyped run id.
+            warnings.filterwarnings("ignore", message=r"run .* has no events")
+            plans = [self.consumers[0].resume(target)]
         plans += [c.resume() for c in self.consumers[1:]]
         plan = plans[0]
         resolved = plan.checkpoint
@@ -263,7 +270,9 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule()
     def checkpoint(self) -> None:
         self.step += 1
-        ckpt = self.consumers[0].checkpoint(self.step, f"ckpt/step{self.step}")
+        path = Path(self.checkpoint_dir.name, f"step{self.step}")
+        path.mkdir()  # a checkpoint's files exist before the ledger records it
+        ckpt = self.consumers[0].checkpoint(self.step, str(path))
         assert ckpt is not None and ckpt.step == self.step
         self.snapshots[ckpt.seq] = (self.data_epoch, dict(self.trained))
         self.ever_checkpointed.update(self.trained)
@@ -347,6 +356,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         self.store.close()
+        self.checkpoint_dir.cleanup()
 
 
 def machine_settings(profile: str = "normal", **overrides: Any) -> settings:
