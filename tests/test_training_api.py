@@ -69,6 +69,7 @@ def test_configs_are_keyword_only_frozen_and_documented(config: type) -> None:
         ({"grad_accum": True}, "grad_accum must be an int, got bool True"),
         ({"checkpoint_every": -1}, "checkpoint_every must be >= 0, got -1"),
         ({"eval_every": 0.5}, "eval_every must be an int, got float 0.5"),
+        ({"allow_resize": 1}, "allow_resize must be a bool, got 1"),
     ],
 )
 def test_trainer_config_rejects_bad_values(config: dict[str, Any], match: str) -> None:
@@ -255,7 +256,9 @@ def _features(i: int) -> dict[str, torch.Tensor]:
     return {"x": torch.tensor([float(i % 5), float(i % 3)], dtype=torch.float64)}
 
 
-def _seeded_trainer(parts: dict[str, Any], name: str, net: torch.nn.Module, **kw: Any) -> Trainer:
+def _seeded_trainer(
+    parts: dict[str, Any], name: str, net: torch.nn.Module, *, world_size: int = 1, **kw: Any
+) -> Trainer:
     optimizer = torch.optim.SGD(net.parameters(), lr=2**-6, momentum=0.5)
 
     def load_fn(state: dict[str, Any]) -> None:
@@ -266,12 +269,19 @@ def _seeded_trainer(parts: dict[str, Any], name: str, net: torch.nn.Module, **kw
         optimizer.step()
         optimizer.zero_grad()
 
-    consumer = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id=name, order_seed=3)
+    consumer = Consumer(
+        parts["led"],
+        parts["store"],
+        run_id=RUN,
+        consumer_id=name,
+        world_size=world_size,
+        order_seed=3,
+    )
+    kw.setdefault("checkpoints", CheckpointManager(CheckpointConfig(root=parts["ckpt"])))
     return Trainer(
         consumer,
         step_fn=lambda batch: net(batch.features["x"]).pow(2).sum().backward(),
         optimizer_fn=optimizer_fn,
-        checkpoints=CheckpointManager(CheckpointConfig(root=parts["ckpt"])),
         state_fn=lambda: {"model": net.state_dict(), "optimizer": optimizer.state_dict()},
         load_fn=load_fn,
         config=TrainerConfig(grad_accum=2, checkpoint_every=2),
@@ -286,6 +296,20 @@ def _model() -> torch.nn.Module:
         model.weight.fill_(0.5)
         model.bias.fill_(0.25)
     return model
+
+
+def _first_two_steps(parts: dict[str, Any], **kw: Any) -> Trainer:
+    """A first trainer that stops after step 2, its checkpoint saved."""
+    first = _seeded_trainer(parts, "first", _model(), **kw)
+    first.config = TrainerConfig(grad_accum=2, checkpoint_every=2, max_steps=2)
+    assert first.run() == 2
+    return first
+
+
+def _commit_one_more(parts: dict[str, Any]) -> None:
+    late = Producer(parts["led"], parts["store"], run_id=RUN, producer_id="late")
+    late.emit("late", _features(0))
+    late.close()
 
 
 def test_a_resume_that_regenerates_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
@@ -340,13 +364,9 @@ def test_a_checkpoint_of_a_differently_set_up_run_is_refused_before_the_resume(
     tmp_path: Path, change: dict[str, Any], match: str
 ) -> None:
     parts = _seeded_parts(tmp_path, "run")
-    first = _seeded_trainer(parts, "first", _model())
-    first.config = TrainerConfig(grad_accum=2, checkpoint_every=2, max_steps=2)
-    first.run()
+    _first_two_steps(parts)
     if change.get("extra_samples"):
-        late = Producer(parts["led"], parts["store"], run_id=RUN, producer_id="late")
-        late.emit("late", _features(0))
-        late.close()
+        _commit_one_more(parts)
     second = _seeded_trainer(parts, "second", _model())
     consumer = second.consumer
     if "order_seed" in change:
@@ -440,3 +460,80 @@ def test_each_ranks_random_generators_come_back_on_a_resume(tmp_path: Path) -> N
     torch.manual_seed(99)
     _seeded_trainer(parts, "second", _model()).resume()
     assert torch.equal(torch.rand(3), expected)
+
+
+# -- resizing: what one process shows (tests/test_training_resize.py has the real ranks) ---------
+def _two_rank_trainer(
+    parts: dict[str, Any], name: str, *, allow_resize: bool, **kw: Any
+) -> Trainer:
+    """Rank 0 of two: the rank that appends the resume event (it needs no peer for that)."""
+    trainer = _seeded_trainer(parts, name, _model(), world_size=2, **kw)
+    trainer.config = TrainerConfig(grad_accum=2, checkpoint_every=2, allow_resize=allow_resize)
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({}, r"world_size was 1, now 2\. .*pass TrainerConfig\(allow_resize=True\)"),
+        ({"allow_resize": True, "grad_accum": 1}, "grad_accum was 2, now 1"),
+        ({"allow_resize": True, "order_seed": 4}, "order_seed was 3, now 4"),
+        ({"allow_resize": True, "extra_samples": 1}, "dataset_size was 24, now 25"),
+    ],
+)
+def test_a_resize_still_refuses_any_other_change_of_the_set_up(
+    tmp_path: Path, change: dict[str, Any], match: str
+) -> None:
+    """Saved without per-rank state, so the set-up check is what refuses the world size."""
+    parts = _seeded_parts(tmp_path, "run")
+    without_rank_state = CheckpointConfig(
+        root=parts["ckpt"], components=("model", "optimizer", "trainer")
+    )
+    _first_two_steps(parts, checkpoints=CheckpointManager(without_rank_state))
+    if change.get("extra_samples"):
+        _commit_one_more(parts)
+    second = _two_rank_trainer(
+        parts,
+        "second",
+        allow_resize=change.get("allow_resize", False),
+        checkpoints=CheckpointManager(without_rank_state),
+    )
+    if "grad_accum" in change:
+        second.config = dataclasses.replace(second.config, grad_accum=change["grad_accum"])
+    if "order_seed" in change:
+        second.consumer.order_seed = change["order_seed"]
+    head = parts["led"].head_seq(RUN)
+    with pytest.raises(training.IncompatibleCheckpointError, match=match) as refused:
+        second.resume()
+    assert "world_size" not in str(refused.value) or not change
+    assert parts["led"].head_seq(RUN) == head  # nobody fenced off, nothing written
+
+
+def test_a_resize_hands_rank_0_its_old_state_and_restarts_its_position(tmp_path: Path) -> None:
+    parts = _seeded_parts(tmp_path, "run")
+    torch.manual_seed(5)
+    first = _first_two_steps(parts)  # one rank, position 8, generators saved at step 2
+    expected = torch.rand(3)
+    assert first.position == 8
+    loaded: list[Any] = []
+
+    refused = _two_rank_trainer(parts, "refused", allow_resize=False)
+    head = parts["led"].head_seq(RUN)
+    with pytest.raises(training.IncompatibleCheckpointError, match="holds the state of 1 ranks"):
+        refused.resume()
+    assert parts["led"].head_seq(RUN) == head
+
+    second = _two_rank_trainer(
+        parts, "second", allow_resize=True, rank_state_fn=dict, load_rank_fn=loaded.append
+    )
+    torch.manual_seed(99)
+    second.resume()
+    assert torch.equal(torch.rand(3), expected)  # old rank 0's generators
+    assert second.step == 2 and second.position == 0  # a new split starts here
+    [state] = loaded
+    assert state["data"] == {"position": 8, "batch_size": 2}  # old rank 0's, as it was
+    saved = second.checkpoints.resumed_from
+    assert saved is not None and (saved.step, saved.world_size) == (2, 1)
+    run = replay(parts["led"], RUN)
+    assert run.plans[run.epoch].world_size == 2
+    assert run.verify() == []

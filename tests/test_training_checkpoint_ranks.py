@@ -5,7 +5,8 @@ and loading it back (RNG included) after a resume in new processes; an error on
 one rank during a save raised on both ranks (never a hang), with nothing
 published and nothing recorded; ``is_best`` taking rank 0's verdict on every
 rank; a two-rank checkpoint refused by a one-rank resume without fencing anyone
-off; and asynchronous saves recorded once every rank waited.
+off, and resumed by one with ``allow_resize`` (rank 0's own state only); and
+asynchronous saves recorded once every rank waited.
 
 Each child writes a small JSON result that the test asserts on; a child that
 hangs is killed and fails the test.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -327,19 +329,52 @@ def test_a_two_rank_checkpoint_is_refused_by_a_one_rank_resume(tmp_path: Path) -
     def single(name: str) -> Consumer:
         return Consumer(led, store, run_id=RUN, consumer_id=name, world_size=1)
 
-    refused = "holds the state of 2 ranks; this run resumes with 1"
-    with pytest.raises(CheckpointError, match=refused):
+    refused = "holds the state of 2 ranks; this run resumes with 1.* pass allow_resize=True"
+    with pytest.raises(training.IncompatibleCheckpointError, match=refused):
         manager.resume(single("by-step"), 3)
-    with (
-        pytest.warns(UserWarning, match="not resuming from the checkpoint at step 3"),
-        pytest.raises(CheckpointError, match=refused),
-    ):
-        manager.resume(single("latest"))
+    # Not damaged, so "latest" does not fall back to an older checkpoint: it refuses.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(training.IncompatibleCheckpointError, match=refused):
+            manager.resume(single("latest"))
+    assert manager.resumed_from is None
     after = replay(led, RUN)
     assert after.epoch == before.epoch == 1  # nobody was fenced off
     assert len(list(led.events(RUN))) == events
     assert not [e for e in led.events(RUN) if e.kind == Kind.RESUME and e.epoch > 1]
     assert after.verify() == []
+
+
+@pytest.mark.slow
+def test_with_allow_resize_one_rank_resumes_a_two_rank_checkpoint(tmp_path: Path) -> None:
+    saved = _run_ranks(tmp_path, "save", step=3)
+    led = _ledger(tmp_path)
+    manager = _manager(tmp_path)
+    consumer = Consumer(
+        led, SharedDirFeatureStore(tmp_path / "features"), run_id=RUN, consumer_id="one"
+    )
+    checked: list[Any] = []
+    plan, state = manager.resume(
+        consumer, check=lambda state, own: checked.append(own), allow_resize=True
+    )
+    assert plan.checkpoint is not None and plan.checkpoint.step == 3
+    assert state is not None and torch.equal(state["model"]["w"], _model()["model"]["w"])
+    [own] = checked  # rank 0's own state, from the rank-00000.pt of the old world
+    assert torch.equal(own["shard"], _shard(0)) and own["position"] == 0
+    training.set_rng_state(own["rng"])
+    assert _draws() == saved[0]["draws"]
+    resumed = manager.resumed_from
+    assert resumed is not None and (resumed.step, resumed.world_size) == (3, 2)
+    run = replay(led, RUN)
+    assert run.epoch == 2 and run.plans[2].world_size == 1
+    # Saves go on with the files of the new world: one rank file.
+    path = manager.save(4, _model(), rank_state={"shard": _shard(0)})
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["world_size"] == 1
+    assert sorted(manifest["files"]) == ["rank-00000.pt", "state.pt"]
+    assert replay(led, RUN).verify() == []
+    with pytest.raises(ValueError, match="allow_resize must be a bool"):
+        manager.resume(consumer, allow_resize="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -43,7 +43,12 @@ from dataflow._durable import fsync_path
 from training._best import BestRecord
 from training._config import COMPONENTS, CheckpointConfig
 from training._dist import agree, dist_active
-from training._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from training._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
 from training._layout import (
     FORMAT,
     MANIFEST_FILE,
@@ -162,6 +167,7 @@ class CheckpointManager:
         self._pending: threading.Thread | None = None
         self._pending_result: dict[str, Any] = {}
         self._async_group: Any = None
+        self._resumed_from: SavedCheckpoint | None = None
         if consumer is not None:
             self._attach(consumer)
         elif self.run_id is not None:
@@ -293,6 +299,7 @@ class CheckpointManager:
         checkpoint: int | str | Checkpoint | None = "latest",
         *,
         check: Callable[[dict, dict | None], object] | None = None,
+        allow_resize: bool = False,
     ) -> tuple[ReconcilePlan, dict | None]:
         """Resume ``consumer`` from ``checkpoint`` and load its state (every rank calls it).
 
@@ -308,11 +315,20 @@ class CheckpointManager:
         loaded state and that rank's own state (None when the checkpoint has
         none), also before the resume event: raise there to refuse a checkpoint
         that does not fit this run (the error is raised on every rank).
+
+        A checkpoint holding the state of another number of ranks is refused
+        (``IncompatibleCheckpointError``, no fallback with ``"latest"``) unless
+        ``allow_resize``: then the ledger re-splits what remains over the
+        consumer's ``world_size`` ranks, and rank ``r`` gets the saved state of
+        rank ``r`` where the checkpoint has one, else None (in ``check`` too).
+        ``resumed_from`` tells the world size the checkpoint was saved with.
         Returns the plan and the state (None from scratch); a rank's own state
         is ``load_rank_state(plan.checkpoint, rank=...)``.
         """
         if check is not None and not callable(check):
             raise ValueError(f"check must be callable, got {type(check).__name__}")
+        if not isinstance(allow_resize, bool):
+            raise ValueError(f"allow_resize must be a bool, got {allow_resize!r}")
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
@@ -324,30 +340,43 @@ class CheckpointManager:
         error, chosen = None, None
         if rank == 0:
             try:
-                chosen = self._choose(consumer, checkpoint)
+                chosen = self._choose(consumer, checkpoint, allow_resize=allow_resize)
             except Exception as exc:
                 error = exc
         chosen = agree(error, chosen, **meeting)[0]
         state = None
+        self._resumed_from = None
         try:
             if chosen is not None:
                 saved = read_manifest(Path(chosen["path"]), expected_digest=chosen["digest"])
                 if rank != 0:
                     verify_files(saved, self._files_of_rank(saved, rank))
                 state = self._load_state(saved)
+                self._resumed_from = saved
                 if check is not None:
                     own = None
-                    if saved.has_rank_state:
+                    if _holds_rank(saved, rank):
                         own = _decode(self._read_checked(saved, rank_file(rank)))
                     check(state, own)
         except Exception as exc:
             error = exc
-        agree(error, None, **meeting)
+        try:
+            agree(error, None, **meeting)
+        except BaseException:
+            self._resumed_from = None
+            raise
         plan = consumer.resume(_checkpoint_by_seq(consumer, chosen) if rank == 0 else checkpoint)
         if rank == 0:
             # The new epoch fenced off every older trainer: what they left is garbage.
             self._sweep(consumer)
         return plan, state
+
+    @property
+    def resumed_from(self) -> SavedCheckpoint | None:
+        """The checkpoint the last ``resume`` loaded, as its manifest describes it (step,
+        ``world_size``, ...); None before a resume, from scratch, or after a refused one.
+        Set before ``check`` runs, so a check can compare the saved world size."""
+        return self._resumed_from
 
     def load(self, which: Which = None) -> dict:
         """The state (rank 0's ``state``) of a checkpoint of this run, after checking its files.
@@ -715,7 +744,9 @@ class CheckpointManager:
         self.run_id = consumer.run_id
         self._best  # noqa: B018 (reads the best record now: its warnings belong here)
 
-    def _choose(self, consumer: Consumer, which: object) -> dict[str, Any] | None:
+    def _choose(
+        self, consumer: Consumer, which: object, *, allow_resize: bool
+    ) -> dict[str, Any] | None:
         """Rank 0: the recorded checkpoint to resume from, its directory checked."""
         state = consumer.state
         state.apply_rows(consumer.ledger.rows(consumer.run_id, after_seq=state.head_seq))
@@ -752,12 +783,6 @@ class CheckpointManager:
             try:
                 saved = read_manifest(self._locate(c), expected_digest=c.digest)
                 verify_files(saved)
-                _, world_size = self._rank()
-                if saved.has_rank_state and saved.world_size != world_size:
-                    raise CheckpointError(
-                        f"checkpoint {saved.path} holds the state of {saved.world_size} ranks; "
-                        f"this run resumes with {world_size}"
-                    )
             except CheckpointError as exc:
                 if which != "latest":
                     raise
@@ -766,12 +791,25 @@ class CheckpointManager:
                 )
                 errors.append(exc)
                 continue
+            # Not a damaged checkpoint, so no fallback: an older one of the same lineage
+            # would silently throw the progress since away.
+            self._check_world_size(saved, allow_resize=allow_resize)
             return {"seq": c.seq, "path": str(saved.path), "digest": c.digest}
         gone = all(isinstance(e, CheckpointNotFoundError) for e in errors)
         raise (CheckpointNotFoundError if gone else CorruptCheckpointError)(
             f"no intact checkpoint in the lineage of run {consumer.run_id!r}: "
             + "; ".join(str(e) for e in errors)
         )
+
+    def _check_world_size(self, saved: SavedCheckpoint, *, allow_resize: bool) -> None:
+        _, world_size = self._rank()
+        if saved.has_rank_state and saved.world_size != world_size and not allow_resize:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {saved.path} holds the state of {saved.world_size} ranks; this "
+                f"run resumes with {world_size}. To re-split the run over {world_size} ranks, "
+                "pass allow_resize=True (TrainerConfig(allow_resize=True) for a Trainer; "
+                'docs/operations.md, "Resizing a run")'
+            )
 
     def _locate(self, checkpoint: Checkpoint) -> Path:
         """The recorded directory, or one of that name under this root (the root was moved)."""
@@ -846,7 +884,7 @@ class CheckpointManager:
     def _files_of_rank(self, saved: SavedCheckpoint, rank: int) -> list[str]:
         """Every file ``rank`` reads on resume: the shared state, and its own when saved."""
         names = self._files_for(saved, None)
-        return names + (self._files_for(saved, rank) if saved.has_rank_state else [])
+        return names + (self._files_for(saved, rank) if _holds_rank(saved, rank) else [])
 
     def _load_state(self, saved: SavedCheckpoint) -> dict:
         return _decode(self._read_checked(saved, STATE_FILE))
@@ -858,6 +896,11 @@ class CheckpointManager:
                 f"{saved.path / name} holds a {type(state).__name__}, not a state dict"
             )
         return state
+
+
+def _holds_rank(saved: SavedCheckpoint, rank: int) -> bool:
+    """Whether ``saved`` has a file of ``rank``'s own (not after a resize to more ranks)."""
+    return saved.has_rank_state and rank < saved.world_size
 
 
 def _checkpoint_by_seq(consumer: Consumer, chosen: dict[str, Any] | None) -> Checkpoint | None:

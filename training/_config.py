@@ -146,12 +146,20 @@ class TrainerConfig:
     eval_every: int = 0
     """Evaluate every this many optimizer steps (and before the final checkpoint); 0: never."""
 
+    allow_resize: bool = False
+    """Resume a checkpoint saved by another number of ranks: the ledger re-splits what
+    remains over this run's ranks, and each rank's own state is mapped as described in
+    docs/operations.md ("Resizing a run"). False refuses such a checkpoint before the
+    resume event."""
+
     def __post_init__(self) -> None:
         if self.max_steps is not None:
             _int_field("max_steps", self.max_steps, minimum=1)
         _int_field("grad_accum", self.grad_accum, minimum=1)
         _int_field("checkpoint_every", self.checkpoint_every, minimum=0)
         _int_field("eval_every", self.eval_every, minimum=0)
+        if not isinstance(self.allow_resize, bool):
+            raise ValueError(f"allow_resize must be a bool, got {self.allow_resize!r}")
         if self.checkpoint_every and self.eval_every and self.checkpoint_every % self.eval_every:
             warnings.warn(
                 f"checkpoint_every={self.checkpoint_every} is not a multiple of "

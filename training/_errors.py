@@ -32,4 +32,5 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class IncompatibleCheckpointError(CheckpointError, ValueError):
-    """The checkpoint was saved by a run set up differently (accumulation, ranks, dataset)."""
+    """The checkpoint was saved by a run set up differently (accumulation, seed, dataset;
+    ranks, unless resized with ``allow_resize``)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -16,6 +18,7 @@ from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
 from training._dist import agree, flag_device
 from training._errors import IncompatibleCheckpointError
+from training._layout import rank_file
 from training._loader import Batch, CollateFn, FeatureLoader, check_position
 from training._rng import rng_state, set_rng_state
 from training._step import StepHelper
@@ -36,6 +39,23 @@ REGENERATE_PRODUCER_ID = "trainer-regenerate"
 #: A zero-argument function returning the per-batch eval output dicts, or a
 #: ``(model_fn, batches)`` pair for ``Evaluator.evaluate``.
 EvalFn = Callable[[], Iterable[Mapping[str, Any]]] | tuple[Callable[[Any], Mapping[str, Any]], Any]
+
+
+def _derived_seed(digest: str, rank: int) -> int:
+    """A 63-bit seed for ``rank``'s fresh generators, from old rank 0's file digest."""
+    key = f"{digest}:{rank}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1
+
+
+def _seed_generators(seed: int) -> None:
+    """Seed what ``rng_state`` saves: Python's, NumPy's (when installed) and torch's."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # the CPU's and every accelerator device's
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
 
 
 def _check_callable(name: str, fn: object, *, optional: bool = False) -> None:
@@ -85,7 +105,8 @@ class Trainer:
     trainer's set-up, and each rank's random generators and data position; a
     resume restores the generators and refuses, before the resume event, a
     checkpoint of a differently set-up run (or, with ``model``, of a model with
-    other keys).
+    other keys). ``TrainerConfig(allow_resize=True)`` lets it resume a checkpoint
+    of another number of ranks: the ledger re-splits what remains.
 
     Several ranks (``Consumer(rank=r, world_size=n)``) need torch.distributed
     initialized: the ranks agree how many micro-batches they take, so they take the
@@ -109,7 +130,7 @@ class Trainer:
         optimizer_fn: Callable[[int], object] | None = None,
         load_fn: Callable[[dict], object] | None = None,
         rank_state_fn: Callable[[], Mapping[str, Any]] | None = None,
-        load_rank_fn: Callable[[dict], object] | None = None,
+        load_rank_fn: Callable[[dict | None], object] | None = None,
         regenerate_fn: RegenerateFn | None = None,
         evaluator: Evaluator | None = None,
         eval_fn: EvalFn | None = None,
@@ -186,7 +207,8 @@ class Trainer:
         self.metrics_step: int | None = None
         #: What step_fn returned for the last micro-batch.
         self.last_loss: Any = None
-        #: Samples this rank trained (acked) in this lineage: its position in its queue.
+        #: Samples this rank trained (acked) in this lineage: its position in its queue
+        #: (counted from the resize when the lineage was resized: a new queue starts there).
         self.position = 0
         #: Collectives the ranks ran to agree on who still has data (one, once every
         #: rank's share is fixed: a committed dataset needs no more than that).
@@ -195,15 +217,28 @@ class Trainer:
         self._saved_step = 0
         self._resumed_position = 0
         self._resumed_rank_state: dict | None = None
+        #: Set by a resize: this rank's state is new (no old rank of its number), and the
+        #: seed of its fresh generators when the checkpoint holds generators.
+        self._new_rank = False
+        self._fresh_seed: int | None = None
 
     def resume(self, checkpoint: int | str | Checkpoint | None = "latest") -> dict | None:
         """Resume the consumer from ``checkpoint`` and return the state to apply (None from
         scratch); ``load_fn``, when given, is called with it, and ``load_rank_fn`` with this
-        rank's own state. Steps continue from there."""
+        rank's own state. Steps continue from there.
+
+        With ``TrainerConfig(allow_resize=True)``, a checkpoint of another number of ranks
+        resumes too; rank ``r`` then takes old rank ``r``'s generators and state, and a
+        rank the old run did not have gets fresh generators and ``load_rank_fn(None)``
+        (docs/operations.md, "Resizing a run")."""
         self._resumed_position = 0
         self._resumed_rank_state = None
+        self._new_rank, self._fresh_seed = False, None
         plan, state = self.checkpoints.resume(
-            self.consumer, checkpoint, check=self._check_resumable
+            self.consumer,
+            checkpoint,
+            check=self._check_resumable,
+            allow_resize=self.config.allow_resize,
         )
         self.plan = plan
         self.step = self._saved_step = plan.checkpoint.step if plan.checkpoint else 0
@@ -214,7 +249,9 @@ class Trainer:
         saved_rng = (rank_state or {}).get(RNG_ENTRY)
         if isinstance(saved_rng, dict) and {"python", "torch"} <= saved_rng.keys():
             set_rng_state(saved_rng)
-        if rank_state is not None and self.load_rank_fn is not None:
+        elif self._fresh_seed is not None:
+            _seed_generators(self._fresh_seed)
+        if (rank_state is not None or self._new_rank) and self.load_rank_fn is not None:
             self.load_rank_fn(rank_state)
         if plan.regenerate and self.regenerate_fn is not None:
             self._regenerate(list(plan.regenerate))
@@ -306,9 +343,12 @@ class Trainer:
         """Before the resume event: refuse a checkpoint of a differently set-up run."""
         self._resumed_rank_state = rank_state
         self._check_model_keys(state)
+        resized = self._note_resize()
         data = (rank_state or {}).get(DATA_ENTRY)
         self._resumed_position = 0
-        if isinstance(data, dict) and "position" in data:
+        # A resize starts a new split: the saved positions were places in the old ranks'
+        # queues, and this rank's batches now start where its new queue starts (0).
+        if not resized and isinstance(data, dict) and "position" in data:
             try:
                 check_position(data["position"], self.loader.config.batch_size)
             except ValueError as exc:
@@ -322,9 +362,12 @@ class Trainer:
             return  # not saved by a Trainer: nothing to compare
         mine = self._setup()
         consumer = self.consumer
+        compared = ("grad_accum", "order_seed") + (
+            () if self.config.allow_resize else ("world_size",)
+        )
         problems = [
             f"{name} was {saved.get(name)!r}, now {mine[name]!r}"
-            for name in ("grad_accum", "world_size", "order_seed")
+            for name in compared
             if saved.get(name) != mine[name]
         ]
         # The dataset: only a committed one has a size, and only rank 0 has caught up.
@@ -333,12 +376,35 @@ class Trainer:
         if comparable and sizes[0] != sizes[1]:
             problems.append(f"dataset_size was {sizes[0]}, now {sizes[1]}")
         if problems:
+            resize = (
+                "; to re-split the run over another number of ranks, pass "
+                'TrainerConfig(allow_resize=True) (docs/operations.md, "Resizing a run")'
+                if saved.get("world_size") != mine["world_size"] and not self.config.allow_resize
+                else ""
+            )
             raise IncompatibleCheckpointError(
                 f"cannot resume run {consumer.run_id!r} from this checkpoint: "
                 + "; ".join(problems)
-                + ". Resume with the set-up it was saved with (changing the number of "
-                "ranks is not supported yet)"
+                + ". Resume with the set-up it was saved with"
+                + resize
             )
+
+    def _note_resize(self) -> bool:
+        """Whether this resume changes the number of ranks; note what this rank's own
+        state becomes. (Without ``allow_resize``, the manager refused a checkpoint with
+        per-rank state already, and the set-up check refuses the others.)"""
+        saved = self.checkpoints.resumed_from
+        rank = self.consumer.rank
+        if saved is None or saved.world_size == self.consumer.world_size:
+            return False
+        if saved.has_rank_state and rank >= saved.world_size:
+            self._new_rank = True
+            if RNG_ENTRY in saved.manifest.get("entries", {}).get("rank", ()):
+                # Old rank 0's file digest covers its generators: the same checkpoint
+                # resumed on the same world always gives this rank the same ones.
+                sha256 = saved.manifest["files"][rank_file(0)]["sha256"]
+                self._fresh_seed = _derived_seed(sha256, rank)
+        return True
 
     def _check_model_keys(self, state: dict) -> None:
         """The checkpoint's model must have exactly this model's keys (before any load)."""
