@@ -21,13 +21,18 @@ class Kind:
     DATA_EPOCH = "data_epoch"  # every live sample is pending again (payload: seed)
     #: A checkpoint's files were deleted (payload: checkpoint_seq, reason); it cannot be resumed.
     CHECKPOINT_REMOVED = "ckpt_removed"
+    #: A leased sample's features were found missing or corrupt (payload: revision, reason):
+    #: not a training failure; the sample must be regenerated.
+    LOST = "lost"
 
     ALL = frozenset(
         {COMMIT, CLOSE, RESUME, LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH}
-        | {CHECKPOINT_REMOVED}
+        | {CHECKPOINT_REMOVED, LOST}
     )
     #: Kinds written by consumers, and so fenced by their epoch.
-    FENCED = frozenset({LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH, CHECKPOINT_REMOVED})
+    FENCED = frozenset(
+        {LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH, CHECKPOINT_REMOVED, LOST}
+    )
 
 
 @dataclass(frozen=True)

@@ -114,10 +114,11 @@ def _newest_commits(
 
 
 def _released_revision(conn: Connection, run_id: str, sample_id: str) -> int | None:
+    """Highest revision whose features are gone: released, or found lost by a consumer."""
     rows = conn.execute(
         select(events.c.payload).where(
             events.c.run_id == run_id,
-            events.c.kind == Kind.RELEASE,
+            events.c.kind.in_((Kind.RELEASE, Kind.LOST)),
             events.c.sample_id == sample_id,
         )
     ).all()

@@ -124,7 +124,9 @@ class RunState:
     ``pending`` (ids waiting to be leased, queue order), ``leased`` (id ->
     consumer id), ``trained`` (id -> step, in the current lineage and data
     epoch), ``released`` (ids whose features were freed), ``dead`` (id ->
-    reason), ``regenerate`` (ids to train again whose features are gone),
+    reason), ``lost`` (id -> reason: features found missing or corrupt on a load, waiting
+    for regeneration; never counted as a failed attempt), ``regenerate`` (ids to train
+    again whose features are gone: released, or lost),
     ``checkpoints``, ``removed_checkpoints`` (seq -> reason), ``epoch``,
     ``data_epoch``, ``head_seq``.
     """
@@ -141,6 +143,7 @@ class RunState:
         self.trained: dict[str, int] = {}
         self.released: set[str] = set()
         self.dead: dict[str, str] = {}
+        self.lost: dict[str, str] = {}
         self.attempts: dict[str, int] = {}
         self.regenerate: dict[str, None] = {}
         self.checkpoints: list[Checkpoint] = []
@@ -156,6 +159,8 @@ class RunState:
         self._pending: dict[int, dict[str, None]] = {0: {}}
         self._requeued: set[str] = set()
         self._queue_pos: dict[str, int] = {}
+        self._lessee_rank: dict[str, int] = {}  # leased id -> the rank whose queue it left
+        self._lost_rank: dict[str, int] = {}  # lost id -> that rank, which regenerates it
         self._next_pos = 0
         self._next_owner = 0
         self._unreleased_acks: dict[str, int] = {}
@@ -257,6 +262,7 @@ class RunState:
             "trained": dict(self.trained),
             "released": sorted(self.released),
             "dead": dict(self.dead),
+            "lost": dict(self.lost),
             "regenerate": list(self.regenerate),
             "checkpoints": list(self.checkpoints),
             "removed_checkpoints": dict(self.removed_checkpoints),
@@ -303,14 +309,17 @@ class RunState:
         if requeued:
             self._requeued.add(sample_id)
 
-    def _dequeue(self, sample_id: str) -> bool:
+    def _dequeue(self, sample_id: str) -> int | None:
+        """Take ``sample_id`` off its queue; the rank that owned it, None if not pending."""
         if self._queue_pos.pop(sample_id, None) is None:
-            return False
-        for queue in self._pending.values():
+            return None
+        owner = None
+        for rank, queue in self._pending.items():
             if queue.pop(sample_id, 0) is None:
+                owner = rank
                 break
         self._requeued.discard(sample_id)
-        return True
+        return owner
 
     def _round_robin_owner(self) -> int:
         owner = self._next_owner
@@ -340,11 +349,16 @@ class RunState:
             self._commit_seq[sid] = seq
             self._enqueue(sid, self._round_robin_owner(), requeued=False)
             return
-        # A regeneration: the features are back.
+        # A regeneration: the features are back. A lost sample goes back to the rank that
+        # found it lost (it regenerates it, and may be the only rank still leasing).
         self.released.discard(sid)
+        self.lost.pop(sid, None)
+        owner = self._lost_rank.pop(sid, None)
         if sid in self.regenerate:
             del self.regenerate[sid]
-            self._enqueue(sid, self._round_robin_owner(), requeued=True)
+            if owner is None or owner >= self.world_size:
+                owner = self._round_robin_owner()
+            self._enqueue(sid, owner, requeued=True)
 
     def _on_close(
         self,
@@ -418,6 +432,7 @@ class RunState:
         self.data_epoch = data_epoch
         self.trained = trained
         self.leased = {}
+        self._lessee_rank = {}
         self._order_args = (data_epoch, seed, start_seq)
         order = self._data_epoch_order(data_epoch, seed, start_seq)
         requeued = self._refill(order, requeued=True)
@@ -436,7 +451,11 @@ class RunState:
 
     def _unreleased_after(self, trained: Mapping[str, int]) -> list[str]:
         """Trained ids whose features are still stored, in commit order."""
-        ids = [s for s in trained if s not in self.released and s in self._commits]
+        ids = [
+            s
+            for s in trained
+            if s not in self.released and s not in self.lost and s in self._commits
+        ]
         return sorted(ids, key=self._commit_seq.__getitem__)
 
     def _refill(self, order: Iterable[str], *, requeued: bool) -> list[str]:
@@ -451,7 +470,7 @@ class RunState:
         for index, sid in enumerate(order):
             if sid in self.dead or sid in self.trained:
                 continue
-            if sid in self.released:
+            if sid in self.released or sid in self.lost:
                 self.regenerate[sid] = None
                 continue
             # Seeded: the owner is fixed by the place in the whole order, so a resume gives
@@ -516,12 +535,14 @@ class RunState:
         actor: str,
         _p: str | None,
     ) -> None:
-        if not self._dequeue(sid):
+        owner = self._dequeue(sid)
+        if owner is None:
             self.violations.append(
                 f"seq {seq}: lease of {sid!r} by {actor!r}, which was not pending"
             )
             return
         self.leased[sid] = actor
+        self._lessee_rank[sid] = owner
 
     def _on_ack(
         self, seq: int, sid: str, _r: int | None, _e: int, step: int, actor: str, _p: str | None
@@ -533,6 +554,7 @@ class RunState:
                 f"seq {seq}: {sid!r} trained twice in data epoch {self.data_epoch} of the lineage"
             )
         del self.leased[sid]
+        self._lessee_rank.pop(sid, None)
         self.trained[sid] = step
         self._unreleased_acks[sid] = step
         node = self._epochs[self.epoch]
@@ -560,6 +582,7 @@ class RunState:
             return
         p = load_payload(payload)
         del self.leased[sid]
+        self._lessee_rank.pop(sid, None)
         attempts = self.attempts.get(sid, 0) + 1
         self.attempts[sid] = attempts
         node = self._epochs[self.epoch]
@@ -568,6 +591,30 @@ class RunState:
             self.dead[sid] = f"{why} (attempt {attempts}, retryable={p.get('retryable', True)})"
         else:
             self._enqueue(sid, self._round_robin_owner(), requeued=True)
+
+    def _on_lost(
+        self,
+        seq: int,
+        sid: str,
+        _r: int | None,
+        _e: int,
+        _s: int | None,
+        actor: str,
+        payload: str | None,
+    ) -> None:
+        if not self._holds_lease(seq, "lost", sid, actor):
+            return
+        p = load_payload(payload)
+        del self.leased[sid]
+        rank = self._lessee_rank.pop(sid, None)
+        if p.get("revision", 0) != self._revision.get(sid):
+            # An older revision's features went missing; the newest ones are stored.
+            self._enqueue(sid, self._round_robin_owner(), requeued=True)
+            return
+        self.lost[sid] = str(p.get("reason") or "lost")
+        if rank is not None:
+            self._lost_rank[sid] = rank
+        self.regenerate[sid] = None
 
     def _on_checkpoint(
         self,
@@ -708,6 +755,7 @@ _HANDLERS = {
     Kind.RELEASE: RunState._on_release,
     Kind.DATA_EPOCH: RunState._on_data_epoch,
     Kind.CHECKPOINT_REMOVED: RunState._on_checkpoint_removed,
+    Kind.LOST: RunState._on_lost,
 }
 
 

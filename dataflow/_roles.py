@@ -334,10 +334,11 @@ class Producer:
         *,
         metadata: Mapping[str, Any] | None = None,
     ) -> SampleRef:
-        """Commit fresh features for a sample whose features were released.
+        """Commit fresh features for a sample whose features were released or lost.
 
-        For the ``regenerate`` list of a ReconcilePlan: the sample must be
-        trained again, but its features are gone.
+        For the ``regenerate`` list of a ReconcilePlan or of ``state``: the
+        sample must be trained again, but its features are gone (released by
+        the policy, or reported lost by a consumer).
         """
         validate_sample_id(sample_id)
         # Checked before the put too: a put would supersede features that are live.
@@ -382,7 +383,7 @@ class Producer:
         if released != revision:
             raise LedgerStateError(
                 f"the features of {sample_id!r} (revision {revision}) are still stored; "
-                "only samples whose features were released can be regenerated"
+                "only samples whose features were released or lost can be regenerated"
             )
         return revision
 
@@ -847,6 +848,42 @@ class Consumer:
             )
             self._sync(tx)
         self._credit(ids)
+
+    def lost(self, refs: Iterable[SampleRef | str], *, reason: str) -> None:
+        """Report leased samples whose features are gone or corrupt on a load.
+
+        For a StaleRefError or CorruptFeatureError from ``load`` (a store server
+        restarted, a file deleted or damaged): not a training failure, so no
+        attempt is counted and the sample never dies of it. It leaves this
+        consumer's leases, is listed in ``state.lost`` and ``state.regenerate``,
+        and comes back, to this rank, once it is regenerated
+        (``Producer.regenerate``). What is left of its features is deleted.
+        """
+        ids = _sample_ids(refs, "lost")
+        if not isinstance(reason, str) or not 0 < len(reason) <= 1000:
+            raise ValueError(f"reason must be a str of 1 to 1000 characters, got {reason!r:.80}")
+        with self._write("lost") as tx:
+            for sid in ids:
+                holder = self.state.leased.get(sid)
+                if holder != self.consumer_id:
+                    held = f"leased by {holder!r}" if holder else "not leased"
+                    raise LedgerStateError(
+                        f"cannot report {sid!r} lost: it is {held} in epoch {self.epoch} of run "
+                        f"{self.run_id!r}; report only samples this consumer leased"
+                    )
+            tx.append(
+                NewEvent(
+                    Kind.LOST,
+                    self.consumer_id,
+                    sid,
+                    epoch=tx.epoch,
+                    payload=dump_payload({"revision": self.state.revision(sid), "reason": reason}),
+                )
+                for sid in ids
+            )
+            self._sync(tx)
+        self._credit(ids)
+        self._delete_features(s for s in ids if s in self.state.lost)
 
     def checkpoint(
         self, step: int, path: str | os.PathLike[str], *, digest: str | None = None

@@ -123,6 +123,7 @@ def _summary(state: Any) -> dict[str, Any]:
         "trained": len(state.trained),
         "released": len(state.released),
         "dead": len(state.dead),
+        "lost": len(state.lost),
         "regenerate": len(state.regenerate),
         "checkpoints": [
             {

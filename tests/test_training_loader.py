@@ -94,24 +94,28 @@ def test_collate_refuses_samples_with_different_features() -> None:
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
-def test_a_ref_whose_features_are_gone_is_nacked_and_skipped(led, store, prefetch) -> None:
+def test_a_ref_whose_features_are_gone_is_reported_lost_and_skipped(led, store, prefetch) -> None:
     _emit(led, store, 6)
     consumer = _consumer(led, store)
     store.delete(consumer.state.ref("s01"))
     store.delete(consumer.state.ref("s05"))
-    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=3, prefetch=prefetch))
-    with pytest.warns(UserWarning, match=r"features of 's0[15]' are gone") as caught:
+    told: list[list[str]] = []
+    loader = FeatureLoader(
+        consumer, config=LoaderConfig(batch_size=3, prefetch=prefetch), on_lost=told.append
+    )
+    with pytest.warns(UserWarning, match=r"features gone: .*'s0[15]'.* reported lost") as caught:
         first = loader.next_batch()
         consumer.ack(first.refs, step=1)
         second = loader.next_batch()
     assert first.sample_ids == ["s00", "s02"]
     assert second.sample_ids == ["s03", "s04"]
     assert ["'s01'" in str(w.message) for w in caught] == [True, False]
-    events = [e for e in led.events(RUN) if e.kind == "nack"]
-    assert [e.sample_id for e in events] == ["s01", "s05"]
-    assert all(e.payload["retryable"] for e in events)
+    assert told == [["s01"], ["s05"]]
+    events = [e for e in led.events(RUN) if e.kind in ("nack", "lost")]
+    assert [(e.kind, e.sample_id) for e in events] == [("lost", "s01"), ("lost", "s05")]
     assert "features gone" in events[0].payload["reason"]
-    assert replay(led, RUN).verify() == []
+    state = replay(led, RUN)
+    assert state.verify() == [] and set(state.lost) == {"s01", "s05"} and state.attempts == {}
 
 
 def test_the_last_batch_comes_while_earlier_refs_are_still_unacked(led, store) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dataflow import Consumer, SampleRef, StaleRefError
+from dataflow import Consumer, CorruptFeatureError, SampleRef, StaleRefError
 from training._config import LoaderConfig
 
 Features = dict[str, torch.Tensor]
@@ -82,7 +82,7 @@ class _Read:
 
     refs: list[SampleRef]
     features: Any
-    stale: list[tuple[SampleRef, str]]
+    lost: list[tuple[SampleRef, str]]
 
 
 class FeatureLoader:
@@ -90,9 +90,11 @@ class FeatureLoader:
 
     Each batch leases up to ``batch_size`` refs and reads their features from the
     consumer's store. The loader never acks: the trainer acks a batch's refs at
-    the optimizer step that trained them. A ref whose features are gone
-    (StaleRefError) is nacked as retryable, with the reason, and skipped, with a
-    warning.
+    the optimizer step that trained them. A ref whose features are gone or corrupt
+    (StaleRefError, CorruptFeatureError) is reported lost (``Consumer.lost``: no
+    failed attempt, it waits for regeneration), skipped with a warning, and handed
+    to ``on_lost`` (the Trainer regenerates it there when it has a
+    ``regenerate_fn``).
 
     With ``prefetch=1`` the next batch is leased (only if refs are ready now)
     right after the current one is handed out, and its features are read in a
@@ -108,9 +110,12 @@ class FeatureLoader:
         *,
         config: LoaderConfig | None = None,
         collate_fn: CollateFn | None = None,
+        on_lost: Callable[[list[str]], object] | None = None,
     ) -> None:
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+        if on_lost is not None and not callable(on_lost):
+            raise ValueError(f"on_lost must be callable, got {type(on_lost).__name__}")
         config = LoaderConfig() if config is None else config
         if not isinstance(config, LoaderConfig):
             raise ValueError(f"config must be a LoaderConfig, got {type(config).__name__}")
@@ -119,6 +124,7 @@ class FeatureLoader:
         self.consumer = consumer
         self.config = config
         self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
+        self.on_lost = on_lost
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: Future[_Read] | None = None
         #: Samples handed out in batches so far (this rank's position in its queue).
@@ -153,7 +159,7 @@ class FeatureLoader:
                 if not refs:
                     return None
                 read = self._read(refs)
-            self._settle_stale(read.stale)
+            self._settle_lost(read.lost)
             if self.config.prefetch:
                 self._lease_ahead()
             if read.refs:
@@ -239,21 +245,27 @@ class FeatureLoader:
     def _read(self, refs: Sequence[SampleRef]) -> _Read:
         loaded: list[SampleRef] = []
         samples: list[Features] = []
-        stale: list[tuple[SampleRef, str]] = []
+        lost: list[tuple[SampleRef, str]] = []
         for ref in refs:
             try:
                 samples.append(self.consumer.load(ref, names=self.config.names))
             except StaleRefError as exc:
-                stale.append((ref, str(exc)))
+                lost.append((ref, f"features gone: {exc}"))
+            except CorruptFeatureError as exc:
+                lost.append((ref, f"features corrupt: {exc}"))
             else:
                 loaded.append(ref)
-        return _Read(loaded, self.collate_fn(samples) if samples else None, stale)
+        return _Read(loaded, self.collate_fn(samples) if samples else None, lost)
 
-    def _settle_stale(self, stale: list[tuple[SampleRef, str]]) -> None:
-        for ref, reason in stale:
+    def _settle_lost(self, lost: list[tuple[SampleRef, str]]) -> None:
+        if not lost:
+            return
+        for ref, reason in lost:
             warnings.warn(
-                f"features of {ref.sample_id!r} are gone from {ref.store} ({reason}); "
-                "nacked as retryable and skipped",
+                f"{reason[:300]} (sample {ref.sample_id!r}, store {ref.store}); reported lost "
+                "and skipped: it is trained once it is regenerated",
                 stacklevel=3,
             )
-            self.consumer.nack([ref], retryable=True, reason=f"features gone: {reason}"[:1000])
+            self.consumer.lost([ref], reason=reason[:1000])
+        if self.on_lost is not None:
+            self.on_lost([ref.sample_id for ref, _ in lost])

@@ -195,7 +195,9 @@ class Trainer:
         self.model = model
         self.evaluator = evaluator if evaluator is not None or eval_fn is None else Evaluator()
         self.eval_fn = eval_fn
-        self.loader = FeatureLoader(consumer, config=loader_config, collate_fn=collate_fn)
+        self.loader = FeatureLoader(
+            consumer, config=loader_config, collate_fn=collate_fn, on_lost=self._on_lost
+        )
         #: Accumulates micro-batches: no_sync() for ``modules`` off the boundary, one ack.
         self.helper = StepHelper(consumer, grad_accum=config.grad_accum, modules=modules)
         #: The last optimizer step taken (or resumed from).
@@ -432,26 +434,7 @@ class Trainer:
         error = None
         if consumer.rank == 0:
             try:
-                producer = Producer(
-                    consumer.ledger,
-                    consumer.store,
-                    run_id=consumer.run_id,
-                    producer_id=REGENERATE_PRODUCER_ID,
-                )
-                wanted = set(sample_ids)
-                for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
-                    if sample_id not in wanted:
-                        raise ValueError(
-                            f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
-                        )
-                    producer.regenerate(sample_id, tensors)
-                    wanted.discard(sample_id)
-                producer.close()
-                if wanted:
-                    raise ValueError(
-                        f"regenerate_fn left out {len(wanted)} samples to regenerate: "
-                        f"{sorted(wanted)[:10]}"
-                    )
+                self._put_back(sample_ids)
             except Exception as exc:
                 error = exc
         agree(
@@ -461,6 +444,43 @@ class Trainer:
             what="regeneration",
         )
         log.info("regenerated %d samples of run %r", len(sample_ids), consumer.run_id)
+
+    def _put_back(self, sample_ids: list[str]) -> None:
+        """Commit ``regenerate_fn``'s features for ``sample_ids`` as ``REGENERATE_PRODUCER_ID``."""
+        consumer = self.consumer
+        producer = Producer(
+            consumer.ledger,
+            consumer.store,
+            run_id=consumer.run_id,
+            producer_id=REGENERATE_PRODUCER_ID,
+        )
+        wanted = set(sample_ids)
+        for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
+            if sample_id not in wanted:
+                raise ValueError(
+                    f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
+                )
+            producer.regenerate(sample_id, tensors)
+            wanted.discard(sample_id)
+        producer.close()
+        if wanted:
+            raise ValueError(
+                f"regenerate_fn left out {len(wanted)} samples to regenerate: {sorted(wanted)[:10]}"
+            )
+
+    def _on_lost(self, sample_ids: list[str]) -> None:
+        """The loader found features gone: this rank, the only one that knows, puts them back
+        (no collective: the other ranks may be anywhere in their step)."""
+        if self.regenerate_fn is None:
+            warnings.warn(
+                f"{len(sample_ids)} samples of run {self.consumer.run_id!r} lost their features "
+                f"({sample_ids[:5]}): without a regenerate_fn, a producer must regenerate them "
+                "(Producer.regenerate) before they are trained",
+                stacklevel=2,
+            )
+            return
+        self._put_back(sample_ids)
+        log.info("regenerated %d lost samples of run %r", len(sample_ids), self.consumer.run_id)
 
     @property
     def _eval_enabled(self) -> bool:

@@ -266,6 +266,18 @@ class LedgerMachine(RuleBasedStateMachine):
             self.dead.add(ref.sample_id)
         self.writes_since_resume += 1
 
+    @precondition(lambda self: any(self.leased.values()))
+    @rule(rank=st.integers(0, 1))
+    def lose_features(self, rank: int) -> None:
+        """The payload of a leased sample vanished: lost, never failed, to regenerate."""
+        rank %= self.world_size
+        if not self.leased[rank]:
+            return
+        ref = self.leased[rank].pop(0)
+        self.store.delete(ref)
+        self.consumers[rank].lost([ref], reason="features gone")
+        self.writes_since_resume += 1
+
     @precondition(lambda self: bool(self.consumers))
     @rule()
     def checkpoint(self) -> None:
@@ -330,6 +342,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert consumer.state.snapshot() == state.snapshot(), "live state != replay"
         assert set(state.committed) == set(self.emitted), "a committed sample was lost"
         assert set(state.dead) == self.dead
+        assert set(state.lost) <= set(state.regenerate), "a lost sample is not to regenerate"
         if self.consumers:
             assert state.trained == self.trained, "trained set differs from the lineage model"
             leased = {r.sample_id for refs in self.leased.values() for r in refs}
