@@ -11,7 +11,7 @@ is a module of its own, and :func:`open_store` picks one by URI scheme::
 passes; ``stores.mooncake_master.MooncakeMaster`` runs a master for tests.
 """
 
-from dataflow._contracts import FeatureStore, StoreStats
+from dataflow._contracts import FeatureStore, StoredObject, StoreStats
 from stores._local import LocalFeatureStore
 from stores._mooncake import MooncakeFeatureStore
 from stores._registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_store
@@ -24,6 +24,7 @@ __all__ = [
     "MooncakeFeatureStore",
     "SharedDirFeatureStore",
     "StoreStats",
+    "StoredObject",
     "known_schemes",
     "open_store",
     "register_store",

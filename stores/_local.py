@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoreStats
+from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoredObject, StoreStats
 from dataflow._errors import InvalidRefError, StaleRefError, StoreError, StoreFullError
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
@@ -35,6 +37,7 @@ class LocalFeatureStore(FeatureStore):
     one live store per name exists in a process (a second one raises
     StoreError), and ``stores.open_store("mem://NAME")`` returns it, or
     creates it when none is live. A closed store gives its name back.
+    ``scan`` lists a snapshot taken under the store's lock.
     """
 
     def __init__(self, name: str | None = None, *, max_bytes: int | None = None) -> None:
@@ -49,7 +52,8 @@ class LocalFeatureStore(FeatureStore):
         self.name = name
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._objects: dict[str, tuple[int, dict[str, torch.Tensor], int]] = {}
+        # sample id -> (generation, tensors, tensor bytes, when it was put)
+        self._objects: dict[str, tuple[int, dict[str, torch.Tensor], int, float]] = {}
         self._bytes = 0
         with _live_lock:
             if _live.get(name) is not None:
@@ -93,7 +97,7 @@ class LocalFeatureStore(FeatureStore):
                     f"{self.max_bytes} ({self._bytes} in use); delete released samples first"
                 )
             generation = next(_generations)
-            self._objects[sample_id] = (generation, owned, size)
+            self._objects[sample_id] = (generation, owned, size, time.time())
             self._bytes += size - freed
         specs = {name: FeatureSpec.of(t) for name, t in owned.items()}
         return SampleRef(sample_id, self.uri, generation, specs, metadata)
@@ -113,16 +117,29 @@ class LocalFeatureStore(FeatureStore):
         return {name: stored[name] for name in names}
 
     def _delete(self, ref: SampleRef) -> None:
+        self._delete_generation(ref.sample_id, ref.generation)
+
+    def _delete_stored(self, obj: StoredObject) -> bool:
+        return self._delete_generation(obj.sample_id, obj.generation)
+
+    def _delete_generation(self, sample_id: str, generation: int) -> bool:
         with self._lock:
-            entry = self._objects.get(ref.sample_id)
-            if entry is not None and entry[0] == ref.generation:
-                del self._objects[ref.sample_id]
-                self._bytes -= entry[2]
+            entry = self._objects.get(sample_id)
+            if entry is None or entry[0] != generation:
+                return False
+            del self._objects[sample_id]
+            self._bytes -= entry[2]
+            return True
 
     def _exists(self, ref: SampleRef) -> bool:
         with self._lock:
             entry = self._objects.get(ref.sample_id)
             return entry is not None and entry[0] == ref.generation
+
+    def _scan(self) -> Iterator[StoredObject]:
+        with self._lock:
+            entries = [(sid, e[0], e[2], e[3]) for sid, e in self._objects.items()]
+        return (StoredObject(*entry) for entry in entries)
 
     def _stats(self) -> StoreStats:
         with self._lock:

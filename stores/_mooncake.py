@@ -1,11 +1,20 @@
 """Feature store on a Mooncake distributed store (``mooncake.store``), zero-copy.
 
-Keys of one sample generation (``/`` separated; ``@`` is in neither sample ids
-nor feature names, so no key of one sample can be a key of another)::
+Keys (``/`` separated; ``@`` is in neither sample ids nor feature names, so no
+key of one sample can be a key of another, nor of the namespace's own)::
 
     {namespace}/{sample_id}/g{generation}/{name}   raw bytes of one non-empty tensor
-    {namespace}/{sample_id}/g{generation}/@        marker: claimed once, exclusively
-    {namespace}/{sample_id}/@head                  JSON: the current generation and its names
+    {namespace}/{sample_id}/g{generation}/@        the generation's record
+    {namespace}/{sample_id}/@head                  the current generation's record, again
+    {namespace}/@generations/{base}                claim of generations base .. base + 2**20 - 1
+
+A record is ``b"DFHEAD02" | u64 xxh3 of the JSON (little endian) | JSON``, the
+JSON ``{"sample_id", "generation", "created", "nbytes", "xxh3": {name: 16 hex
+digits}}``: when it was put (seconds since the epoch), its tensor bytes, and
+the XXH3-64 of each non-empty tensor's bytes. Every get reads the head with the
+tensors and checks both: a head that fails its checksum, or names another
+sample, is corruption; an intact head of another generation makes the ref
+stale. ``scan`` reads the generations' records.
 
 Every Mooncake return code is translated into the dataflow error tree in
 :func:`_error`, and nowhere else.
@@ -13,24 +22,40 @@ Every Mooncake return code is translated into the dataflow error tree in
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import logging
 import re
 import socket
+import struct
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
-from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoreStats
+from dataflow._contracts import (
+    FeatureSpec,
+    FeatureStore,
+    SampleRef,
+    StoredObject,
+    StoreStats,
+    validate_sample_id,
+)
 from dataflow._errors import (
     CorruptFeatureError,
     InvalidRefError,
+    InvalidSampleIdError,
     StaleRefError,
     StoreDependencyError,
     StoreError,
@@ -42,6 +67,9 @@ from stores._pool import Chunk, ChunkPool
 from stores._registry import MOONCAKE_HINT
 
 OK, NOT_FOUND, ALREADY_EXISTS, BUFFER_TOO_SMALL, NOT_READY = 0, -704, -705, -600, -703
+# A read whose transfer outlasted the read lease it was granted: its bytes may be torn.
+LEASE_EXPIRED = -707
+_READ_TRIES = 3
 # What a write of a key that another client is writing at the same moment gets.
 _BUSY = {-601, -703, -714}
 _NAMES = {
@@ -73,10 +101,20 @@ _NAMES = {
 _UNAVAILABLE = {-103, -800, -900, -901, -1010}
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_MARKER_BYTES = 8
-_HEAD_CAP = 4096
+_CLAIM_BYTES = 8
+_HEAD_CAP = 16384
+_HEAD_MAGIC = b"DFHEAD02"
+_HEAD_FAMILY = b"DFHEAD"
+_HEAD_SUM = struct.Struct("<Q")
+_BLOCK = 1 << 20
+_SCAN_BATCH = 128
+#: Port of the master's HTTP server (``mooncake_master -metrics_port``) by default.
+ADMIN_PORT = 9003
+_RECORD_KEY_RE = re.compile(r"(.+)/g(0|[1-9][0-9]{0,19})/@")
+_FIX = "delete the sample (store.delete(ref)) and put it again (regenerate it)"
 _MiB = 1 << 20
 _SIZE_RE = re.compile(r"(\d+)\s*([KMG]i?B?)?", re.IGNORECASE)
+log = logging.getLogger(__name__)
 
 
 def _require_mooncake() -> ModuleType:
@@ -150,15 +188,59 @@ def _local_address_towards(host: str) -> str:
             return socket.gethostname()
 
 
-_generation_lock = threading.Lock()
-_last_generation = 0
+# -- generation numbers -------------------------------------------------------
+class _Generations:
+    """Generation numbers that no other client of a namespace hands out.
 
+    A client claims a block of 2**20 numbers at a time by starting a put
+    session on the block's key, which the master grants to one client only (a
+    plain put of an existing key reports success and keeps the old bytes, so it
+    could not tell), and then hands out the block's numbers in order with no
+    round trip. Claims are kept (8 bytes each), so that no later client claims a
+    block again while a generation of it may still be stored. A block starts at
+    the wall clock in nanoseconds, or above the floor that a put asks for (one
+    more than its sample's current generation), rounded up to a block boundary;
+    so two clients that claim at once race for one key, and the loser takes
+    the next block.
+    """
 
-def _next_generation(floor: int) -> int:
-    global _last_generation
-    with _generation_lock:
-        _last_generation = max(time.time_ns(), floor, _last_generation + 1)
-        return _last_generation
+    def __init__(self, raw: Any, config: Any, prefix: str) -> None:
+        self._raw = raw
+        self._config = config
+        self._prefix = prefix
+        self._lock = threading.Lock()
+        self._next = self._end = 0
+
+    def take(self, floors: list[int]) -> list[int]:
+        """One fresh generation per floor, each at least its floor, in increasing order."""
+        out = []
+        with self._lock:
+            for floor in floors:
+                generation = max(self._next, floor)
+                if generation >= self._end:
+                    generation = self._claim(max(generation, time.time_ns()))
+                    self._end = generation + _BLOCK
+                out.append(generation)
+                self._next = generation + 1
+        return out
+
+    def _claim(self, at_least: int) -> int:
+        base = -(-at_least // _BLOCK) * _BLOCK
+        for _ in range(64):
+            key = f"{self._prefix}{base}"
+            (code,) = self._raw.batch_put_session_start([key], [_CLAIM_BYTES], self._config)
+            if code == ALREADY_EXISTS:
+                base += _BLOCK
+                continue
+            if code != OK:
+                raise _error(code, f"claiming the generations of {key}")
+            # The claim is never read for its bytes: the session ends without a transfer.
+            (code,) = self._raw.batch_put_session_end([key])
+            if code != OK:
+                self._raw.batch_put_session_revoke([key])
+                raise _error(code, f"claiming the generations of {key}")
+            return base
+        raise StoreError(f"could not claim a free block of generations under {self._prefix}")
 
 
 # -- removals that wait for read leases --------------------------------------
@@ -300,8 +382,10 @@ class _Client:
         )
         self.removals = _Removals(self.raw)
         # Puts and deletes of one sample id in this process take turns, so that
-        # threads never race on its head; other processes still can (see _commit).
+        # threads never race on its head; other processes still can (see _put_batch).
         self._id_locks = [threading.Lock() for _ in range(64)]
+        self._generations: dict[str, _Generations] = {}
+        self._generations_lock = threading.Lock()
         self.users = 0
 
     def _register(self, chunk: Chunk) -> None:
@@ -312,8 +396,22 @@ class _Client:
     def _unregister(self, chunk: Chunk) -> None:
         self.raw.unregister_buffer(chunk.ptr)
 
-    def id_lock(self, key: str) -> threading.Lock:
-        return self._id_locks[hash(key) % len(self._id_locks)]
+    def generations(self, namespace: str) -> _Generations:
+        with self._generations_lock:
+            found = self._generations.get(namespace)
+            if found is None:
+                prefix = f"{namespace}/@generations/"
+                found = self._generations[namespace] = _Generations(self.raw, self.config, prefix)
+            return found
+
+    @contextlib.contextmanager
+    def id_locks(self, keys: Iterable[str]) -> Iterator[None]:
+        """Hold the locks of ``keys`` (taken in one order, so batches cannot deadlock)."""
+        indices = sorted({hash(key) % len(self._id_locks) for key in keys})
+        with contextlib.ExitStack() as stack:
+            for index in indices:
+                stack.enter_context(self._id_locks[index])
+            yield
 
     def close(self, drain_timeout: float) -> list[str]:
         left = self.removals.drain("", drain_timeout)
@@ -346,33 +444,143 @@ def _release(settings: _Settings, drain_timeout: float) -> list[str]:
     return client.close(drain_timeout)
 
 
-# -- the store ---------------------------------------------------------------
+# -- records ------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Head:
+class _Record:
+    """What a generation's record (and the head, a copy of the current one) says."""
+
     generation: int
-    names: list[str]
+    created: float  # seconds since the epoch
+    nbytes: int  # tensor bytes
+    checksums: dict[str, str | None]  # name -> xxh3 of each non-empty tensor, by name
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.checksums)
+
+
+def _encode_record(
+    sample_id: str, generation: int, created: float, nbytes: int, sums: dict[str, str | None]
+) -> bytes:
+    doc = {
+        "sample_id": sample_id,
+        "generation": generation,
+        "created": created,
+        "nbytes": nbytes,
+        "xxh3": sums,
+    }
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return _HEAD_MAGIC + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body)) + body
+
+
+def _decode_record(data: bytes, sample_id: str, key: str) -> _Record:
+    """The record in ``data``; CorruptFeatureError unless it is intact and of ``sample_id``."""
+
+    def corrupt(what: str) -> CorruptFeatureError:
+        whose = "the head" if key.endswith("/@head") else "the record"
+        return CorruptFeatureError(
+            f"{key} ({whose} of sample {sample_id!r}): {what}; it is corrupt: {_FIX}"
+        )
+
+    magic, body = data[:8], data[16:]
+    if magic != _HEAD_MAGIC:
+        if magic[:6] == _HEAD_FAMILY or data[:1] == b"{":
+            version = magic[6:].decode(errors="replace") if magic[:6] == _HEAD_FAMILY else "01"
+            raise corrupt(
+                f"head format version {version}, this dataflow reads only version "
+                f"{_HEAD_MAGIC[6:].decode()} (heads with checksums)"
+            )
+        raise corrupt(f"not a dataflow head ({len(data)} bytes, bad magic)")
+    if len(data) < 16 or _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body)) != data[8:16]:
+        raise corrupt("it fails its checksum")
+    try:
+        doc = json.loads(body)
+        generation, checksums = doc["generation"], doc["xxh3"]
+        created, nbytes = doc["created"], doc["nbytes"]
+        if not (
+            isinstance(generation, int)
+            and isinstance(checksums, dict)
+            and isinstance(created, (int, float))
+            and isinstance(nbytes, int)
+        ):
+            raise TypeError("bad field types")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise corrupt(f"unreadable: {exc}") from exc
+    if doc.get("sample_id") != sample_id:
+        raise corrupt(f"it names sample {doc.get('sample_id')!r}")
+    sums = {str(name): value for name, value in checksums.items()}
+    return _Record(generation, float(created), nbytes, sums)
+
+
+@dataclass
+class _Put:
+    """One sample of a put batch, ready to send: everything but its generation."""
+
+    sample_id: str
+    specs: dict[str, FeatureSpec]
+    spans: dict[str, tuple[int, int]]
+    names: list[str]  # the non-empty tensors, by name: one object each
+    sources: list[int]  # their addresses, in the order of names
+    sums: dict[str, str | None]
+    nbytes: int
+    keep: list[Any]  # what keeps the sources alive (dense copies, a staging chunk)
+
+
+def _distinct_runs(items: list[Any]) -> Iterator[list[Any]]:
+    """``items`` cut into runs in which no sample id repeats (a repeat starts the next run)."""
+    run: list[Any] = []
+    seen: set[str] = set()
+    for item in items:
+        if item[0] in seen:
+            yield run
+            run, seen = [], set()
+        run.append(item)
+        seen.add(item[0])
+    if run:
+        yield run
+
+
+# -- the store ---------------------------------------------------------------
+_UNREADABLE = _Record(-1, 0.0, 0, {})  # a head that stays corrupt: replaced, nothing to remove
 
 
 class MooncakeFeatureStore(FeatureStore):
     """Features in a Mooncake cluster; URI
     ``mooncake://HOST:PORT?metadata=URL&protocol=tcp&namespace=NS``.
 
-    One Mooncake object per non-empty tensor, hard-pinned. A get reads every
-    object of the sample in one batch straight into registered memory that the
-    returned tensors are views of (recycled when they are dropped); a put
-    sends straight from the tensors over TCP, and over RDMA (which reads only
-    registered memory) copies them into registered memory first.
+    One Mooncake object per non-empty tensor, hard-pinned. A get reads the
+    sample's head and tensors in one batch straight into registered memory
+    that the returned tensors are views of (recycled when they are dropped); a
+    put sends straight from the tensors over TCP, and over RDMA (which reads
+    only registered memory) copies them into registered memory first.
 
-    Generations are ``time_ns``-based, above the current one of the sample, and
-    unique across processes because each put first claims its generation's
-    marker key through a put session, which the master grants to one client
-    only. A put makes its generation current (the head) and removes the one it
-    superseded. Deletes never wait for read leases (see ``_Removals``).
+    A put reads the sample's head, takes a generation above it from a block
+    of generations that this client claimed from the master (unique across
+    processes, see ``_Generations``), writes tensors and record in one batch
+    (with the head, when the sample has none yet), then makes the new head
+    current and removes the generation it superseded. ``put_many`` does the
+    same for a whole batch in as many round trips. Deletes never wait for read
+    leases (see ``_Removals``).
 
-    Handles in one process share one Mooncake client per cluster (the first
-    handle's ``segment_size`` / ``buffer_size`` win). ``stats()`` counts what
-    this handle put and has not deleted: Mooncake cannot list a namespace.
+    Two processes that put one id at once both succeed with their own
+    generations: the head written last is current, the other ref reads as
+    stale, and its objects stay stored until its ref is deleted or a
+    ``delete_stored`` of what ``scan`` listed frees them.
+
+    ``scan`` lists the namespace from the master's key list (its HTTP server:
+    ``admin``, by default port 9003 of the master's host) and reads the record
+    of each generation in batches. Handles in one process share one Mooncake
+    client per cluster (the first handle's ``segment_size`` / ``buffer_size``
+    win). ``stats()`` counts what this handle put and has not deleted.
+
+    The head holds the XXH3-64 of every tensor and a checksum of its own; a get
+    checks the head and every tensor it reads, and raises CorruptFeatureError
+    (naming sample, feature and key) on a mismatch.
     """
+
+    #: Benchmarks only: False skips the checksums (none computed on put, none
+    #: checked on get). What such a handle puts, a checking handle refuses.
+    _checksums = True
 
     def __init__(
         self,
@@ -385,6 +593,7 @@ class MooncakeFeatureStore(FeatureStore):
         device: str = "",
         segment_size: int = 512 * _MiB,
         buffer_size: int = 16 * _MiB,
+        admin: str | None = None,
         max_idle_bytes: int = 1 << 30,
         connect_timeout: float = 5.0,
         drain_timeout: float = 30.0,
@@ -395,8 +604,12 @@ class MooncakeFeatureStore(FeatureStore):
         if protocol not in ("tcp", "rdma"):
             raise InvalidRefError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         metadata = metadata or f"http://{host}:8080/metadata"
+        admin = admin or f"{master.rpartition(':')[0]}:{ADMIN_PORT}"
+        _split_host_port(admin, "admin address")
         super().__init__(store_uri(master, metadata, protocol, namespace))
         self.namespace = namespace
+        #: HOST:PORT of the master's HTTP server, where ``scan`` reads the key list.
+        self.admin = admin
         self.drain_timeout = drain_timeout
         self._settings = _Settings(
             master=master,
@@ -423,7 +636,8 @@ class MooncakeFeatureStore(FeatureStore):
 
         Optional tuning parameters (not part of the store's identity, so not
         in :attr:`uri`): ``local_hostname``, ``device``, ``segment_size`` and
-        ``buffer_size`` (bytes, or 512M / 1G).
+        ``buffer_size`` (bytes, or 512M / 1G), and ``admin`` (HOST:PORT of the
+        master's HTTP server, for ``scan``).
         """
         parts = urllib.parse.urlsplit(uri)
         if parts.scheme != "mooncake" or not parts.netloc or parts.path not in ("", "/"):
@@ -437,6 +651,7 @@ class MooncakeFeatureStore(FeatureStore):
             "device",
             "segment_size",
             "buffer_size",
+            "admin",
         }
         unknown = sorted(set(query) - allowed)
         if unknown or any(len(v) != 1 for v in query.values()):
@@ -455,158 +670,267 @@ class MooncakeFeatureStore(FeatureStore):
         return f"{self.namespace}/{sample_id}/@head"
 
     def _keys(self, sample_id: str, generation: int, names: list[str]) -> list[str]:
-        """Marker first, then one key per named tensor."""
+        """The generation's record first, then one key per named tensor."""
         prefix = f"{self.namespace}/{sample_id}/g{generation}"
         return [f"{prefix}/@", *(f"{prefix}/{name}" for name in names)]
 
-    # -- hooks -------------------------------------------------------------
+    # -- putting -----------------------------------------------------------
     def _put(
         self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> SampleRef:
+        return self._put_many([(sample_id, tensors, metadata)])[0]
+
+    def _put_many(
+        self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
+    ) -> list[SampleRef]:
+        return self._all_or_none(self._put_batch(run) for run in _distinct_runs(items))
+
+    def _put_batch(
+        self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
+    ) -> list[SampleRef]:
+        """Put samples of distinct ids; ``_commit`` does the round trips."""
         client = self._client
+        puts: list[_Put] = []
+        try:
+            for sample_id, tensors, _ in items:
+                puts.append(self._prepare(sample_id, tensors))
+            with client.id_locks(self._head_key(put.sample_id) for put in puts):
+                generations = self._commit(puts)
+        finally:
+            for put in puts:
+                for chunk in put.keep:
+                    if isinstance(chunk, Chunk):
+                        client.pool.release(chunk)
+        with self._lock:
+            for put, generation in zip(puts, generations, strict=True):
+                current = self._live.get(put.sample_id)
+                if current is None or current[0] < generation:
+                    self._live[put.sample_id] = (generation, put.nbytes)
+        return [
+            SampleRef(put.sample_id, self.uri, generation, put.specs, metadata)
+            for put, generation, (_, _, metadata) in zip(puts, generations, items, strict=True)
+        ]
+
+    def _prepare(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> _Put:
+        """Dense bytes, layout and checksums of one sample, before any round trip."""
         specs = {name: FeatureSpec.of(t) for name, t in tensors.items()}
         spans = _tensors.layout(specs)
         names = [name for name in sorted(specs) if spans[name][1]]
-        head_at = _tensors.end_of(spans.values()) if self._stage_puts else 0
-        chunk = client.pool.lease(head_at + _HEAD_CAP)
-        try:
-            if self._stage_puts:
-                for name in names:
-                    offset, nbytes = spans[name]
-                    target = chunk.tensor[offset : offset + nbytes].view(specs[name].dtype)
-                    _tensors.copy(target.view(specs[name].shape), tensors[name])
-                sources = [chunk.ptr + spans[name][0] for name in names]
-            else:
-                dense = [_tensors.dense(tensors[name]) for name in names]
-                sources = [tensor.data_ptr() for tensor in dense]
-            writes = [(n, p, spans[n][1]) for n, p in zip(names, sources, strict=True)]
-            with client.id_lock(self._head_key(sample_id)):
-                old = self._read_head(sample_id)
-                generation = self._claim(sample_id, old.generation + 1 if old else 0)
-                self._commit(sample_id, generation, writes, chunk, head_at, old is not None)
-                if old is not None and old.generation != generation:
-                    client.removals.remove(self._keys(sample_id, old.generation, old.names))
-        finally:
-            client.pool.release(chunk)
-        with self._lock:
-            current = self._live.get(sample_id)
-            if current is None or current[0] < generation:
-                self._live[sample_id] = (generation, sum(size for _, size in spans.values()))
-        return SampleRef(sample_id, self.uri, generation, specs, metadata)
+        keep: list[Any] = []
+        if self._stage_puts and names:
+            chunk = self._client.pool.lease(_tensors.end_of(spans.values()))
+            keep.append(chunk)
+            for name in names:
+                offset, nbytes = spans[name]
+                target = chunk.tensor[offset : offset + nbytes].view(specs[name].dtype)
+                _tensors.copy(target.view(specs[name].shape), tensors[name])
+            sources = [chunk.ptr + spans[name][0] for name in names]
+            data = [chunk.array[spans[n][0] : sum(spans[n])] for n in names]
+        else:
+            keep += [_tensors.dense(tensors[name]) for name in names]
+            sources = [tensor.data_ptr() for tensor in keep]
+            data = [_tensors.byte_view(tensor).numpy() for tensor in keep]
+        sums = {
+            name: _tensors.checksum(bytes_) if self._checksums else None
+            for name, bytes_ in zip(names, data, strict=True)
+        }
+        nbytes = sum(size for _, size in spans.values())
+        return _Put(sample_id, specs, spans, names, sources, sums, nbytes, keep)
 
-    def _commit(
-        self,
-        sample_id: str,
-        generation: int,
-        writes: list[tuple[str, int, int]],
-        chunk: Chunk,
-        head_at: int,
-        replaces: bool,
-    ) -> None:
-        """Write the tensors (name, address, size) of a claimed generation; make it the head.
+    def _commit(self, puts: list[_Put]) -> list[int]:
+        """Store a batch of samples of distinct ids (their locks held); their generations.
 
-        A first head goes in the same batch as the tensors (nobody can hold a
-        ref it would make stale); a head that ``replaces`` another is upserted
-        only once the tensors are in. Two processes putting one id at once both
-        succeed with their own generations; the head written last is current,
-        and the other ref reads as superseded.
+        Round trips: one batch reads the heads; one batch writes every tensor
+        and record, and the head of each sample that has none yet (nobody can
+        hold a ref that it would make stale); the heads that replace others
+        go in a second batch, only once the tensors are in, so that a put that
+        fails never leaves a head naming missing bytes. Then the superseded
+        generations are removed (queued while read leases last).
+
+        Another process may put one of these ids at the same moment: both puts
+        succeed, the head written last is current, and the other's generation
+        is left unreadable (its objects go with a delete of its ref, or with a
+        ``delete_stored`` of what ``scan`` lists).
         """
         client = self._client
-        names = [name for name, _, _ in writes]
-        doc = {"sample_id": sample_id, "generation": generation, "names": names}
-        head = json.dumps(doc).encode()
-        if len(head) > _HEAD_CAP:
-            raise InvalidRefError(f"{sample_id!r} has too many features for one head")
-        chunk.array[head_at : head_at + len(head)] = np.frombuffer(head, np.uint8)
-        keys = self._keys(sample_id, generation, names)
-        batch = [(key, ptr, size) for key, (_, ptr, size) in zip(keys[1:], writes, strict=True)]
-        head_write = (self._head_key(sample_id), chunk.ptr + head_at, len(head))
+        olds = self._read_heads([put.sample_id for put in puts])
+        floors = [old.generation + 1 if old is not None else 0 for old in olds]
+        generations = client.generations(self.namespace).take(floors)
+        created = time.time()
+        records = [
+            _encode_record(put.sample_id, generation, created, put.nbytes, put.sums)
+            for put, generation in zip(puts, generations, strict=True)
+        ]
+        for put, record in zip(puts, records, strict=True):
+            if len(record) > _HEAD_CAP:  # before anything is written
+                raise InvalidRefError(
+                    f"{put.sample_id!r} has too many features for its record ({_HEAD_CAP} bytes)"
+                )
+        offsets = list(itertools.accumulate((_tensors.align(len(r)) for r in records), initial=0))
+        chunk = client.pool.lease(offsets[-1])
         try:
-            failed = self._write(batch if replaces else [*batch, head_write])
-            if failed and failed[0][0] != head_write[0]:
-                raise _error(failed[0][1], f"writing {failed[0][0]} of {sample_id!r}")
-            if replaces or failed:
-                self._upsert_head(sample_id, head_write)
+            writes, first, replacing = [], [], []
+            for put, generation, old, record, at in zip(
+                puts, generations, olds, records, offsets, strict=False
+            ):
+                chunk.array[at : at + len(record)] = np.frombuffer(record, np.uint8)
+                keys = self._keys(put.sample_id, generation, put.names)
+                sizes = [put.spans[name][1] for name in put.names]
+                writes.append((keys[0], chunk.ptr + at, len(record)))
+                writes += zip(keys[1:], put.sources, sizes, strict=True)
+                head = (self._head_key(put.sample_id), chunk.ptr + at, len(record))
+                (first if old is None else replacing).append(head)
+            heads = {head[0]: head for head in first + replacing}
+            failed = self._write(writes + first)
+            for key, code in failed:
+                if key not in heads or code not in _BUSY:
+                    raise _error(code, f"writing {key}")
+            # A head busy with another process's write, and the ones that replace others.
+            self._write_heads([heads[key] for key, _ in failed] + replacing)
         except BaseException:
-            client.removals.remove(keys)
+            self._undo(puts, generations, olds)
             raise
-
-    def _upsert_head(self, sample_id: str, head_write: tuple[str, int, int]) -> None:
-        # Another process putting this id right now holds the head for the
-        # moment of its write (ILLEGAL_CLIENT, REPLICA_IS_NOT_READY): retry.
-        client, deadline = self._client, time.monotonic() + 1.0
-        while True:
-            code = client.raw.upsert_from(*head_write, client.config)
-            if code == OK:
-                return
-            if code not in _BUSY or time.monotonic() > deadline:
-                raise _error(code, f"writing the head of {sample_id!r}")
-            time.sleep(0.002)
-
-    def _claim(self, sample_id: str, floor: int) -> int:
-        # A put session's start is the one Mooncake call that fails on an
-        # existing key (a plain put of one returns success and keeps the old
-        # bytes), so it is what makes a generation ours alone. The marker is
-        # never read for its bytes, so the session ends without a transfer.
-        raw, config = self._client.raw, self._client.config
-        for _ in range(16):
-            generation = _next_generation(floor)
-            marker = self._keys(sample_id, generation, [])
-            (code,) = raw.batch_put_session_start(marker, [_MARKER_BYTES], config)
-            if code == ALREADY_EXISTS:
-                floor = generation + 1
-                continue
-            if code != OK:
-                raise _error(code, f"claiming a generation of {sample_id!r}")
-            (code,) = raw.batch_put_session_end(marker)
-            if code != OK:
-                raw.batch_put_session_revoke(marker)
-                raise _error(code, f"claiming a generation of {sample_id!r}")
-            return generation
-        raise StoreError(f"could not claim a free generation of {sample_id!r} in 16 tries")
+        finally:
+            client.pool.release(chunk)
+        superseded = []
+        for put, old in zip(puts, olds, strict=True):
+            if old is not None and old is not _UNREADABLE:
+                superseded += self._keys(put.sample_id, old.generation, old.names)
+        if superseded:
+            client.removals.remove(superseded)
+        return generations
 
     def _write(self, writes: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
-        """``batch_put_from`` of (key, address, size); the (key, code) of those that failed."""
+        """``batch_upsert_from`` of (key, address, size); the (key, code) of those that failed.
+
+        Upsert, not put: a put of an existing key reports success and keeps the
+        old bytes; the keys of a new generation are new anyway.
+        """
         if not writes:
             return []
         keys, ptrs, sizes = (list(column) for column in zip(*writes, strict=True))
-        codes = self._client.raw.batch_put_from(keys, ptrs, sizes, self._client.config)
+        codes = self._client.raw.batch_upsert_from(keys, ptrs, sizes, self._client.config)
         return [(key, code) for key, code in zip(keys, codes, strict=True) if code != OK]
 
-    def _read_head(self, sample_id: str) -> _Head | None:
-        pool, raw = self._client.pool, self._client.raw
-        key, cap = self._head_key(sample_id), _HEAD_CAP
+    def _write_heads(self, heads: list[tuple[str, int, int]]) -> None:
+        # Another process putting the same id right now holds its head for the
+        # moment of its write (ILLEGAL_CLIENT, REPLICA_IS_NOT_READY): retry.
         deadline = time.monotonic() + 1.0
+        while heads:
+            failed = dict(self._write(heads))
+            busy = [head for head in heads if failed.get(head[0]) in _BUSY]
+            for key, code in failed.items():
+                if code not in _BUSY or time.monotonic() > deadline:
+                    raise _error(code, f"writing the head {key}")
+            heads = busy
+            if heads:
+                time.sleep(0.002)
+
+    def _undo(self, puts: list[_Put], generations: list[int], olds: list[_Record | None]) -> None:
+        """Remove what a failed ``_commit`` wrote (the ids' locks are held).
+
+        A sample whose head already names its new generation loses its head,
+        and the generation that head superseded goes too: as after put + delete.
+        """
+        client = self._client
+        for put, generation, old in zip(puts, generations, olds, strict=False):
+            client.removals.remove(self._keys(put.sample_id, generation, put.names))
+            if self._drop_head(put.sample_id, generation) and old not in (None, _UNREADABLE):
+                client.removals.remove(self._keys(put.sample_id, old.generation, old.names))
+
+    # -- reading -----------------------------------------------------------
+    def _read_small(self, keys: list[str]) -> list[bytes | int]:
+        """Records (up to ``_HEAD_CAP`` bytes each) of ``keys`` in one batch: bytes, or the
+        negative Mooncake code of a key that could not be read."""
+        pool = self._client.pool
+        chunk = pool.lease(len(keys) * _HEAD_CAP)
+        try:
+            ptrs = [chunk.ptr + i * _HEAD_CAP for i in range(len(keys))]
+            codes = self._read_batch(keys, ptrs, [_HEAD_CAP] * len(keys))
+            return [
+                chunk.array[i * _HEAD_CAP : i * _HEAD_CAP + code].tobytes() if code >= 0 else code
+                for i, code in enumerate(codes)
+            ]
+        finally:
+            pool.release(chunk)
+
+    def _read_batch(self, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``batch_get_into``, again while a read outlasted its lease (LEASE_EXPIRED).
+
+        Mooncake grants a read lease (``-default_kv_lease_ttl``) and refuses
+        the bytes when the transfer ended after it, since the object may have
+        been removed meanwhile: read again. A lease shorter than a transfer
+        fails every time; then say so.
+        """
+        for _ in range(_READ_TRIES):
+            codes = self._client.raw.batch_get_into(keys, ptrs, sizes)
+            if LEASE_EXPIRED not in codes:
+                return codes
+        key = keys[codes.index(LEASE_EXPIRED)]
+        raise StoreError(
+            f"reading {key} outlasted its read lease {_READ_TRIES} times (LEASE_EXPIRED): "
+            "the master's lease (mooncake_master -default_kv_lease_ttl) is shorter than "
+            f"a transfer of {sum(sizes)} bytes takes; give it a longer lease"
+        )
+
+    def _read_heads(self, sample_ids: list[str]) -> list[_Record | None]:
+        """The head of each sample in one batch: None where there is none, _UNREADABLE where
+        it stays corrupt. Heads that are busy or do not decode are read once more alone."""
+        keys = [self._head_key(sample_id) for sample_id in sample_ids]
+        out: list[_Record | None] = []
+        for sample_id, key, got in zip(sample_ids, keys, self._read_small(keys), strict=True):
+            if isinstance(got, bytes):
+                with contextlib.suppress(CorruptFeatureError):
+                    out.append(_decode_record(got, sample_id, key))
+                    continue
+            elif got == NOT_FOUND:
+                out.append(None)
+                continue
+            elif got not in (NOT_READY, BUFFER_TOO_SMALL, LEASE_EXPIRED):
+                raise _error(got, f"reading the head of {sample_id!r}")
+            try:
+                out.append(self._read_record(key, sample_id))
+            except CorruptFeatureError:  # overwrite it: nothing else can read it
+                out.append(_UNREADABLE)
+        return out
+
+    def _read_record(self, key: str, sample_id: str) -> _Record | None:
+        """The record (or head) at ``key``; None when there is none (or it stays not ready for 1 s).
+
+        A record that does not decode is read once more before it counts as
+        corrupt: a delete force-removes heads, and a reader racing that may see
+        bytes of a removed object (see _remove_generation).
+        """
+        pool, raw = self._client.pool, self._client.raw
+        cap = _HEAD_CAP
+        deadline, retried = time.monotonic() + 1.0, False
         while True:
             chunk = pool.lease(cap)
             try:
                 code = raw.get_into(key, chunk.ptr, cap)
-                if code >= 0:
-                    return self._parse_head(chunk.array[:code].tobytes(), sample_id)
+                data = chunk.array[:code].tobytes() if code >= 0 else b""
             finally:
                 pool.release(chunk)
-            if code == NOT_FOUND:
+            if code >= 0:
+                try:
+                    return _decode_record(data, sample_id, key)
+                except CorruptFeatureError:
+                    if retried:
+                        raise
+                    retried = True
+                    time.sleep(0.002)
+            elif code == NOT_FOUND:
                 return None
-            if code == NOT_READY:  # another process is writing it: wait a moment
+            elif code == NOT_READY:  # another process is writing it: wait a moment
                 if time.monotonic() > deadline:
                     return None
                 time.sleep(0.002)
+            elif code == LEASE_EXPIRED and time.monotonic() < deadline:
+                continue  # see _read_batch
             elif code == BUFFER_TOO_SMALL and cap == _HEAD_CAP:
                 cap = max(raw.get_size(key), cap) * 2
             else:
-                raise _error(code, f"reading the head of {sample_id!r}")
-
-    @staticmethod
-    def _parse_head(data: bytes, sample_id: str) -> _Head | None:
-        # A head that does not parse, or names another sample, is one being
-        # force-removed under a reader (see _delete): it says nothing.
-        try:
-            doc = json.loads(data)
-            if doc["sample_id"] == sample_id and isinstance(doc["generation"], int):
-                return _Head(doc["generation"], [str(n) for n in doc["names"]])
-        except (ValueError, KeyError, TypeError):
-            pass
-        return None
+                raise _error(code, f"reading {key}")
 
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
         specs = {name: ref.specs[name] for name in names}
@@ -620,36 +944,42 @@ class MooncakeFeatureStore(FeatureStore):
     def _fetch(
         self, ref: SampleRef, data: list[str], spans: dict[str, tuple[int, int]], head_at: int
     ) -> Chunk:
-        """Read head, marker and ``data`` tensors of ``ref`` into one registered chunk."""
+        """Read the head and the ``data`` tensors of ``ref`` into one registered chunk."""
         client = self._client
-        keys = [self._head_key(ref.sample_id), *self._keys(ref.sample_id, ref.generation, data)]
-        if client.removals.is_pending(keys[1]):
+        record, *keys = self._keys(ref.sample_id, ref.generation, data)
+        keys.insert(0, self._head_key(ref.sample_id))
+        if client.removals.is_pending(record):
             raise self._stale(ref, "deleted; its removal waits for a read lease")
-        marker_at = head_at + _HEAD_CAP
-        chunk = client.pool.lease(marker_at + _tensors.ALIGN)
+        chunk = client.pool.lease(head_at + _HEAD_CAP)
         try:
-            ptrs = [chunk.ptr + head_at, chunk.ptr + marker_at]
-            ptrs += [chunk.ptr + spans[name][0] for name in data]
-            sizes = [_HEAD_CAP, _tensors.ALIGN, *(spans[name][1] for name in data)]
-            codes = client.raw.batch_get_into(keys, ptrs, sizes)
-            head_code, marker_code = codes[0], codes[1]
+            ptrs = [chunk.ptr + head_at, *(chunk.ptr + spans[name][0] for name in data)]
+            sizes = [_HEAD_CAP, *(spans[name][1] for name in data)]
+            codes = self._read_batch(keys, ptrs, sizes)
+            head_code = codes[0]
+            head = None
             if head_code >= 0:
-                head = self._parse_head(
-                    chunk.array[head_at : head_at + head_code].tobytes(), ref.sample_id
-                )
-            elif head_code == BUFFER_TOO_SMALL:
-                head = self._read_head(ref.sample_id)
-            elif head_code in (NOT_FOUND, NOT_READY):  # none, or another put is writing it
-                head = None
-            else:
+                with contextlib.suppress(CorruptFeatureError):  # _read_record reads it again
+                    head = _decode_record(
+                        chunk.array[head_at : head_at + head_code].tobytes(), ref.sample_id, keys[0]
+                    )
+            elif head_code not in (BUFFER_TOO_SMALL, NOT_READY, NOT_FOUND):
                 raise _error(head_code, f"reading the head of {ref.sample_id!r}")
-            if head is not None and head.generation != ref.generation:
+            if head is None and head_code != NOT_FOUND:
+                head = self._read_record(keys[0], ref.sample_id)
+            # Only the generation the head names is readable: no head means
+            # deleted; a newer one, superseded; an older one, that this
+            # generation never became current (its put died or lost a race
+            # with another process's put), or was deleted and the id put
+            # again by a client whose block of generations is older.
+            if head is None:
+                raise self._stale(ref, "deleted")
+            if head.generation > ref.generation:
                 raise self._stale(ref, f"superseded by generation {head.generation}")
-            if marker_code == NOT_FOUND or NOT_FOUND in codes[2:]:
+            if head.generation < ref.generation:
+                raise self._stale(ref, f"not current: the head names {head.generation}")
+            if NOT_FOUND in codes[1:]:
                 raise self._stale(ref, "deleted or superseded")
-            if marker_code < 0:
-                raise _error(marker_code, f"reading {keys[1]}")
-            for key, code, size in zip(keys[2:], codes[2:], sizes[2:], strict=True):
+            for key, code, size in zip(keys[1:], codes[1:], sizes[1:], strict=True):
                 if code == BUFFER_TOO_SMALL or 0 <= code != size:
                     raise CorruptFeatureError(
                         f"{key}: read {code if code >= 0 else 'more than'} bytes, the ref's "
@@ -657,37 +987,164 @@ class MooncakeFeatureStore(FeatureStore):
                     )
                 if code < 0:
                     raise _error(code, f"reading {key}")
+            if self._checksums:
+                self._verify(ref, head, data, spans, keys[1:], chunk)
         except BaseException:
             client.pool.release(chunk)
             raise
         return chunk
 
-    def _delete(self, ref: SampleRef) -> None:
-        client = self._client
-        names = [name for name in sorted(ref.specs) if _tensors.nbytes(ref.specs[name])]
-        keys = self._keys(ref.sample_id, ref.generation, names)
-        if not client.removals.is_pending(keys[0]):
-            client.removals.remove(keys)
-        with client.id_lock(self._head_key(ref.sample_id)):
-            head = self._read_head(ref.sample_id)
-            # The head is read by every get, so it is nearly always under a
-            # lease; a queued removal could land after a later put made it name
-            # a newer generation. Forcing it right after the check keeps that
-            # race to one round trip, and a reader racing the removal reads no
-            # head (or an unparseable one), which means "no newer generation".
-            if head is not None and head.generation == ref.generation:
-                client.raw.remove(self._head_key(ref.sample_id), True)
-        with self._lock:
-            if self._live.get(ref.sample_id, (None,))[0] == ref.generation:
-                del self._live[ref.sample_id]
+    @staticmethod
+    def _verify(
+        ref: SampleRef,
+        head: _Record,
+        data: list[str],
+        spans: dict[str, tuple[int, int]],
+        keys: list[str],
+        chunk: Chunk,
+    ) -> None:
+        """Check the tensors ``data`` read into ``chunk`` against the head's checksums."""
+        for name, key in zip(data, keys, strict=True):
+            if name not in head.checksums:
+                raise CorruptFeatureError(
+                    f"{key}: the head of sample {ref.sample_id!r} generation {ref.generation} "
+                    f"lists features {head.names}, not {name!r}; {_FIX}"
+                )
+            at, size = spans[name]
+            written = head.checksums[name]
+            _tensors.verify(
+                chunk.array[at : at + size],
+                written,
+                sample_id=ref.sample_id,
+                name=name,
+                where=f"Mooncake key {key}",
+                fix=_FIX,
+            )
 
     def _exists(self, ref: SampleRef) -> bool:
         try:
             chunk = self._fetch(ref, [], {}, 0)
-        except StaleRefError:
+        except (StaleRefError, CorruptFeatureError):  # a corrupt head: nothing is readable
             return False
         self._client.pool.release(chunk)
         return True
+
+    # -- deleting ----------------------------------------------------------
+    def _delete(self, ref: SampleRef) -> None:
+        names = [name for name in sorted(ref.specs) if _tensors.nbytes(ref.specs[name])]
+        self._remove_generation(ref.sample_id, ref.generation, names)
+
+    def _delete_stored(self, obj: StoredObject) -> bool:
+        key = self._keys(obj.sample_id, obj.generation, [])[0]
+        if self._client.removals.is_pending(key):
+            return False  # this process is removing it already
+        record = self._read_record(key, obj.sample_id)
+        if record is None:
+            return False
+        if record.generation != obj.generation:
+            raise CorruptFeatureError(
+                f"{key}: the record of sample {obj.sample_id!r} names generation "
+                f"{record.generation}; it is corrupt: remove the keys under "
+                f"{key.removesuffix('@')} from Mooncake by hand"
+            )
+        self._remove_generation(obj.sample_id, obj.generation, record.names)
+        return True
+
+    def _remove_generation(self, sample_id: str, generation: int, names: list[str]) -> None:
+        """Remove a generation's record and tensors, and the head while it names it."""
+        client = self._client
+        keys = self._keys(sample_id, generation, names)
+        if not client.removals.is_pending(keys[0]):
+            client.removals.remove(keys)
+        with client.id_locks([self._head_key(sample_id)]):
+            self._drop_head(sample_id, generation)
+        with self._lock:
+            if self._live.get(sample_id, (None,))[0] == generation:
+                del self._live[sample_id]
+
+    def _drop_head(self, sample_id: str, generation: int) -> bool:
+        """Force-remove the head of ``sample_id`` while it names ``generation``; the caller
+        holds the id's lock. True if it did.
+
+        The head is read by every get, so it is nearly always under a lease; a
+        queued removal could land after a later put made it name a newer
+        generation. Forcing it right after the check keeps that race to one
+        round trip (Mooncake has no compare-and-remove), and a reader racing
+        the removal reads no head (or an unparseable one), which means "no
+        newer generation".
+        """
+        key = self._head_key(sample_id)
+        try:
+            head = self._read_record(key, sample_id)
+        except CorruptFeatureError:  # we cannot tell whose it is: leave it
+            return False
+        if head is None or head.generation != generation:
+            return False
+        self._client.raw.remove(key, True)
+        return True
+
+    # -- listing -----------------------------------------------------------
+    def _scan(self) -> Iterator[StoredObject]:
+        prefix = f"{self.namespace}/"
+        batch: list[tuple[str, str, int]] = []
+        for key in self._all_keys():
+            match = _RECORD_KEY_RE.fullmatch(key, len(prefix)) if key.startswith(prefix) else None
+            if match is None or self._client.removals.is_pending(key):
+                continue  # not a record of ours, or one that this process is removing
+            try:
+                sample_id = validate_sample_id(match.group(1))
+            except InvalidSampleIdError:
+                continue
+            batch.append((key, sample_id, int(match.group(2))))
+            if len(batch) == _SCAN_BATCH:
+                yield from self._scan_records(batch)
+                batch = []
+        yield from self._scan_records(batch)
+
+    def _all_keys(self) -> Iterator[str]:
+        """Every key of the cluster, one by one, as the master's HTTP server lists them."""
+        url = f"http://{self.admin}/get_all_keys"
+        where = (
+            f"cannot list the keys of {self.uri} at {url}: scan() reads them from the "
+            "master's HTTP server (mooncake_master -metrics_port, by default 9003); give "
+            "its address as admin=HOST:PORT"
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(url, timeout=self._settings.connect_timeout) as response:
+                for line in response:
+                    key = line.decode(errors="replace").strip()
+                    if key:
+                        yield key
+        except OSError as exc:  # URLError and HTTPError are OSErrors
+            raise StoreUnavailableError(f"{where} ({exc})") from exc
+
+    def _scan_records(self, batch: list[tuple[str, str, int]]) -> Iterator[StoredObject]:
+        if not batch:
+            return
+        for (key, sample_id, generation), got in zip(
+            batch, self._read_small([key for key, _, _ in batch]), strict=True
+        ):
+            if got in (NOT_FOUND, NOT_READY):
+                continue  # removed since the listing, or a put is writing it
+            try:
+                if not isinstance(got, bytes):
+                    record = self._read_record(key, sample_id)
+                    if record is None:
+                        continue
+                else:
+                    try:
+                        record = _decode_record(got, sample_id, key)
+                    except CorruptFeatureError:
+                        record = self._read_record(key, sample_id)  # once more, alone
+                        if record is None:
+                            continue
+                if record.generation != generation:
+                    raise CorruptFeatureError(f"{key}: it names generation {record.generation}")
+            except CorruptFeatureError as exc:
+                log.warning("scan of %s skips a record no delete can use: %s", self.uri, exc)
+                continue
+            yield StoredObject(sample_id, generation, record.nbytes, record.created)
 
     def _stats(self) -> StoreStats:
         with self._lock:

@@ -12,12 +12,17 @@ fixed: a put costs the fsyncs of a plain atomic file write, no more.
 
 File format (little endian)::
 
-    b"DFFEAT01" | u64 header length | u64 generation | header JSON | zero pad | tensor bytes
+    b"DFFEAT02" | u64 header length | u64 generation | u64 header xxh3 | header JSON
+    | zero pad | tensor bytes
 
 The header is ``{"sample_id": ..., "data_bytes": ..., "tensors": {name: {"dtype",
-"shape", "offset", "nbytes"}}}``. The data starts at the first 64-byte aligned
-offset after the header; tensor offsets count from there, each 64-byte aligned,
-tensors in name order (see :mod:`stores._tensors`).
+"shape", "offset", "nbytes", "xxh3"}}}``. The data starts at the first 64-byte
+aligned offset after the header; tensor offsets count from there, each 64-byte
+aligned, tensors in name order (see :mod:`stores._tensors`). ``xxh3`` is the
+XXH3-64 of a tensor's bytes (16 hex digits); the header xxh3 covers magic,
+length, generation and header JSON. A header that fails its checksum, or names
+another sample, is corruption; only an intact header of another generation
+means the ref's generation is gone (stale).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import struct
@@ -39,15 +45,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
-from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoreStats
+from dataflow._contracts import (
+    FeatureSpec,
+    FeatureStore,
+    SampleRef,
+    StoredObject,
+    validate_sample_id,
+)
 from dataflow._durable import fsync_path
-from dataflow._errors import CorruptFeatureError, InvalidRefError, StaleRefError
+from dataflow._errors import (
+    CorruptFeatureError,
+    InvalidRefError,
+    InvalidSampleIdError,
+    StaleRefError,
+)
 from stores import _tensors
 from stores._pool import ChunkPool
 
-MAGIC = b"DFFEAT01"
-_PREFIX = struct.Struct("<8sQQ")
+MAGIC = b"DFFEAT02"
+_MAGIC_FAMILY = b"DFFEAT"
+_PREFIX = struct.Struct("<8sQQQ")
+_SUMMED = struct.Struct("<8sQQ")  # what the header xxh3 covers, with the header JSON
+_SEALED = struct.Struct("<QQ")  # generation and header xxh3, written last, at offset 16
 _HEADER_READ = 4096
 _MAX_HEADER = 64 << 20
 _BUCKETS = 256
@@ -56,7 +77,13 @@ _POOL_FROM = 4 << 20
 _PLAIN_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 _ESCAPE_RE = re.compile(r"[^A-Za-z0-9._-]|^\.")
 _MAX_NAME = 200
+_BUCKET_RE = re.compile(r"[0-9a-f]{2}")
+# Directories are opened relative to their parent's fd and never through a
+# symlink, so a scan cannot be led out of the root.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _tmp_names = itertools.count()
+log = logging.getLogger(__name__)
 
 
 def sample_file_name(sample_id: str) -> str:
@@ -78,6 +105,19 @@ def sample_file_name(sample_id: str) -> str:
 
 def _bucket(sample_id: str) -> str:
     return f"{zlib.crc32(sample_id.encode()) % _BUCKETS:02x}"
+
+
+_FIX = "delete the file and put the sample again (regenerate it); refs to it cannot be read"
+
+
+def _corrupt(path: str, sample_id: str | None, what: str) -> CorruptFeatureError:
+    sample = "of an unknown sample" if sample_id is None else f"of sample {sample_id!r}"
+    return CorruptFeatureError(f"{path} ({sample}): {what}; the file is corrupt: {_FIX}")
+
+
+def _header_checksum(header: bytes, generation: int) -> int:
+    """XXH3-64 of everything before the data but the checksum itself."""
+    return xxhash.xxh3_64_intdigest(_SUMMED.pack(MAGIC, len(header), generation) + header)
 
 
 def _writev_all(fd: int, buffers: list[memoryview]) -> None:
@@ -105,7 +145,21 @@ class SharedDirFeatureStore(FeatureStore):
     the sample's bucket, so they are unique and increasing per id across
     processes; a delete takes the same lock and removes the file only while it
     still holds the ref's generation.
+
+    Each tensor's XXH3-64 checksum is in the header, which has a checksum of
+    its own; a get checks the header and every tensor it reads, and raises
+    CorruptFeatureError (naming sample, feature and file) on a mismatch.
+
+    ``scan`` walks the bucket directories lazily (constant memory), through
+    directory fds and without following symlinks; a StoredObject's
+    ``created`` is its file's mtime. Files that are corrupt, or that lie where
+    their sample's file does not belong, are skipped with a logged warning:
+    no ref can read them, and ``delete_stored`` could not name them.
     """
+
+    #: Benchmarks only: False skips the checksums (none computed on put, none
+    #: checked on get). What such a handle puts, a checking handle refuses.
+    _checksums = True
 
     def __init__(self, root: str | os.PathLike[str], *, recycle_bytes: int = 512 << 20) -> None:
         root_path = Path(root).expanduser().resolve()
@@ -153,12 +207,12 @@ class SharedDirFeatureStore(FeatureStore):
         dense = {name: _tensors.dense(t) for name, t in tensors.items()}
         specs = {name: FeatureSpec.of(t) for name, t in dense.items()}
         path = self._file(sample_id)
-        fd, tmp = self._write_tmp(sample_id, dense, specs)
+        fd, tmp, header = self._write_tmp(sample_id, dense, specs)
         try:
             with self._locked(sample_id):
-                current = self._current_generation(path)
+                current = self._current_generation(path, sample_id)
                 generation = self._next_generation(current + 1)
-                os.pwrite(fd, generation.to_bytes(8, "little"), 16)
+                os.pwrite(fd, _SEALED.pack(generation, _header_checksum(header, generation)), 16)
                 os.fsync(fd)
                 os.rename(tmp, path)
         except BaseException:
@@ -180,42 +234,96 @@ class SharedDirFeatureStore(FeatureStore):
                 out = {name: _tensors.empty(spec) for name, spec in specs.items()}
                 for name, tensor in out.items():
                     target = _tensors.byte_view(tensor).numpy()
-                    self._read_into(fd, target, self._offset(header, name), path)
+                    self._read_tensor(fd, target, header, ref, name, path)
                 return out
             chunk = self._pool.lease(_tensors.end_of(spans.values()))
             try:
                 for name, (at, nbytes) in spans.items():
                     target = chunk.array[at : at + nbytes]
-                    self._read_into(fd, target, self._offset(header, name), path)
+                    self._read_tensor(fd, target, header, ref, name, path)
             except BaseException:
                 self._pool.release(chunk)
                 raise
             return self._pool.views(chunk, {name: (spans[name][0], specs[name]) for name in names})
 
     def _delete(self, ref: SampleRef) -> None:
-        path = self._file(ref.sample_id)
-        with self._locked(ref.sample_id):
-            if self._current_generation(path) == ref.generation:
-                os.unlink(path)
+        self._delete_generation(ref.sample_id, ref.generation)
+
+    def _delete_stored(self, obj: StoredObject) -> bool:
+        return self._delete_generation(obj.sample_id, obj.generation)
+
+    def _delete_generation(self, sample_id: str, generation: int) -> bool:
+        path = self._file(sample_id)
+        with self._locked(sample_id):
+            if self._current_generation(path, sample_id) != generation:
+                return False
+            os.unlink(path)
+            return True
 
     def _exists(self, ref: SampleRef) -> bool:
-        return self._current_generation(self._file(ref.sample_id)) == ref.generation
+        current = self._current_generation(self._file(ref.sample_id), ref.sample_id)
+        return current == ref.generation
 
-    def _stats(self) -> StoreStats:
-        objects = nbytes = 0
-        for bucket in os.scandir(self._samples):
-            for entry in os.scandir(bucket.path):
-                try:
-                    fd = os.open(entry.path, os.O_RDONLY)
-                except FileNotFoundError:
-                    continue  # deleted while we scanned
-                try:
-                    header = self._read_header(fd, entry.path)[1]
-                finally:
-                    os.close(fd)
-                objects += 1
-                nbytes += sum(t["nbytes"] for t in header["tensors"].values())
-        return StoreStats(objects=objects, bytes=nbytes)
+    def _scan(self) -> Iterator[StoredObject]:
+        samples = os.open(self._samples, _DIR_FLAGS)
+        try:
+            with os.scandir(samples) as buckets:
+                for bucket in buckets:
+                    if _BUCKET_RE.fullmatch(bucket.name) and bucket.is_dir(follow_symlinks=False):
+                        yield from self._scan_bucket(samples, bucket.name)
+        finally:
+            os.close(samples)
+
+    def _scan_bucket(self, samples: int, bucket: str) -> Iterator[StoredObject]:
+        try:
+            fd = os.open(bucket, _DIR_FLAGS, dir_fd=samples)
+        except OSError:  # replaced by a symlink or removed: not ours to list
+            return
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_file(follow_symlinks=False):
+                        obj = self._stored(fd, f"{self._samples}/{bucket}/{entry.name}")
+                        if obj is not None:
+                            yield obj
+        finally:
+            os.close(fd)
+
+    def _stored(self, bucket_fd: int, path: str) -> StoredObject | None:
+        """The StoredObject of the sample file at ``path``; None if gone or skipped."""
+        try:
+            fd = os.open(os.path.basename(path), _FILE_FLAGS, dir_fd=bucket_fd)
+        except OSError:  # deleted while we scanned, or swapped for a symlink
+            return None
+        try:
+            generation, header = self._read_header(fd, path, None)
+            created = os.fstat(fd).st_mtime
+            nbytes = sum(t["nbytes"] for t in header["tensors"].values())
+            if not isinstance(nbytes, int) or nbytes < 0:
+                raise TypeError(f"tensor sizes add up to {nbytes!r}")
+        except (KeyError, TypeError) as exc:
+            log.warning("scan of %s skips %s, its tensor table is bad: %s", self.uri, path, exc)
+            return None
+        except CorruptFeatureError as exc:
+            log.warning("scan of %s skips a file no ref can read: %s", self.uri, exc)
+            return None
+        finally:
+            os.close(fd)
+        sample_id = header.get("sample_id")
+        try:
+            belongs = self._file(validate_sample_id(sample_id))
+        except InvalidSampleIdError:
+            belongs = "nowhere (not a valid sample id)"
+        if belongs != path:
+            log.warning(
+                "scan of %s skips %s: its header names sample %r, whose file is %s",
+                self.uri,
+                path,
+                sample_id,
+                belongs,
+            )
+            return None
+        return StoredObject(sample_id, generation, nbytes, created)
 
     def _close(self) -> None:
         self._pool.close()
@@ -227,18 +335,23 @@ class SharedDirFeatureStore(FeatureStore):
     # -- writing -----------------------------------------------------------
     def _write_tmp(
         self, sample_id: str, dense: dict[str, torch.Tensor], specs: dict[str, FeatureSpec]
-    ) -> tuple[int, str]:
-        """Write everything but the generation to a new temporary file; (open fd, path)."""
+    ) -> tuple[int, str, bytes]:
+        """Write all but generation and header checksum to a new temporary file.
+
+        Returns the open fd, the file's path and the header JSON.
+        """
         spans = _tensors.layout(specs)
         data_bytes = _tensors.end_of(spans.values())
-        header = self._header(sample_id, specs, spans, data_bytes)
+        data = {name: _tensors.byte_view(dense[name]).numpy() for name in specs}
+        sums = {name: _tensors.checksum(data[name]) if self._checksums else None for name in data}
+        header = self._header(sample_id, specs, spans, data_bytes, sums)
         start = _tensors.align(_PREFIX.size + len(header))
-        pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0) + header)]
+        pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0, 0) + header)]
         position = _PREFIX.size + len(header)
         for name in sorted(specs):
             offset, nbytes = spans[name]
             pieces.append(memoryview(bytes(start + offset - position)))
-            pieces.append(memoryview(_tensors.byte_view(dense[name]).numpy()))
+            pieces.append(memoryview(data[name]))
             position = start + offset + nbytes
         pieces.append(memoryview(bytes(start + data_bytes - position)))
         tmp = f"{self._tmp}/{os.getpid()}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
@@ -249,7 +362,7 @@ class SharedDirFeatureStore(FeatureStore):
             os.close(fd)
             os.unlink(tmp)
             raise
-        return fd, tmp
+        return fd, tmp, header
 
     @staticmethod
     def _header(
@@ -257,6 +370,7 @@ class SharedDirFeatureStore(FeatureStore):
         specs: dict[str, FeatureSpec],
         spans: dict[str, tuple[int, int]],
         data_bytes: int,
+        sums: dict[str, str | None],
     ) -> bytes:
         tensors = {
             name: {
@@ -264,6 +378,7 @@ class SharedDirFeatureStore(FeatureStore):
                 "shape": list(spec.shape),
                 "offset": spans[name][0],
                 "nbytes": spans[name][1],
+                "xxh3": sums[name],
             }
             for name, spec in specs.items()
         }
@@ -298,20 +413,19 @@ class SharedDirFeatureStore(FeatureStore):
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
     # -- reading -----------------------------------------------------------
-    @staticmethod
-    def _current_generation(path: str) -> int:
-        """Generation in ``path``; 0 when there is none (or it is unreadable, so replaceable)."""
+    @classmethod
+    def _current_generation(cls, path: str, sample_id: str) -> int:
+        """Generation in ``path``; 0 when there is none, or a corrupt one (so replaceable)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return 0
         try:
-            prefix = os.pread(fd, _PREFIX.size, 0)
+            return cls._read_sealed(fd, path, sample_id)[0]
+        except CorruptFeatureError:
+            return 0
         finally:
             os.close(fd)
-        if len(prefix) < _PREFIX.size or prefix[:8] != MAGIC:
-            return 0
-        return _PREFIX.unpack(prefix)[2]
 
     @contextlib.contextmanager
     def _open(self, ref: SampleRef, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -320,44 +434,71 @@ class SharedDirFeatureStore(FeatureStore):
         except FileNotFoundError:
             raise self._stale(ref, "deleted") from None
         try:
-            generation, header = self._read_header(fd, path)
-            if generation != ref.generation:
+            generation, header = self._read_header(fd, path, ref.sample_id)
+            # The header is intact and names this sample: another generation
+            # was put. Usually a newer one; an older one only after a delete
+            # and a put on a host whose clock is behind.
+            if generation > ref.generation:
                 raise self._stale(ref, f"superseded by generation {generation}")
+            if generation < ref.generation:
+                raise self._stale(ref, f"deleted, and put again since as generation {generation}")
             yield fd, header
         finally:
             os.close(fd)
 
     @staticmethod
-    def _read_header(fd: int, path: str) -> tuple[int, dict[str, Any]]:
+    def _read_sealed(fd: int, path: str, sample_id: str | None) -> tuple[int, bytes, int]:
+        """(generation, header JSON, where it ends) of a file whose header passes its checksum.
+
+        ``sample_id`` (None: unknown) only names the sample in errors.
+        """
         head = os.pread(fd, _HEADER_READ, 0)
         if len(head) < _PREFIX.size:
-            raise CorruptFeatureError(f"{path}: truncated ({len(head)} bytes, no header)")
-        magic, length, generation = _PREFIX.unpack_from(head)
+            raise _corrupt(path, sample_id, f"truncated ({len(head)} bytes, no header)")
+        magic, length, generation, written = _PREFIX.unpack_from(head)
+        if magic != MAGIC and magic[:6] == _MAGIC_FAMILY:
+            raise _corrupt(
+                path,
+                sample_id,
+                f"file format version {magic[6:].decode(errors='replace')}, this dataflow reads "
+                f"only version {MAGIC[6:].decode()} (files with checksums)",
+            )
         if magic != MAGIC or length > _MAX_HEADER:
-            raise CorruptFeatureError(f"{path}: not a dataflow feature file (bad magic or header)")
+            raise _corrupt(path, sample_id, "not a dataflow feature file (bad magic or header)")
         end = _PREFIX.size + length
         if end > len(head):
             head += os.pread(fd, end - len(head), len(head))
         if end > len(head):
-            raise CorruptFeatureError(f"{path}: truncated inside its header")
+            raise _corrupt(path, sample_id, "truncated inside its header")
+        raw = head[_PREFIX.size : end]
+        if _header_checksum(raw, generation) != written:
+            raise _corrupt(
+                path,
+                sample_id,
+                "its header (sample id, generation, tensor table) fails its checksum",
+            )
+        return generation, raw, end
+
+    @classmethod
+    def _read_header(cls, fd: int, path: str, sample_id: str | None) -> tuple[int, dict[str, Any]]:
+        """(generation, header) of an intact file of ``sample_id`` (None: of any sample)."""
+        generation, raw, end = cls._read_sealed(fd, path, sample_id)
         try:
-            header = json.loads(head[_PREFIX.size : end])
+            header = json.loads(raw)
             if not isinstance(header["tensors"], dict) or not isinstance(header["data_bytes"], int):
                 raise TypeError("bad field types")
         except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptFeatureError(f"{path}: unreadable header: {exc}") from exc
+            raise _corrupt(path, sample_id, f"unreadable header: {exc}") from exc
+        if sample_id is not None and header.get("sample_id") != sample_id:
+            raise _corrupt(path, sample_id, f"its header names sample {header.get('sample_id')!r}")
         header["start"] = _tensors.align(end)
         size, actual = header["start"] + header["data_bytes"], os.fstat(fd).st_size
         if actual < size:
-            raise CorruptFeatureError(f"{path}: truncated: {actual} bytes, its header says {size}")
+            raise _corrupt(path, sample_id, f"truncated: {actual} bytes, its header says {size}")
         return generation, header
 
     @staticmethod
     def _check_header(header: dict[str, Any], ref: SampleRef, names: list[str], path: str) -> None:
-        if header.get("sample_id") != ref.sample_id:
-            raise CorruptFeatureError(
-                f"{path}: holds sample {header.get('sample_id')!r}, not {ref.sample_id!r}"
-            )
         for name in names:
             entry = header["tensors"].get(name)
             spec = ref.specs[name]
@@ -366,9 +507,11 @@ class SharedDirFeatureStore(FeatureStore):
                 or entry.get("dtype") != _tensors.dtype_str(spec.dtype)
                 or entry.get("shape") != list(spec.shape)
             ):
-                raise CorruptFeatureError(
-                    f"{path}: feature {name!r} is {entry!r} on disk, the ref says "
-                    f"{_tensors.dtype_str(spec.dtype)} {list(spec.shape)}"
+                raise _corrupt(
+                    path,
+                    ref.sample_id,
+                    f"feature {name!r} is {entry!r} on disk, the ref says "
+                    f"{_tensors.dtype_str(spec.dtype)} {list(spec.shape)}",
                 )
             nbytes, offset = _tensors.nbytes(spec), entry.get("offset")
             if (
@@ -376,20 +519,24 @@ class SharedDirFeatureStore(FeatureStore):
                 or not isinstance(offset, int)
                 or not 0 <= offset <= header["data_bytes"] - nbytes
             ):
-                raise CorruptFeatureError(f"{path}: feature {name!r} has a bad extent {entry!r}")
+                raise _corrupt(path, ref.sample_id, f"feature {name!r} has a bad extent {entry!r}")
 
-    @staticmethod
-    def _offset(header: dict[str, Any], name: str) -> int:
-        return header["start"] + header["tensors"][name]["offset"]
-
-    @staticmethod
-    def _read_into(fd: int, target: Any, offset: int, path: str) -> None:
+    def _read_tensor(
+        self, fd: int, target: Any, header: dict[str, Any], ref: SampleRef, name: str, path: str
+    ) -> None:
+        """Read feature ``name`` into ``target`` (a uint8 numpy array) and verify it."""
+        entry = header["tensors"][name]
+        offset = header["start"] + entry["offset"]
         view = memoryview(target)
         while view:
             got = os.preadv(fd, [view], offset)
             if got == 0:
-                raise CorruptFeatureError(f"{path}: truncated at byte {offset}")
+                raise _corrupt(path, ref.sample_id, f"truncated at byte {offset}")
             view, offset = view[got:], offset + got
+        if self._checksums:
+            _tensors.verify(
+                target, entry.get("xxh3"), sample_id=ref.sample_id, name=name, where=path, fix=_FIX
+            )
 
     def _stale(self, ref: SampleRef, why: str) -> StaleRefError:
         return StaleRefError(

@@ -3,6 +3,8 @@
 A sample's tensors are laid out in name order, each at an offset aligned to
 :data:`ALIGN` bytes, so that any dtype can be viewed in place and a reader
 that knows the specs (the ref carries them) can compute the layout itself.
+Each tensor's bytes get an XXH3-64 checksum (:func:`checksum`) that the stores
+keep beside them and check on every read (:func:`verify`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
+import xxhash
 
 from dataflow._contracts import FeatureSpec, dtype_name
+from dataflow._errors import CorruptFeatureError
 
 #: Alignment of every tensor in a byte layout (a cache line; enough for any dtype).
 ALIGN = 64
@@ -58,6 +63,30 @@ def copy(target: torch.Tensor, source: torch.Tensor) -> None:
         byte_view(target).numpy()[...] = byte_view(source.detach()).numpy()
     else:
         target.copy_(source.detach())
+
+
+def checksum(data: Any) -> str:
+    """XXH3-64 of a buffer (the numpy view of a :func:`byte_view`, a slice of a chunk) as
+    16 hex digits; it hashes the memory in place, without a copy."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def verify(data: Any, written: object, *, sample_id: str, name: str, where: str, fix: str) -> None:
+    """Raise CorruptFeatureError unless ``data`` hashes to the ``written`` checksum.
+
+    ``where`` names the file or key, ``fix`` says what the user should do about it.
+    """
+    if written is None:
+        raise CorruptFeatureError(
+            f"{where}: feature {name!r} of sample {sample_id!r} was stored without a "
+            f"checksum (by a handle with checksums switched off), so it cannot be verified; {fix}"
+        )
+    got = checksum(data)
+    if got != written:
+        raise CorruptFeatureError(
+            f"{where}: feature {name!r} of sample {sample_id!r} fails its checksum (xxh3 "
+            f"{got}, {written} when it was put): its bytes changed after the put; {fix}"
+        )
 
 
 @functools.cache

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 from dataflow._errors import StoreDependencyError, StoreUnavailableError
@@ -108,11 +109,22 @@ class MooncakeMaster:
     def metadata_url(self) -> str:
         return f"http://{self.host}:{self.http_port}/metadata"
 
+    @property
+    def admin_address(self) -> str:
+        """HOST:PORT of the master's HTTP server (``-metrics_port``), where stores list keys."""
+        return f"{self.host}:{self.metrics_port}"
+
     def store_uri(self, *, namespace: str = "dataflow", protocol: str = "tcp") -> str:
-        """A ``mooncake://`` URI for a store on this master."""
+        """A ``mooncake://`` URI that opens a store on this master.
+
+        It carries the tuning parameter ``admin`` (this master's HTTP server,
+        for ``scan``), which is not part of the store's identity: the store's
+        ``uri`` is the same URI without it.
+        """
         from stores._mooncake import store_uri
 
-        return store_uri(self.master_address, self.metadata_url, protocol, namespace)
+        uri = store_uri(self.master_address, self.metadata_url, protocol, namespace)
+        return f"{uri}&admin={urllib.parse.quote(self.admin_address, safe='')}"
 
     def command(self) -> list[str]:
         binary = self.binary or find_master_binary()

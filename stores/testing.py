@@ -8,16 +8,22 @@ Subclass :class:`FeatureStoreContract` in a test module and supply the store::
         def make_store(self, tmp_path):
             return MyStore(tmp_path / "store")
 
-Every built-in store runs it (``tests/test_store_*.py``). The class name has
-no ``Test`` prefix, so pytest collects it only through a subclass.
+A store that keeps bytes at rest (files, a remote store) also implements
+:meth:`FeatureStoreContract.rewrite_stored_bytes`, so that the suite checks
+that bytes changed behind its back raise CorruptFeatureError; without it those
+tests skip. Every built-in store runs it (``tests/test_store_*.py``). The class
+name has no ``Test`` prefix, so pytest collects it only through a subclass.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,8 +33,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, dtype_name
+from dataflow._contracts import (
+    FeatureSpec,
+    FeatureStore,
+    SampleRef,
+    StoredObject,
+    StoreStats,
+    dtype_name,
+)
 from dataflow._errors import (
+    CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
     StaleRefError,
@@ -61,9 +75,58 @@ _DTYPE_NAMES = [
     "float8_e4m3fnuz",
     "float8_e5m2fnuz",
     "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
 ]
-#: Every dtype a store must round-trip (the float8 ones where this torch has them).
+#: Every dtype a store must round-trip (the float8/float4 ones where this torch has them).
 DTYPES: list[torch.dtype] = [getattr(torch, n) for n in _DTYPE_NAMES if hasattr(torch, n)]
+
+_SHELL_DTYPE_NAMES = [f"{sign}int{bits}" for sign in ("u", "") for bits in range(1, 8)]
+
+
+def _fake_tensor() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.ones(3)
+
+
+def _quantized(dtype: torch.dtype) -> torch.Tensor:
+    return torch.quantize_per_tensor(torch.rand(4), 0.1, 1, dtype)
+
+
+#: What every store must refuse on put, with InvalidRefError naming the feature,
+#: before it stores anything: name -> (a maker of the tensor, what the message names).
+UNSTORABLE_TENSORS: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    **{
+        dtype: (functools.partial(_quantized, getattr(torch, dtype)), dtype)
+        for dtype in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    },
+    "quint8_per_channel": (
+        lambda: torch.quantize_per_channel(
+            torch.rand(2, 3), torch.tensor([0.1, 0.2]), torch.tensor([0, 1]), 0, torch.quint8
+        ),
+        "quint8",
+    ),
+    **{
+        name: (lambda name=name: torch.zeros(4, dtype=torch.uint8).view(getattr(torch, name)), name)
+        for name in _SHELL_DTYPE_NAMES
+        if hasattr(torch, name)
+    },
+    "meta": (lambda: torch.empty(3, device="meta"), "meta"),
+    "nested": (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+    "nested_jagged": (
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+        "nested",
+    ),
+    "sparse_coo": (lambda: torch.eye(3).to_sparse(), "sparse_coo"),
+    "sparse_csr": (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr"),
+    "fake_tensor": (_fake_tensor, "FakeTensor"),
+}
 
 #: Sample ids every store must refuse with InvalidSampleIdError.
 INVALID_SAMPLE_IDS: list[object] = [
@@ -113,6 +176,14 @@ def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, tor
         assert_same_tensor(actual[name], expected[name])
 
 
+def _flip(data: bytearray, at: int) -> None:
+    data[at] ^= 0x10
+
+
+def _zero(data: bytearray) -> None:
+    data[:] = bytes(len(data))
+
+
 _ids = itertools.count()
 
 
@@ -130,6 +201,18 @@ _features = st.dictionaries(
 )
 
 
+def _recording(run: Callable[[], None], errors: list[BaseException]) -> Callable[[], None]:
+    """``run`` that records what it raises (a thread's exception is lost otherwise)."""
+
+    def recorded() -> None:
+        try:
+            run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    return recorded
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 class FeatureStoreContract:
     """The contract of :class:`dataflow.FeatureStore`, for a subclass to run on its store.
@@ -140,6 +223,18 @@ class FeatureStoreContract:
 
     def make_store(self, tmp_path: Path) -> FeatureStore:
         raise NotImplementedError("a FeatureStoreContract subclass implements make_store")
+
+    def rewrite_stored_bytes(
+        self, store: FeatureStore, ref: SampleRef, name: str, change: Callable[[bytearray], None]
+    ) -> None:
+        """Change the stored bytes of feature ``name`` of ``ref`` behind the store's back.
+
+        ``change`` edits the bytes in place. A store that keeps bytes at rest
+        (files, a remote store) implements this, and the contract then checks
+        that a get notices; the default skips those tests, as fits a store of
+        live tensors in process memory.
+        """
+        pytest.skip(f"{type(self).__name__} keeps no bytes at rest (no rewrite_stored_bytes)")
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[FeatureStore]:
@@ -301,6 +396,25 @@ class FeatureStoreContract:
         for i, sample_id in enumerate(LOOKALIKE_SAMPLE_IDS):
             assert_same_tensor(store.get(refs[sample_id])["x"], torch.tensor([i]))
 
+    # -- corruption (stores that keep bytes) --------------------------------
+    @pytest.mark.parametrize("size", [1000, 2 << 20], ids=["small", "large"])
+    def test_a_flipped_stored_byte_is_corrupt(self, store: FeatureStore, size: int) -> None:
+        tensors = {"a": torch.arange(size, dtype=torch.float32), "b": torch.ones(9)}
+        ref = store.put(_fresh_id("flip"), tensors)
+        self.rewrite_stored_bytes(store, ref, "a", lambda data: _flip(data, 4 * (size // 2)))
+        for names in (None, ["a"]):
+            with pytest.raises(CorruptFeatureError) as corrupt:
+                store.get(ref, names=names)
+            assert ref.sample_id in str(corrupt.value) and "'a'" in str(corrupt.value)
+        assert_same_tensor(store.get(ref, names=["b"])["b"], torch.ones(9))  # b is intact
+
+    def test_zeroed_stored_bytes_are_corrupt(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id("zeroed"), {"x": torch.arange(1, 1001, dtype=torch.int64)})
+        self.rewrite_stored_bytes(store, ref, "x", _zero)
+        with pytest.raises(CorruptFeatureError) as corrupt:
+            store.get(ref)
+        assert ref.sample_id in str(corrupt.value) and "'x'" in str(corrupt.value)
+
     # -- refusals ----------------------------------------------------------
     @pytest.mark.parametrize("bad", INVALID_SAMPLE_IDS, ids=repr)
     def test_invalid_sample_id_is_refused(self, store: FeatureStore, bad: object) -> None:
@@ -319,6 +433,18 @@ class FeatureStoreContract:
             with pytest.raises(TensorInRefError):
                 store.put(_fresh_id(), {"x": torch.ones(1)}, metadata=metadata)
         assert store.stats() == before
+
+    @pytest.mark.parametrize("case", sorted(UNSTORABLE_TENSORS))
+    @pytest.mark.filterwarnings("ignore::UserWarning")  # prototype, beta, deprecated: all of them
+    def test_unstorable_tensors_are_refused(self, store: FeatureStore, case: str) -> None:
+        make, named = UNSTORABLE_TENSORS[case]
+        before, sample_id = store.stats(), _fresh_id()
+        with pytest.raises(InvalidRefError, match=r"tensors\['bad'\]") as refused:
+            store.put(sample_id, {"good": torch.ones(2), "bad": make()})
+        assert re.search(rf"\b{re.escape(named)}\b", str(refused.value)), refused.value
+        assert store.stats() == before
+        never = SampleRef(sample_id, store.uri, 1, {"good": FeatureSpec((2,), torch.float32)})
+        assert not store.exists(never)
 
     def test_ref_of_another_store_is_refused(self, store: FeatureStore) -> None:
         ref = store.put(_fresh_id(), {"x": torch.ones(1)})
@@ -342,14 +468,20 @@ class FeatureStoreContract:
 
     def test_closed_store_refuses_everything(self, store: FeatureStore) -> None:
         ref = store.put(_fresh_id(), {"x": torch.ones(1)})
+        listed = StoredObject(ref.sample_id, ref.generation, ref.nbytes, time.time())
+        scanning = store.scan()
         store.close()
         store.close()
         for call in (
             lambda: store.put(_fresh_id(), {"x": torch.ones(1)}),
+            lambda: store.put_many([(_fresh_id(), {"x": torch.ones(1)})]),
             lambda: store.get(ref),
             lambda: store.delete(ref),
             lambda: store.exists(ref),
             store.stats,
+            store.scan,
+            lambda: store.delete_stored(listed),
+            lambda: next(scanning),  # a scan begun before the close
         ):
             with pytest.raises(StoreClosedError):
                 call()
@@ -364,6 +496,168 @@ class FeatureStoreContract:
         finally:
             if reopened is not store:
                 reopened.close()
+
+    # -- batches -----------------------------------------------------------
+    def test_put_many_is_put_in_order(self, store: FeatureStore) -> None:
+        a, b = _fresh_id("many"), _fresh_id("many")
+        samples = [
+            (a, {"x": sample_tensor((3, 4), torch.bfloat16, seed=1), "e": torch.empty(0)}),
+            (b, {"y": torch.arange(5)}, {"split": "val"}),
+            (a, {"x": torch.ones(2)}),  # a repeated id: the later item supersedes
+        ]
+        refs = store.put_many(samples)
+        assert [ref.sample_id for ref in refs] == [a, b, a]
+        assert refs[2].generation > refs[0].generation
+        assert dict(refs[1].metadata) == {"split": "val"} and dict(refs[0].metadata) == {}
+        with pytest.raises(StaleRefError):
+            store.get(refs[0])
+        assert_same_tensors(store.get(refs[1]), samples[1][1])
+        assert_same_tensors(store.get(refs[2]), samples[2][1])
+        assert store.put_many([]) == []
+        assert store.put_many(iter([(_fresh_id(), {})]))[0].specs == {}
+
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            ("not a valid id", {"x": torch.ones(1)}),
+            ("ok-id", {"x": np.ones(1)}),
+            ("ok-id", {"x": torch.ones(1)}, {"t": torch.ones(1)}),
+            ("ok-id",),
+            ["ok-id", {"x": torch.ones(1)}],
+        ],
+        ids=["invalid-id", "numpy", "tensor-in-metadata", "one-field", "a-list"],
+    )
+    def test_put_many_checks_every_sample_before_storing_any(
+        self, store: FeatureStore, bad: object
+    ) -> None:
+        before = store.stats()
+        good = _fresh_id("first")
+        with pytest.raises((ValueError, TypeError)):
+            store.put_many([(good, {"x": torch.ones(3)}), bad])  # type: ignore[list-item]
+        assert store.stats() == before
+        assert [o for o in store.scan() if o.sample_id == good] == []
+        with pytest.raises(InvalidRefError):
+            store.put_many("abc")  # type: ignore[arg-type]
+
+    # -- listing what the store holds ----------------------------------------
+    def _listed(self, store: FeatureStore, ids: set[str]) -> dict[str, StoredObject]:
+        listed: dict[str, StoredObject] = {}
+        for obj in store.scan():
+            assert isinstance(obj, StoredObject), obj
+            if obj.sample_id in ids:
+                assert obj.sample_id not in listed, f"{obj.sample_id} listed twice"
+                listed[obj.sample_id] = obj
+        return listed
+
+    def test_scan_lists_what_was_put(self, store: FeatureStore) -> None:
+        before = time.time()
+        refs = [
+            store.put(_fresh_id("scan"), {"x": torch.ones(4), "y": torch.arange(3)}),
+            store.put(_fresh_id("scan"), {"x": sample_tensor((2, 7), torch.float16, seed=3)}),
+            store.put(_fresh_id("scan/nested:id"), {"none": torch.empty(0)}),
+        ]
+        listed = self._listed(store, {ref.sample_id for ref in refs})
+        assert set(listed) == {ref.sample_id for ref in refs}
+        for ref in refs:
+            obj = listed[ref.sample_id]
+            assert (obj.generation, obj.nbytes) == (ref.generation, ref.nbytes)
+            # Some file systems keep coarse times (a file's mtime may lag by a tick).
+            assert before - 2 <= obj.created <= time.time() + 2, (obj.created, before)
+
+    def test_scan_skips_deleted_and_superseded_generations(self, store: FeatureStore) -> None:
+        replaced, deleted, kept = _fresh_id("re"), _fresh_id("del"), _fresh_id("keep")
+        old = store.put(replaced, {"x": torch.ones(8)})
+        store.get(old)  # a read first: some stores must then wait before freeing
+        new = store.put(replaced, {"x": torch.ones(2)})
+        gone = store.put(deleted, {"x": torch.ones(8)})
+        store.get(gone)
+        store.delete(gone)
+        store.put(kept, {"x": torch.ones(1)})
+        listed = self._listed(store, {replaced, deleted, kept})
+        assert set(listed) == {replaced, kept}
+        assert (listed[replaced].generation, listed[replaced].nbytes) == (new.generation, 8)
+
+    def test_stats_are_what_scan_lists(self, store: FeatureStore) -> None:
+        for i in range(5):
+            store.put(_fresh_id("st"), {"x": torch.ones(i + 1)})
+        store.delete(store.put(_fresh_id("st"), {"x": torch.ones(3)}))
+        listed = list(store.scan())
+        assert store.stats() == StoreStats(len(listed), sum(o.nbytes for o in listed))
+
+    def test_delete_stored_frees_the_listed_generation(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id("gc"), {"x": torch.ones(4)})
+        other = store.put(_fresh_id("gc"), {"x": torch.zeros(4)})
+        (obj,) = self._listed(store, {ref.sample_id}).values()
+        assert store.delete_stored(obj) is True
+        assert not store.exists(ref)
+        with pytest.raises(StaleRefError):
+            store.get(ref)
+        assert store.delete_stored(obj) is False  # gone already
+        assert self._listed(store, {ref.sample_id}) == {}
+        assert_same_tensor(store.get(other)["x"], torch.zeros(4))
+        deleted = store.put(_fresh_id("gc"), {"x": torch.ones(1)})
+        (listed,) = self._listed(store, {deleted.sample_id}).values()
+        store.delete(deleted)
+        assert store.delete_stored(listed) is False
+        with pytest.raises(InvalidRefError):
+            store.delete_stored(ref)  # type: ignore[arg-type]
+
+    def test_delete_stored_never_frees_a_newer_generation(self, store: FeatureStore) -> None:
+        sample_id = _fresh_id("gc-race")
+        old = store.put(sample_id, {"x": torch.ones(4)})
+        (listed,) = self._listed(store, {sample_id}).values()
+        assert listed.generation == old.generation
+        store.get(old)
+        new = store.put(sample_id, {"x": torch.full((4,), 7.0)})  # put after the scan
+        assert isinstance(store.delete_stored(listed), bool)
+        assert store.exists(new)
+        assert_same_tensor(store.get(new)["x"], torch.full((4,), 7.0))
+        (now,) = self._listed(store, {sample_id}).values()
+        assert now.generation == new.generation
+
+    def test_scan_while_threads_put_and_delete(self, store: FeatureStore) -> None:
+        ids = [_fresh_id("busy") for _ in range(12)]
+        done = threading.Event()
+        survivors: dict[str, SampleRef] = {}
+        lock = threading.Lock()
+
+        def churn(worker: int) -> None:
+            mine = ids[worker::4]
+            for round_ in range(6):
+                for sample_id in mine:
+                    ref = store.put(sample_id, {"x": torch.full((64,), float(round_))})
+                    if (round_ + worker) % 3 == 0:
+                        store.delete(ref)
+                        with lock:
+                            survivors.pop(sample_id, None)
+                    else:
+                        with lock:
+                            survivors[sample_id] = ref
+
+        scans = 0
+
+        def scan_until_done() -> None:
+            nonlocal scans
+            while not done.is_set() or scans == 0:
+                for obj in store.scan():
+                    assert obj.nbytes >= 0 and obj.generation >= 0
+                scans += 1
+
+        scanner = threading.Thread(target=scan_until_done)
+        errors: list[BaseException] = []
+        scanner.run = _recording(scanner.run, errors)  # type: ignore[method-assign]
+        scanner.start()
+        try:
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                list(pool.map(churn, range(4)))
+        finally:
+            done.set()
+            scanner.join()
+        assert not errors, errors
+        listed = self._listed(store, set(ids))
+        assert {sid: o.generation for sid, o in listed.items()} == {
+            sid: ref.generation for sid, ref in survivors.items()
+        }
 
     # -- concurrency -------------------------------------------------------
     def test_thread_safety(self, store: FeatureStore) -> None:

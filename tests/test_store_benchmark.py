@@ -14,8 +14,14 @@ def test_store_benchmark_runs_and_reports(tmp_path, capsys):
         ["--sizes", "0.25", "--reps", "0.1", "--dir", str(tmp_path), "--no-mooncake",
          "--out", str(out)]
     )  # fmt: skip
-    for row in ("| 256 KiB | `SharedDirFeatureStore`", "| 256 KiB | safetensors files"):
+    for row in (
+        "| 256 KiB | `SharedDirFeatureStore`",
+        "| 256 KiB | safetensors files",
+        "| 256 KiB | `SharedDirFeatureStore`, checksums off",
+    ):
         assert row in body
+    assert "- checksum cost (put+get with checksums ÷ without" in body
+    assert "256 KiB" in body.split("- checksum cost")[1] and "target ≤ 10%" in body
     assert "ours ÷ raw: 256 KiB" in body and "`LocalFeatureStore.get` µs" in body
     assert out.read_text() == f"## Benchmarks\n\n{body}\n"
     assert body in capsys.readouterr().out

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
 
-from dataflow import StoreError, StoreFullError
-from stores import LocalFeatureStore, open_store
+from dataflow import FeatureStore, StoreError, StoreFullError, StoreStats
+from stores import LocalFeatureStore, StoredObject, open_store
 from stores.testing import FeatureStoreContract
 
 
@@ -82,3 +83,34 @@ def test_bad_names_and_uris():
             LocalFeatureStore(bad)
     with pytest.raises(ValueError):
         LocalFeatureStore.from_uri("mem://a/b")
+
+
+def test_stats_counts_orphans_and_says_so():
+    # A producer killed between put and commit leaves its features stored: the
+    # store cannot know the ledger, so stats() counts them, and must say so.
+    with LocalFeatureStore() as store:
+        store.put("never-committed", {"x": torch.ones(4)})
+        assert store.stats() == StoreStats(objects=1, bytes=16)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "stores.md").read_text()
+    for text in (FeatureStore.stats.__doc__, StoreStats.__doc__, page):
+        assert text and "orphan" in text and "dataflow gc" in text, text
+
+
+def test_stored_objects_are_checked():
+    assert StoredObject("a/b", 3, 16, 5).created == 5.0
+    for bad in (
+        ("../x", 1, 0, 0.0),
+        ("a", -1, 0, 0.0),
+        ("a", 1, True, 0.0),
+        ("a", 1, 0, "yesterday"),
+    ):
+        with pytest.raises(ValueError):
+            StoredObject(*bad)
+
+
+def test_scan_lists_a_snapshot():
+    with LocalFeatureStore() as store:
+        store.put("a", {"x": torch.ones(1)})
+        scan = store.scan()
+        store.put("b", {"x": torch.ones(1)})  # after the scan began: not in it
+        assert [o.sample_id for o in scan] == ["a"]

@@ -6,6 +6,7 @@ session. Without Mooncake the tests skip, except under CI=true, where they fail.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -22,9 +23,12 @@ from dataflow import (
     SampleRef,
     StaleRefError,
     StoreDependencyError,
+    StoreError,
+    StoreFullError,
     StoreUnavailableError,
 )
 from stores import MooncakeFeatureStore, mooncake_master, open_store
+from stores._mooncake import _encode_record, _Generations
 from stores.mooncake_master import MooncakeMaster, find_master_binary, free_port, port_open
 from stores.testing import FeatureStoreContract, assert_same_tensor
 
@@ -38,6 +42,7 @@ class Cluster:
 
     def store(self, **kwargs) -> MooncakeFeatureStore:
         kwargs.setdefault("namespace", f"t{uuid.uuid4().hex[:12]}")
+        kwargs.setdefault("admin", self.master.admin_address)
         return MooncakeFeatureStore(
             self.master.master_address, metadata=self.master.metadata_url, **kwargs
         )
@@ -63,6 +68,12 @@ class TestMooncakeFeatureStore(FeatureStoreContract):
     def make_store(self, tmp_path):
         return self.cluster.store()
 
+    def rewrite_stored_bytes(self, store, ref, name, change):
+        key = _data_key(store, ref, name)
+        data = bytearray(self.cluster.anchor._client.raw.get(key))
+        change(data)
+        _overwrite(self.cluster, key, bytes(data))
+
 
 class TestMooncakeFeatureStoreStagedPuts(TestMooncakeFeatureStore):
     """The RDMA put path (copy into registered memory first), run over TCP."""
@@ -77,16 +88,29 @@ def _key_exists(cluster: Cluster, key: str) -> bool:
     return cluster.anchor._client.raw.is_exist(key) == 1
 
 
+def _gone(cluster: Cluster, keys: list[str], timeout: float = 5.0) -> bool:
+    """Whether every key is removed once the removal queue let go of them (removals wait
+    for read leases; a probe is a read, so it waits for the queue before probing)."""
+    removals = cluster.anchor._client.removals
+    deadline = time.monotonic() + timeout
+    while any(removals.is_pending(key) for key in keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_key_exists(cluster, key) for key in keys)
+
+
 def _data_key(store: MooncakeFeatureStore, ref: SampleRef, name: str) -> str:
     return f"{store.namespace}/{ref.sample_id}/g{ref.generation}/{name}"
 
 
 def test_uri_names_the_store_and_reopens_it(cluster):
     with cluster.store(namespace="uri-test") as store:
-        assert store.uri == cluster.master.store_uri(namespace="uri-test")
+        opened = open_store(cluster.master.store_uri(namespace="uri-test"))
+        assert opened.uri == store.uri and "admin" not in store.uri  # identity only
+        assert opened.admin == cluster.master.admin_address
         tuned = open_store(store.uri + "&segment_size=64M&buffer_size=16MiB")
         assert tuned.uri == store.uri
         tuned.close()
+        opened.close()
 
 
 def test_bad_uris_are_refused():
@@ -238,6 +262,10 @@ PUT_MANY = """
 
 @pytest.mark.slow
 def test_two_processes_put_the_same_id_at_once(cluster):
+    # The outcome: every put succeeds with a generation of its own; exactly one
+    # is current (the head written last) and reads; every other ref is stale.
+    # A put that lost the race to make its head current leaves its objects
+    # stored (listed by scan) until its ref is deleted, which frees exactly them.
     # segment_size=0: the writers mount no memory, so what they wrote lives in
     # this process's segment and outlives them.
     namespace = f"t{uuid.uuid4().hex[:12]}"
@@ -258,8 +286,227 @@ def test_two_processes_put_the_same_id_at_once(cluster):
         refs += [SampleRef.from_json(line) for line in out.splitlines()]
     assert len({ref.generation for ref in refs}) == 40
     with cluster.store(namespace=namespace) as store:
-        current = [ref for ref in refs if store.exists(ref)]
-        assert len(current) == 1
-        x = store.get(current[0])["x"]
-        assert_same_tensor(x, x.clone())
+        (winner,) = [ref for ref in refs if store.exists(ref)]
+        x = store.get(winner)["x"]
         assert x[0].item() in (1, 2)
+        losers = [ref for ref in refs if ref is not winner]
+        for ref in losers:
+            with pytest.raises(StaleRefError):
+                store.get(ref)
+        listed = {obj.generation for obj in store.scan()}
+        assert winner.generation in listed <= {ref.generation for ref in refs}
+        for ref in losers:
+            store.delete(ref)
+        assert [obj.generation for obj in store.scan()] == [winner.generation]
+        assert_same_tensor(store.get(winner)["x"], x)
+
+
+def test_a_generation_left_behind_is_listed_and_freed_alone(cluster):
+    # What a put leaves when its process dies after writing its tensors and
+    # record but before its head: stored, unreadable, listed, and freed by
+    # delete_stored without touching the current generation.
+    with cluster.store() as store:
+        current = store.put("s", {"x": torch.ones(8)})
+        left = current.generation + 5
+        tensor = torch.full((4,), 3.0)
+        record = _encode_record("s", left, time.time() - 3600, 16, {"x": None})
+        raw, config = cluster.anchor._client.raw, cluster.anchor._client.config
+        keys = store._keys("s", left, ["x"])
+        assert raw.upsert(keys[0], record, config) == 0
+        assert raw.upsert(keys[1], tensor.numpy().tobytes(), config) == 0
+        listed = {obj.generation: obj for obj in store.scan()}
+        assert set(listed) == {current.generation, left}
+        assert listed[left].nbytes == 16 and listed[left].created < time.time() - 3000
+        stale = SampleRef("s", store.uri, left, {"x": FeatureSpec((4,), torch.float32)})
+        with pytest.raises(StaleRefError, match="not current"):
+            store.get(stale)
+        assert store.delete_stored(listed[left]) is True  # queued: the scan read the record
+        assert store.delete_stored(listed[left]) is False
+        assert _gone(cluster, keys)
+        assert_same_tensor(store.get(current)["x"], torch.ones(8))
+        assert [obj.generation for obj in store.scan()] == [current.generation]
+
+
+class _CountingClient:
+    """A Mooncake client that counts the calls the store makes on it."""
+
+    def __init__(self, raw):
+        self.raw, self.calls = raw, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self.raw, name)
+        if not callable(attr) or name in ("register_buffer", "unregister_buffer"):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_put_many_takes_one_round_trip_per_phase(cluster, monkeypatch):
+    with cluster.store() as store:
+        store.put("warm", {"x": torch.ones(1)})  # claims this client's block of generations
+        counting = _CountingClient(store._client.raw)
+        monkeypatch.setattr(store._client, "raw", counting)
+        batch = [(f"s{i}", {"x": torch.full((1000,), i), "y": torch.ones(2)}) for i in range(8)]
+        refs = store.put_many(batch)
+        # Read the heads, then write tensors, records and (new samples) heads.
+        assert counting.calls == {"batch_get_into": 1, "batch_upsert_from": 1}
+        counting.calls.clear()
+        again = store.put_many(batch)
+        # Replacing: the new heads go in a batch of their own, after the tensors
+        # (the superseded generations are removed by the removal queue's client).
+        assert counting.calls == {"batch_get_into": 1, "batch_upsert_from": 2}
+        counting.calls.clear()
+        store.put("single", {"x": torch.ones(3)})
+        assert counting.calls == {"batch_get_into": 1, "batch_upsert_from": 1}
+        monkeypatch.undo()
+        for ref in refs:
+            assert not store.exists(ref)
+        for ref, (_, tensors) in zip(again, batch, strict=True):
+            assert_same_tensor(store.get(ref)["x"], tensors["x"])
+
+
+def test_a_put_many_that_fails_leaves_the_store_as_it_was(cluster, monkeypatch):
+    with cluster.store() as store:
+        old = store.put("replaced", {"x": torch.ones(4)})
+        failing = _CountingClient(store._client.raw)
+        upsert = failing.batch_upsert_from
+
+        def full_on_the_second_batch(keys, *args):
+            if failing.calls.get("batch_upsert_from") == 1:  # the heads that replace others
+                return [-200] * len(keys)  # NO_AVAILABLE_HANDLE: Mooncake is full
+            return upsert(keys, *args)
+
+        failing.batch_upsert_from = full_on_the_second_batch
+        monkeypatch.setattr(store._client, "raw", failing)
+        with pytest.raises(StoreFullError):
+            store.put_many([("new", {"x": torch.ones(2)}), ("replaced", {"x": torch.zeros(4)})])
+        monkeypatch.undo()
+        assert_same_tensor(store.get(old)["x"], torch.ones(4))  # still current
+        assert [(o.sample_id, o.generation) for o in store.scan()] == [("replaced", old.generation)]
+
+
+def test_a_read_that_outlasts_its_lease_is_read_again(cluster, monkeypatch):
+    # Mooncake refuses bytes whose transfer ended after the read lease
+    # (LEASE_EXPIRED, e.g. 256 MiB under a 200 ms lease): read again, and say
+    # what to change when it keeps happening.
+    with cluster.store() as store:
+        ref = store.put("s", {"x": torch.arange(100.0)})
+        flaky = _CountingClient(store._client.raw)
+        read = flaky.batch_get_into
+        expired = {"left": 2}
+
+        def expire_twice(keys, ptrs, sizes):
+            if expired["left"]:
+                expired["left"] -= 1
+                return [-707] * len(keys)
+            return read(keys, ptrs, sizes)
+
+        flaky.batch_get_into = expire_twice
+        monkeypatch.setattr(store._client, "raw", flaky)
+        assert_same_tensor(store.get(ref)["x"], torch.arange(100.0))
+        expired["left"] = 99
+        with pytest.raises(StoreError, match="default_kv_lease_ttl"):
+            store.get(ref)
+
+
+def test_clients_claim_disjoint_blocks_of_generations(cluster):
+    # Two clients (here two allocators on one connection) that start at once
+    # race for the same block: the master gives it to one, the other takes the next.
+    raw, config = cluster.anchor._client.raw, cluster.anchor._client.config
+    prefix = f"t{uuid.uuid4().hex[:12]}/@generations/"
+    first, second = _Generations(raw, config, prefix), _Generations(raw, config, prefix)
+    floor = time.time_ns() + 10**12  # both ask for the same floor: the same block
+    a, b = first.take([floor, 0, 0]), second.take([floor, 0, 0])
+    assert a == sorted(a) and b == sorted(b) and a[0] >= floor and b[0] >= floor
+    assert not set(a) & set(b) and abs(a[0] - b[0]) == 1 << 20
+    assert _key_exists(cluster, f"{prefix}{min(a[0], b[0])}")
+
+
+def test_a_sample_too_large_for_its_record_is_refused_before_anything_is_stored(cluster):
+    with cluster.store() as store:
+        many = {f"f{i:03d}" + "x" * 120: torch.ones(1) for i in range(200)}
+        with pytest.raises(ValueError, match="too many features"):
+            store.put_many([("fine", {"x": torch.ones(1)}), ("many", many)])
+        assert list(store.scan()) == [] and store.stats().objects == 0
+
+
+def test_scan_needs_the_masters_http_server(cluster):
+    admin = f"127.0.0.1:{free_port()}"
+    with cluster.store(admin=admin) as store:
+        store.put("s", {"x": torch.ones(1)})
+        with pytest.raises(StoreUnavailableError, match=rf"{admin}.*admin=HOST:PORT"):
+            list(store.scan())
+
+
+# -- no silent wrong answers (issue #11) -------------------------------------------
+def _head_key(store: MooncakeFeatureStore, sample_id: str) -> str:
+    return f"{store.namespace}/{sample_id}/@head"
+
+
+def _overwrite(cluster: Cluster, key: str, data: bytes) -> None:
+    """Replace the bytes of ``key`` behind the store's back (retried past read leases)."""
+    raw, config = cluster.anchor._client.raw, cluster.anchor._client.config
+    deadline = time.monotonic() + 5
+    while (code := raw.upsert(key, data, config)) != 0:
+        assert time.monotonic() < deadline, f"upsert of {key} kept failing with {code}"
+        time.sleep(0.05)
+
+
+def test_a_flipped_byte_names_the_key_and_what_to_do(cluster):
+    with cluster.store() as store:
+        ref = store.put("flip", {"a": torch.arange(1000, dtype=torch.float32)})
+        key = _data_key(store, ref, "a")
+        data = bytearray(cluster.anchor._client.raw.get(key))
+        data[2000] ^= 0x10
+        _overwrite(cluster, key, bytes(data))
+        message = rf"(?s){key}.*feature 'a' of sample 'flip'.*checksum.*put it again"
+        with pytest.raises(CorruptFeatureError, match=message):
+            store.get(ref)
+
+
+def test_a_corrupt_generation_in_the_head_is_corrupt_not_stale(cluster):
+    with cluster.store() as store:
+        ref = store.put("gen", {"x": torch.ones(10)})
+        key = _head_key(store, "gen")
+        head = cluster.anchor._client.raw.get(key)
+        altered = str(ref.generation + 1).encode()
+        _overwrite(cluster, key, head.replace(str(ref.generation).encode(), altered))
+        with pytest.raises(CorruptFeatureError, match=rf"(?s){key}.*'gen'.*checksum"):
+            store.get(ref)
+        assert not store.exists(ref)
+        again = store.put("gen", {"x": torch.zeros(10)})  # a corrupt head is replaced
+        assert_same_tensor(store.get(again)["x"], torch.zeros(10))
+
+
+def test_another_samples_head_in_place_is_corrupt(cluster):
+    with cluster.store() as store:
+        mine = store.put("mine", {"x": torch.ones(10)})
+        store.put("theirs", {"x": torch.zeros(10)})
+        theirs = cluster.anchor._client.raw.get(_head_key(store, "theirs"))
+        _overwrite(cluster, _head_key(store, "mine"), theirs)
+        with pytest.raises(CorruptFeatureError, match="names sample 'theirs'"):
+            store.get(mine)
+
+
+def test_a_head_of_the_old_format_is_refused_with_its_version(cluster):
+    with cluster.store() as store:
+        ref = store.put("v1", {"x": torch.ones(4)})
+        old = {"sample_id": "v1", "generation": ref.generation, "names": ["x"]}
+        _overwrite(cluster, _head_key(store, "v1"), json.dumps(old).encode())
+        with pytest.raises(CorruptFeatureError, match=r"format version 01.*version 02"):
+            store.get(ref)
+
+
+def test_a_ref_whose_head_was_removed_is_stale(cluster):
+    # What another process sees of a delete: the head goes at once, the tensors
+    # once their read leases end.
+    with cluster.store() as store:
+        ref = store.put("gone", {"x": torch.ones(10)})
+        assert cluster.anchor._client.raw.remove(_head_key(store, "gone"), True) == 0
+        with pytest.raises(StaleRefError, match="deleted"):
+            store.get(ref)
+        assert not store.exists(ref)

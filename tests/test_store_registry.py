@@ -35,6 +35,7 @@ def test_public_names():
         "MooncakeFeatureStore",
         "SharedDirFeatureStore",
         "StoreStats",
+        "StoredObject",
         "known_schemes",
         "open_store",
         "register_store",

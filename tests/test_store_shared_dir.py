@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+import xxhash
 
 from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError
 from stores import SharedDirFeatureStore, open_store
@@ -20,6 +21,13 @@ from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_sa
 class TestSharedDirFeatureStore(FeatureStoreContract):
     def make_store(self, tmp_path):
         return SharedDirFeatureStore(tmp_path / "store")
+
+    def rewrite_stored_bytes(self, store, ref, name, change):
+        path, tensor = store.path_for(ref.sample_id), store.get(ref, names=[name])[name]
+        at, nbytes = _tensor_at(path, tensor), tensor.nbytes
+        data = bytearray(path.read_bytes()[at : at + nbytes])
+        change(data)
+        _rewrite(path, at, bytes(data))
 
 
 @pytest.fixture
@@ -54,22 +62,103 @@ def test_file_names_are_safe_and_distinct():
     assert sample_file_name("x" * 256).startswith("~")
 
 
+def _layout(path) -> tuple[bytes, dict, int]:
+    """(file bytes, header, offset of the data) of a feature file, read by hand."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[8:16], "little")
+    return data, json.loads(data[32 : 32 + length]), -(-(32 + length) // 64) * 64
+
+
+def _tensor_at(path, tensor: torch.Tensor) -> int:
+    """Where the bytes of ``tensor`` are in the file at ``path`` (whatever its format)."""
+    at = path.read_bytes().find(tensor.numpy().tobytes())
+    assert at >= 0, f"{path} does not hold the tensor's bytes"
+    return at
+
+
+def _rewrite(path, offset: int, new: bytes) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset : offset + len(new)] = new
+    path.write_bytes(bytes(data))
+
+
 def test_file_format(store):
     ref = store.put("fmt", {"b": torch.arange(3, dtype=torch.int16), "a": torch.tensor(1.0)})
-    data = store.path_for(ref.sample_id).read_bytes()
-    assert data[:8] == MAGIC
+    path = store.path_for(ref.sample_id)
+    data, header, start = _layout(path)
+    assert data[:8] == MAGIC == b"DFFEAT02"
     length = int.from_bytes(data[8:16], "little")
     assert int.from_bytes(data[16:24], "little") == ref.generation
-    header = json.loads(data[24 : 24 + length])
-    start = -(-(24 + length) // 64) * 64
+    header_sum = xxhash.xxh3_64_intdigest(data[:24] + data[32 : 32 + length])
+    assert int.from_bytes(data[24:32], "little") == header_sum
     assert header["sample_id"] == "fmt" and start + header["data_bytes"] == len(data)
     for name, entry in header["tensors"].items():
         assert entry["offset"] % 64 == 0
         assert entry["nbytes"] == ref.specs[name].nbytes
         assert entry["dtype"] == str(ref.specs[name].dtype).removeprefix("torch.")
+        at = start + entry["offset"]
+        assert entry["xxh3"] == xxhash.xxh3_64_hexdigest(data[at : at + entry["nbytes"]])
     b = start + header["tensors"]["b"]["offset"]
     assert data[b : b + 6] == torch.arange(3, dtype=torch.int16).numpy().tobytes()
     assert not list((store.root / "tmp").iterdir())
+
+
+# -- no silent wrong answers (issue #11) -------------------------------------------
+def test_a_flipped_tensor_byte_names_the_file_and_what_to_do(store):
+    tensors = {"a": torch.arange(1000, dtype=torch.float32)}
+    ref = store.put("flip", tensors)
+    path = store.path_for(ref.sample_id)
+    at = _tensor_at(path, tensors["a"]) + 2000
+    _rewrite(path, at, bytes([path.read_bytes()[at] ^ 0x10]))
+    message = rf"(?s){path}.*feature 'a' of sample 'flip'.*checksum.*put the sample again"
+    with pytest.raises(CorruptFeatureError, match=message):
+        store.get(ref)
+
+
+def test_a_corrupt_generation_field_is_corrupt_not_stale(store):
+    ref = store.put("gen", {"x": torch.ones(10)})
+    path = store.path_for(ref.sample_id)
+    for flipped in (ref.generation ^ 1, ref.generation + 10**12, 2**64 - 1):
+        _rewrite(path, 16, flipped.to_bytes(8, "little"))
+        with pytest.raises(CorruptFeatureError, match=rf"(?s){path}.*'gen'.*header.*checksum"):
+            store.get(ref)
+    assert not store.exists(ref)
+    again = store.put("gen", {"x": torch.zeros(10)})  # a corrupt file is replaceable
+    assert_same_tensor(store.get(again)["x"], torch.zeros(10))
+
+
+def test_another_samples_file_in_place_is_corrupt_not_stale(store):
+    mine = store.put("mine", {"x": torch.ones(10)})
+    theirs = store.put("theirs", {"x": torch.zeros(10)})
+    store.path_for("mine").write_bytes(store.path_for("theirs").read_bytes())
+    assert theirs.generation > mine.generation  # what made it read as superseded
+    with pytest.raises(CorruptFeatureError, match="names sample 'theirs'"):
+        store.get(mine)
+
+
+def test_a_newer_generation_is_still_stale(store):
+    old = store.put("newer", {"x": torch.ones(10)})
+    store.put("newer", {"x": torch.zeros(10)})
+    with pytest.raises(StaleRefError, match="superseded"):
+        store.get(old)
+
+
+def test_a_file_of_the_old_format_is_refused_with_its_version(store):
+    ref = store.put("v1", {"x": torch.ones(4)})
+    path = store.path_for(ref.sample_id)
+    header = json.dumps(
+        {
+            "sample_id": "v1",
+            "data_bytes": 64,
+            "tensors": {"x": {"dtype": "float32", "shape": [4], "offset": 0, "nbytes": 16}},
+        }
+    ).encode()
+    prefix = b"DFFEAT01" + len(header).to_bytes(8, "little") + ref.generation.to_bytes(8, "little")
+    data = prefix + header
+    data += bytes(-len(data) % 64) + torch.ones(4).numpy().tobytes() + bytes(48)
+    path.write_bytes(data)
+    with pytest.raises(CorruptFeatureError, match=r"format version 01.*version 02"):
+        store.get(ref)
 
 
 def test_truncated_file_names_the_file(store):
@@ -112,6 +201,59 @@ def test_delete_never_removes_a_newer_generation(store):
     assert store.path_for("gens").exists() and store.exists(new)
     store.delete(new)
     assert not store.path_for("gens").exists()
+
+
+# -- listing (issue #12) ---------------------------------------------------------
+def test_scan_never_follows_symlinks_out_of_the_root(store, tmp_path):
+    with SharedDirFeatureStore(tmp_path / "elsewhere") as outside:
+        foreign = outside.put("foreign", {"x": torch.ones(4)})
+        foreign_file = outside.path_for("foreign")
+        mine = store.put("mine", {"x": torch.ones(2)})
+        bucket = store.path_for("mine").parent
+        (bucket / "link-to-a-file").symlink_to(foreign_file)
+        # An empty bucket swapped for a link to a bucket of the other store.
+        empty = next(
+            b for b in (store.root / "samples").iterdir() if b.is_dir() and not any(b.iterdir())
+        )
+        empty.rmdir()
+        empty.symlink_to(foreign_file.parent, target_is_directory=True)
+        (store.root / "samples" / "not-a-bucket").symlink_to(foreign_file.parent)
+        listed = list(store.scan())
+        assert [(o.sample_id, o.generation) for o in listed] == [("mine", mine.generation)]
+        assert store.stats().objects == 1
+        assert outside.exists(foreign)
+
+
+def test_scan_skips_corrupt_and_misplaced_files_and_says_so(store, caplog):
+    good = store.put("good", {"x": torch.ones(3)})
+    other = store.put("other", {"x": torch.ones(3)})
+    bucket = store.path_for("good").parent
+    (bucket / "garbage").write_bytes(b"not a feature file")
+    misplaced = store.path_for("other").read_bytes()
+    (bucket / "copy-of-other").write_bytes(misplaced)  # intact, but not where 'other' lives
+    with caplog.at_level("WARNING", logger="stores._shared_dir"):
+        listed = {o.sample_id: o.generation for o in store.scan()}
+    assert listed == {"good": good.generation, "other": other.generation}
+    text = caplog.text
+    assert "garbage" in text and "copy-of-other" in text and "'other'" in text
+
+
+def test_scan_is_lazy_and_skips_what_is_deleted_meanwhile(store):
+    refs = [store.put(f"lazy/{i}", {"x": torch.ones(i + 1)}) for i in range(40)]
+    scan = store.scan()
+    first = next(scan)
+    for ref in refs:
+        store.delete(ref)
+    rest = list(scan)  # files deleted under the scan are skipped, not errors
+    assert first.sample_id.startswith("lazy/") and len(rest) < 39
+    assert list(store.scan()) == []
+
+
+def test_created_is_the_files_mtime(store):
+    ref = store.put("old", {"x": torch.ones(1)})
+    os.utime(store.path_for("old"), (1_000_000_000, 1_000_000_000))
+    (obj,) = store.scan()
+    assert (obj.sample_id, obj.generation, obj.created) == ("old", ref.generation, 1e9)
 
 
 # -- real processes ------------------------------------------------------------
@@ -215,3 +357,15 @@ def test_a_reader_never_sees_a_torn_file(store):
         whole += 1
     _finish(writer)
     assert whole >= 1
+
+
+def test_the_benchmark_switch_skips_checksums_and_checking_handles_refuse_its_files(tmp_path):
+    unchecked = SharedDirFeatureStore(tmp_path / "store")
+    unchecked._checksums = False
+    ref = unchecked.put("raw", {"x": torch.ones(4)})
+    assert_same_tensor(unchecked.get(ref)["x"], torch.ones(4))
+    checking = SharedDirFeatureStore(tmp_path / "store")
+    with pytest.raises(CorruptFeatureError, match="without a checksum"):
+        checking.get(ref)
+    checking.close()
+    unchecked.close()
