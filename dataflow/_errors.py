@@ -12,6 +12,7 @@ keeps working around a store lookup::
     ├── LedgerError
     │   ├── NotALedgerError                    nothing at the URL, or it is not a ledger
     │   ├── InvalidCheckpointPathError (ValueError)  missing, or not a file or directory
+    │   ├── CorruptLedgerError                 an event that cannot be read, or names another sample
     │   ├── SchemaVersionError
     │   ├── LedgerStateError (ValueError)      a write the run's state forbids
     │   │   └── UnknownCheckpointError (LookupError)
@@ -80,6 +81,15 @@ class NotALedgerError(LedgerError):
 
 class InvalidCheckpointPathError(LedgerError, ValueError):
     """A checkpoint path does not exist, is not a file or directory, or has a ``..`` part."""
+
+
+class CorruptLedgerError(LedgerError):
+    """The ledger holds an event that cannot be read, or that contradicts its own row.
+
+    A damaged or hand-edited database: a commit whose ref names another sample,
+    a payload that is not the JSON its kind needs. Nothing is written on top of
+    it; ``replay(...).verify()`` lists every such event with its seq.
+    """
 
 
 class SchemaVersionError(LedgerError):

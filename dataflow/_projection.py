@@ -287,7 +287,13 @@ class RunState:
             if handler is None:
                 self.violations.append(f"seq {seq}: unknown event kind {kind!r}")
                 continue
-            handler(self, seq, sample_id, revision, epoch, step, actor, payload)
+            try:
+                handler(self, seq, sample_id, revision, epoch, step, actor, payload)
+            except (ValueError, TypeError, AttributeError, KeyError, ZeroDivisionError) as exc:
+                # A damaged or hand-edited row (a payload that is not the JSON its kind
+                # needs): report it, with its seq, instead of failing the whole replay.
+                why = f"{type(exc).__name__}: {exc}"[:200]
+                self.violations.append(f"seq {seq}: unreadable {kind} event ({why})")
         return self
 
     def apply(self, row: Any) -> None:
@@ -336,6 +342,10 @@ class RunState:
         actor: str,
         payload: str,
     ) -> None:
+        if not isinstance(payload, str) or f'"sample_id":"{sid}"' not in payload:
+            # Refs are stored as compact, key-sorted JSON: the row's own id must be in it.
+            self.violations.append(f"seq {seq}: the commit of {sid!r} carries no ref of {sid!r}")
+            return
         self.producers.add(actor)
         self.closed.discard(actor)
         revision = revision or 0
@@ -549,6 +559,14 @@ class RunState:
     ) -> None:
         if not self._holds_lease(seq, "ack", sid, actor):
             return
+        node = self._epochs[self.epoch]
+        floor, newest = max(node.last_checkpoint_step, node.cut_step), node.ack_steps.get(actor, 0)
+        if not isinstance(step, int) or step < 1 or step <= floor or step < newest:
+            self.violations.append(
+                f"seq {seq}: ack of {sid!r} at step {step!r} by {actor!r}: steps start at 1, "
+                f"come after the lineage's checkpoint (step {floor}) and never go back "
+                f"(this consumer acked step {newest})"
+            )
         if sid in self.trained:
             self.violations.append(
                 f"seq {seq}: {sid!r} trained twice in data epoch {self.data_epoch} of the lineage"
@@ -557,9 +575,8 @@ class RunState:
         self._lessee_rank.pop(sid, None)
         self.trained[sid] = step
         self._unreleased_acks[sid] = step
-        node = self._epochs[self.epoch]
         node.acks.append((seq, sid, step, self.data_epoch))
-        if step is not None and step > node.ack_steps.get(actor, 0):
+        if isinstance(step, int) and step > newest:
             node.ack_steps[actor] = step
 
     def _holds_lease(self, seq: int, kind: str, sid: str, actor: str) -> bool:
@@ -629,6 +646,13 @@ class RunState:
         node = self._epochs.get(epoch)
         if node is None:
             self.violations.append(f"seq {seq}: checkpoint before any resume")
+            return
+        floor = max(node.last_checkpoint_step, node.cut_step)
+        if not isinstance(step, int) or step < 0 or step <= floor:
+            self.violations.append(
+                f"seq {seq}: checkpoint at step {step!r} after the lineage's checkpoint at "
+                f"step {floor}: checkpoint steps must increase"
+            )
             return
         node.last_checkpoint_step = step
         p = load_payload(payload)

@@ -31,6 +31,7 @@ from dataflow._contracts import (
 )
 from dataflow._errors import (
     BackpressureError,
+    CorruptLedgerError,
     DataflowError,
     InvalidCheckpointPathError,
     LedgerStateError,
@@ -750,6 +751,7 @@ class Consumer:
             # A streamed ref may already be leased or trained (it also came
             # back through reconcile): deliver it once, drop the copy.
             take = [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
+            refs = [self._committed_ref(s) for s in take]  # before anything is leased
             tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
             self._sync(tx)
         if streamed:
@@ -757,7 +759,24 @@ class Consumer:
             dropped = len(sample_ids) - len(take)
             if dropped:
                 self.stream.credit(dropped)  # type: ignore[union-attr]
-        return [self.state.ref(s) for s in take]
+        return refs
+
+    def _committed_ref(self, sample_id: str) -> SampleRef:
+        """The ref the ledger committed for ``sample_id``; CorruptLedgerError if unreadable."""
+        try:
+            ref = self.state.ref(sample_id)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            raise CorruptLedgerError(
+                f"the commit of {sample_id!r} in run {self.run_id!r} of {self.ledger.safe_url} "
+                f"cannot be read ({type(exc).__name__}: {str(exc)[:200]}): the ledger is damaged; "
+                "nothing was leased. `dataflow replay --ledger URL --run RUN` lists what is broken"
+            ) from exc
+        if ref.sample_id != sample_id:
+            raise CorruptLedgerError(
+                f"the commit of {sample_id!r} in run {self.run_id!r} of {self.ledger.safe_url} "
+                f"holds the ref of {ref.sample_id!r}: the ledger is damaged; nothing was leased"
+            )
+        return ref
 
     def batches(
         self, batch_size: int, *, timeout: float | None = None

@@ -1,0 +1,124 @@
+"""A damaged or hand-edited ledger: replay reports it, and nothing is leased on top of it.
+
+Rows of a real SQLite ledger are rewritten with plain SQL, as a bad disk or an
+operator's mistake would: ``verify()`` names each broken event with its seq, never
+raises a library error, and ``lease`` refuses a commit it cannot trust before writing.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, Producer, replay
+from stores import LocalFeatureStore
+
+RUN = "run"
+
+
+def _features(sample_id: str) -> dict[str, torch.Tensor]:
+    return {"x": torch.tensor(list(sample_id.encode()), dtype=torch.uint8)}
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> tuple[Ledger, LocalFeatureStore, Path]:
+    """Eight samples, two acked at each of steps 1-4, checkpoints at steps 2 and 4."""
+    path = tmp_path / "ledger.db"
+    led = Ledger.open(f"sqlite:///{path}")
+    store = LocalFeatureStore()
+    producer = Producer(led, store, run_id=RUN)
+    producer.emit_many((f"s{i}", _features(f"s{i}")) for i in range(8))
+    producer.close()
+    cons = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+    cons.resume()
+    for step in range(1, 5):
+        cons.ack(cons.lease(2), step=step)
+        if step % 2 == 0:
+            (tmp_path / f"ckpt-{step}").mkdir()
+            cons.checkpoint(step, str(tmp_path / f"ckpt-{step}"))
+    assert replay(led, RUN).verify() == []
+    return led, store, path
+
+
+def _sql(path: Path, statement: str, *args: object) -> None:
+    with sqlite3.connect(path) as db:
+        db.execute(statement, args)
+
+
+def _seq(led: Ledger, kind: str, sample_id: str) -> int:
+    return next(e.seq for e in led.events(RUN) if e.kind == kind and e.sample_id == sample_id)
+
+
+def test_an_ack_moved_before_a_checkpoint_is_reported(history) -> None:
+    # s7 was trained into step 4; rewritten to step 1, a resume from step 2 would count it
+    # trained although the step-2 weights never saw it.
+    led, _, path = history
+    seq = _seq(led, Kind.ACK, "s7")
+    _sql(path, "UPDATE dataflow_events SET step = 1 WHERE seq = ?", seq)
+    problems = replay(led, RUN).verify()
+    assert any(p.startswith(f"seq {seq}: ack of 's7' at step 1") for p in problems), problems
+
+
+def test_a_checkpoint_that_does_not_increase_is_reported(history) -> None:
+    led, _, path = history
+    seq = next(e.seq for e in led.events(RUN) if e.kind == Kind.CHECKPOINT and e.step == 4)
+    _sql(path, "UPDATE dataflow_events SET step = 2 WHERE seq = ?", seq)
+    problems = replay(led, RUN).verify()
+    assert any(p.startswith(f"seq {seq}: checkpoint at step 2") for p in problems), problems
+
+
+def test_a_commit_holding_another_samples_ref_is_reported_and_never_leased(
+    tmp_path: Path,
+) -> None:
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    store = LocalFeatureStore()
+    producer = Producer(led, store, run_id=RUN)
+    producer.emit_many((f"s{i}", _features(f"s{i}")) for i in range(4))
+    other = next(e.payload for e in led.events(RUN) if e.sample_id == "s3")
+    seq = _seq(led, Kind.COMMIT, "s2")
+    _sql(tmp_path / "ledger.db", "UPDATE dataflow_events SET payload = ? WHERE seq = ?",
+         json.dumps(other, separators=(",", ":"), sort_keys=True), seq)  # fmt: skip
+    assert any(
+        f"seq {seq}: the commit of 's2' carries no ref" in p for p in replay(led, RUN).verify()
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload"),
+    [
+        (Kind.COMMIT, "{not json"),
+        (Kind.RESUME, "{not json"),
+        (Kind.RESUME, "[1, 2]"),
+        (Kind.RESUME, '{"world_size": 0}'),
+        (Kind.CHECKPOINT, "[]"),
+    ],
+)
+def test_an_unreadable_payload_is_a_violation_with_its_seq(history, kind, payload) -> None:
+    led, _, path = history
+    seq = next(e.seq for e in led.events(RUN) if e.kind == kind)
+    _sql(path, "UPDATE dataflow_events SET payload = ? WHERE seq = ?", payload, seq)
+    problems = replay(led, RUN).verify()  # no library error escapes
+    assert any(p.startswith(f"seq {seq}:") for p in problems), problems
+
+
+def test_lease_refuses_an_unreadable_commit_before_leasing_anything(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    led = Ledger.open(f"sqlite:///{path}")
+    store = LocalFeatureStore()
+    Producer(led, store, run_id=RUN).emit_many((f"s{i}", _features(f"s{i}")) for i in range(4))
+    seq = _seq(led, Kind.COMMIT, "s2")
+    # Still names s2 (so the fold takes it), but no SampleRef can be made of it.
+    _sql(path, "UPDATE dataflow_events SET payload = ? WHERE seq = ?", '{"sample_id":"s2"}', seq)
+    cons = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+    cons.resume()
+    head = led.head_seq(RUN)
+    with pytest.raises(
+        CorruptLedgerError, match=r"the commit of 's2' in run 'run'.*cannot be read"
+    ):
+        cons.lease(4)
+    assert led.head_seq(RUN) == head  # no lease written: nothing stranded
+    assert [r.sample_id for r in cons.lease(2)] == ["s0", "s1"]  # the intact ones still lease
