@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,34 @@ def test_latest_is_the_newest_save(tmp_path: Path) -> None:
     assert [c.step for c in manager.saved()] == [1, 5, 3]
     assert manager.latest().step == 3
     assert manager.load() == {"step": 3}
+
+
+def test_a_checkpoint_copied_in_from_another_run_or_step_is_skipped(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    other = _manager(tmp_path, run_id="other")
+    manager.save(2, {"w": torch.zeros(3)}, metrics={ACC: 1.0})
+    for step in (2, 4, 6):
+        other.save(step, {"w": torch.full((3,), 99.0)}, metrics={ACC: 9.0})
+    run_dir = manager.run_dir
+    # An operator's mistakes: another run's newest checkpoint under a name this run would
+    # use, this run's own checkpoint renamed to another step, and to an epoch it never had.
+    shutil.copytree(other.latest().path, run_dir / "step-00000004")
+    shutil.copytree(run_dir / "step-00000002", run_dir / "step-00000009")
+    shutil.copytree(run_dir / "step-00000002", run_dir / "step-00000002-epoch-5")
+    with pytest.warns(UserWarning) as caught:
+        assert [c.path.name for c in manager.saved()] == ["step-00000002"]
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 3
+    assert "step-00000002-epoch-5: its manifest is of epoch None" in messages[0]
+    assert "step-00000004: its manifest belongs to run 'other', not 'run'" in messages[1]
+    assert "step-00000009: its manifest is of step 2" in messages[2]
+    with pytest.warns(UserWarning) as caught:
+        assert torch.equal(manager.load("latest")["w"], torch.zeros(3))
+    assert any("belongs to run 'other'" in str(w.message) for w in caught)
+    with pytest.warns(UserWarning), pytest.raises(FileNotFoundError, match=r"saved: \[2\]"):
+        manager.load(4)
+    with pytest.warns(UserWarning):
+        assert manager.latest().step == 2 and manager.best().step == 2
 
 
 def test_best_ignores_missing_and_empty_metrics(tmp_path: Path) -> None:

@@ -396,19 +396,53 @@ class CheckpointManager:
         return _decode(self._read_checked(saved, rank_file(rank)))
 
     def saved(self) -> list[SavedCheckpoint]:
-        """Every published checkpoint of this run, oldest save first (files not yet checked)."""
+        """Every published checkpoint of this run, oldest save first (files not yet checked).
+
+        A directory whose manifest is of another run, or of another step or epoch than its
+        name says (copied or renamed in by hand), is skipped with a warning, so ``load``
+        and ``latest`` never return it.
+        """
         run_dir = self.run_dir
         if not run_dir.is_dir():
             return []
         found = []
         for path in run_dir.iterdir():
-            if parse_dir_name(path.name) is None or not path.is_dir():
+            parsed = parse_dir_name(path.name)
+            if parsed is None or not path.is_dir():
                 continue
             try:
-                found.append(read_manifest(path))
+                saved = read_manifest(path)
             except CheckpointError as exc:
                 log.warning("skipping checkpoint %s: %s", path, exc)
+                continue
+            why = self._foreign(saved, *parsed)
+            if why is not None:
+                # A directory copied or renamed in by hand: loading it would hand this run
+                # another run's (or another step's) weights without a word.
+                warnings.warn(f"skipping checkpoint {path}: {why}", stacklevel=2)
+                continue
+            found.append(saved)
         return sorted(found, key=lambda c: (c.serial, c.step))
+
+    def _foreign(self, saved: SavedCheckpoint, step: int, epoch: int | None) -> str | None:
+        """Why the manifest in ``saved.path`` is not this run's checkpoint of that name."""
+        run_id = saved.manifest.get("run_id")
+        if run_id != self.run_id:
+            return (
+                f"its manifest belongs to run {run_id!r}, not {self.run_id!r}; move it back "
+                "to its own run's directory"
+            )
+        if saved.step != step:
+            return (
+                f"its manifest is of step {saved.step}, but the directory is named for step "
+                f"{step}; it was renamed or copied in by hand"
+            )
+        if epoch is not None and saved.epoch != epoch:
+            return (
+                f"its manifest is of epoch {saved.epoch}, but the directory is named for "
+                f"epoch {epoch}; it was renamed or copied in by hand"
+            )
+        return None
 
     def latest(self) -> SavedCheckpoint | None:
         """The most recently saved checkpoint (not the highest step: after a resume from an
