@@ -187,9 +187,31 @@ def _check_json_value(value: object, path: str) -> None:
 
 
 def validate_metadata(metadata: object) -> dict[str, Any]:
-    """Return a tensor-free, JSON-able copy of ``metadata`` (None gives {})."""
+    """Return a tensor-free, JSON-able copy of ``metadata`` (None gives {}).
+
+    Nesting is capped at 32 levels (the top dict is level 1): the ledger stores metadata
+    as JSON, and its readers parse it recursively, so deeper metadata would be committed
+    but unreadable (RecursionError on a later lease or replay). The depth is checked
+    first, without recursion, so nothing deeper (not even a cycle) reaches a store.
+    """
     if metadata is None:
         return {}
+    max_depth = 32
+    walk: list[tuple[object, int, str]] = [(metadata, 1, "metadata")]
+    while walk:
+        value, depth, path = walk.pop()
+        if isinstance(value, Mapping):
+            children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+            children += [(f"{path}[{k!r}] (key)", k) for k in value]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        else:
+            continue
+        if depth > max_depth:
+            raise InvalidRefError(
+                f"metadata nested deeper than {max_depth} levels at {path}; flatten it"
+            )
+        walk.extend((child, depth + 1, child_path) for child_path, child in children)
     assert_no_tensors(metadata, where="metadata")
     if not isinstance(metadata, Mapping):
         raise InvalidRefError(f"metadata must be a dict, got {type(metadata).__name__}")

@@ -60,6 +60,7 @@ from dataflow._errors import (
     InvalidRefError,
     InvalidSampleIdError,
     StaleRefError,
+    StoreError,
 )
 from stores import _tensors
 from stores._pool import ChunkPool
@@ -168,15 +169,25 @@ class SharedDirFeatureStore(FeatureStore):
         self._samples = str(root_path / "samples")
         self._tmp = str(root_path / "tmp")
         self._locks = str(root_path / "locks")
-        for directory in (self._tmp, self._locks):
-            os.makedirs(directory, exist_ok=True)
-        created = False
-        for bucket in range(_BUCKETS):
-            with contextlib.suppress(FileExistsError):
-                os.makedirs(f"{self._samples}/{bucket:02x}")
-                created = True
-        if created:
-            fsync_path(self._samples, directory=True)
+        if root_path.exists() and not root_path.is_dir():
+            raise StoreError(
+                f"the shared directory store's root {str(root_path)!r} is a file, not a "
+                "directory: pass a directory (or a path that does not exist yet)"
+            )
+        try:
+            for directory in (self._tmp, self._locks):
+                os.makedirs(directory, exist_ok=True)
+            created = False
+            for bucket in range(_BUCKETS):
+                with contextlib.suppress(FileExistsError):
+                    os.makedirs(f"{self._samples}/{bucket:02x}")
+                    created = True
+            if created:
+                fsync_path(self._samples, directory=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot lay out the shared directory store under {str(root_path)!r}: {exc}"
+            ) from exc
         self._pool = ChunkPool(recycle_bytes)
         self._last_generation = 0
         self._generation_lock = threading.Lock()
@@ -214,7 +225,7 @@ class SharedDirFeatureStore(FeatureStore):
                 generation = self._next_generation(current + 1)
                 os.pwrite(fd, _SEALED.pack(generation, _header_checksum(header, generation)), 16)
                 os.fsync(fd)
-                os.rename(tmp, path)
+                self._rename_into_place(tmp, path, sample_id)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -223,6 +234,31 @@ class SharedDirFeatureStore(FeatureStore):
             os.close(fd)
         fsync_path(os.path.dirname(path), directory=True)
         return SampleRef(sample_id, self.uri, generation, specs, metadata)
+
+    def _rename_into_place(self, tmp: str, path: str, sample_id: str) -> None:
+        """Rename ``tmp`` over ``path``, mending what a hand may have broken in the layout."""
+        try:
+            os.rename(tmp, path)
+            return
+        except FileNotFoundError:
+            # Its bucket directory was removed: make it again, not fail every put after.
+            if not os.path.exists(tmp):
+                raise
+            log.warning("%s: recreating the missing directory of %s", self.uri, path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fsync_path(self._samples, directory=True)
+        except IsADirectoryError:
+            # A directory where the sample's file belongs: removable only while empty
+            # (rmdir refuses otherwise), so nothing anybody put there is lost.
+            try:
+                os.rmdir(path)
+            except OSError as exc:
+                raise CorruptFeatureError(
+                    f"{path} (of sample {sample_id!r}) is a directory, not a sample file, and "
+                    f"cannot be removed ({exc.strerror}): remove it and put the sample again"
+                ) from None
+            log.warning("%s: removed the empty directory %s to put %r", self.uri, path, sample_id)
+        os.rename(tmp, path)
 
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
         path = self._file(ref.sample_id)
@@ -355,7 +391,12 @@ class SharedDirFeatureStore(FeatureStore):
             position = start + offset + nbytes
         pieces.append(memoryview(bytes(start + data_bytes - position)))
         tmp = f"{self._tmp}/{os.getpid()}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # tmp/ was removed: make it again, not fail every put after
+            log.warning("%s: recreating the missing directory %s", self.uri, self._tmp)
+            os.makedirs(self._tmp, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _writev_all(fd, pieces)
         except BaseException:
@@ -405,7 +446,12 @@ class SharedDirFeatureStore(FeatureStore):
             fd = self._lock_fds.get(bucket)
             if fd is None:
                 path = f"{self._locks}/{bucket}.lock"
-                fd = self._lock_fds[bucket] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                except FileNotFoundError:  # locks/ was removed
+                    os.makedirs(self._locks, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._lock_fds[bucket] = fd
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 yield
@@ -452,7 +498,16 @@ class SharedDirFeatureStore(FeatureStore):
 
         ``sample_id`` (None: unknown) only names the sample in errors.
         """
-        head = os.pread(fd, _HEADER_READ, 0)
+        try:
+            head = os.pread(fd, _HEADER_READ, 0)
+        except IsADirectoryError:
+            # A directory in place of the file (made by hand): corrupt, so that a get
+            # names it and a trainer counts the sample lost, and a put may replace it.
+            raise CorruptFeatureError(
+                f"{path} should be the file of "
+                f"{'a sample' if sample_id is None else f'sample {sample_id!r}'} but is a "
+                "directory: remove it and put the sample again"
+            ) from None
         if len(head) < _PREFIX.size:
             raise _corrupt(path, sample_id, f"truncated ({len(head)} bytes, no header)")
         magic, length, generation, written = _PREFIX.unpack_from(head)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataflow import FeatureStore, StoreError, StoreFullError, StoreStats
+from dataflow import FeatureStore, InvalidRefError, StoreError, StoreFullError, StoreStats
 from stores import LocalFeatureStore, StoredObject, open_store
 from stores.testing import FeatureStoreContract
 
@@ -114,3 +114,34 @@ def test_scan_lists_a_snapshot():
         scan = store.scan()
         store.put("b", {"x": torch.ones(1)})  # after the scan began: not in it
         assert [o.sample_id for o in scan] == ["a"]
+
+
+def _nested_metadata(levels: int) -> dict:
+    """Metadata ``levels`` containers deep, the top dict included: {"a": [[...]]}."""
+    inner: list = []
+    for _ in range(levels - 2):
+        inner = [inner]
+    return {"a": inner}
+
+
+def test_metadata_nesting_is_capped_at_32_levels():
+    # Deeper metadata was committed but unreadable (RecursionError when a reader parsed it),
+    # and around 990 levels the put itself raised a raw RecursionError.
+    with LocalFeatureStore() as store:
+        ref = store.put("ok", {"x": torch.zeros(1)}, metadata=_nested_metadata(32))
+        assert ref.metadata == _nested_metadata(32)
+        for levels in (33, 980, 100_000):
+            with pytest.raises(
+                InvalidRefError,
+                match=r"nested deeper than 32 levels at "
+                r"metadata\['a'\](\[0\]){31}; flatten it",
+            ):
+                store.put(
+                    f"deep-{levels}", {"x": torch.zeros(1)}, metadata=_nested_metadata(levels)
+                )
+        cycle: list = []
+        cycle.append(cycle)
+        with pytest.raises(InvalidRefError, match="nested deeper than 32 levels"):
+            store.put("cycle", {"x": torch.zeros(1)}, metadata={"a": cycle})
+        assert [o.sample_id for o in store.scan()] == ["ok"]
+        assert store.stats().objects == 1

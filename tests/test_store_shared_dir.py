@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import pytest
 import torch
 import xxhash
 
-from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError
+from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError, StoreError
 from stores import SharedDirFeatureStore, open_store
 from stores._shared_dir import MAGIC, sample_file_name
 from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_same_tensor
@@ -369,3 +370,54 @@ def test_the_benchmark_switch_skips_checksums_and_checking_handles_refuse_its_fi
         checking.get(ref)
     checking.close()
     unchecked.close()
+
+
+# -- layouts broken by hand --------------------------------------------------------
+def test_a_directory_in_place_of_a_sample_file(store):
+    ref = store.put("a", {"x": torch.arange(4.0)})
+    path = store.path_for("a")
+    path.unlink()
+    path.mkdir()
+    # Corrupt, not a bare IsADirectoryError: the training loader counts the sample lost.
+    with pytest.raises(CorruptFeatureError, match=rf"{path} .*'a' but is a directory: remove it"):
+        store.get(ref)
+    assert not store.exists(ref)
+    store.delete(ref)  # the ref's generation is gone: nothing to delete, no OSError
+    assert path.is_dir()
+    (path / "keep").write_text("somebody's")  # not empty: a put must not remove it
+    with pytest.raises(CorruptFeatureError, match=rf"{path} .*'a'.*cannot be removed"):
+        store.put("a", {"x": torch.zeros(1)})
+    assert (path / "keep").read_text() == "somebody's"
+    assert not list((store.root / "tmp").iterdir())
+    (path / "keep").unlink()  # empty: a put replaces it
+    again = store.put("a", {"x": torch.zeros(1)})
+    assert_same_tensor(store.get(again)["x"], torch.zeros(1))
+    assert [o.sample_id for o in store.scan()] == ["a"]
+
+
+def test_a_root_that_is_a_file_is_refused_naming_it(tmp_path):
+    root = tmp_path / "root"
+    root.write_text("not a directory")
+    for make in (SharedDirFeatureStore, lambda r: open_store(f"dir://{r}")):
+        with pytest.raises(StoreError, match=rf"'{root}' is a file, not a directory"):
+            make(root)
+    (tmp_path / "samples-file").mkdir()
+    (tmp_path / "samples-file" / "samples").write_text("")
+    with pytest.raises(StoreError, match="cannot lay out the shared directory store under"):
+        SharedDirFeatureStore(tmp_path / "samples-file")
+
+
+def test_a_put_recreates_a_removed_bucket_tmp_or_locks_directory(store):
+    ref = store.put("c", {"x": torch.ones(2)})
+    shutil.rmtree(store.path_for("c").parent)
+    with pytest.raises(StaleRefError, match="deleted"):
+        store.get(ref)
+    again = store.put("c", {"x": torch.zeros(2)})
+    assert_same_tensor(store.get(again)["x"], torch.zeros(2))
+    store.close()  # a fresh handle: no lock fd open yet, so locks/ is needed again
+    with SharedDirFeatureStore(store.root) as fresh:
+        shutil.rmtree(store.root / "tmp")
+        shutil.rmtree(store.root / "locks")
+        d = fresh.put("d", {"x": torch.full((2,), 3.0)})
+        assert_same_tensor(fresh.get(d)["x"], torch.full((2,), 3.0))
+        assert (store.root / "locks").is_dir() and not list((store.root / "tmp").iterdir())
