@@ -557,7 +557,7 @@ class RunState:
     def _on_ack(
         self, seq: int, sid: str, _r: int | None, _e: int, step: int, actor: str, _p: str | None
     ) -> None:
-        if not self._holds_lease(seq, "ack", sid, actor):
+        if not self._end_lease(seq, "ack", sid, actor):
             return
         node = self._epochs[self.epoch]
         floor, newest = max(node.last_checkpoint_step, node.cut_step), node.ack_steps.get(actor, 0)
@@ -571,19 +571,22 @@ class RunState:
             self.violations.append(
                 f"seq {seq}: {sid!r} trained twice in data epoch {self.data_epoch} of the lineage"
             )
-        del self.leased[sid]
-        self._lessee_rank.pop(sid, None)
         self.trained[sid] = step
         self._unreleased_acks[sid] = step
         node.acks.append((seq, sid, step, self.data_epoch))
         if isinstance(step, int) and step > newest:
             node.ack_steps[actor] = step
 
-    def _holds_lease(self, seq: int, kind: str, sid: str, actor: str) -> bool:
-        if self.leased.get(sid) == actor:
-            return True
-        self.violations.append(f"seq {seq}: {kind} of {sid!r} by {actor!r}, which did not lease it")
-        return False
+    def _end_lease(self, seq: int, kind: str, sid: str, actor: str) -> bool:
+        """End ``actor``'s lease of ``sid`` (an ack, nack or lost); False if it held none."""
+        if self.leased.get(sid) != actor:
+            self.violations.append(
+                f"seq {seq}: {kind} of {sid!r} by {actor!r}, which did not lease it"
+            )
+            return False
+        del self.leased[sid]
+        self._lessee_rank.pop(sid, None)
+        return True
 
     def _on_nack(
         self,
@@ -595,11 +598,9 @@ class RunState:
         actor: str,
         payload: str | None,
     ) -> None:
-        if not self._holds_lease(seq, "nack", sid, actor):
+        if not self._end_lease(seq, "nack", sid, actor):
             return
         p = load_payload(payload)
-        del self.leased[sid]
-        self._lessee_rank.pop(sid, None)
         attempts = self.attempts.get(sid, 0) + 1
         self.attempts[sid] = attempts
         node = self._epochs[self.epoch]
@@ -619,11 +620,10 @@ class RunState:
         actor: str,
         payload: str | None,
     ) -> None:
-        if not self._holds_lease(seq, "lost", sid, actor):
+        rank = self._lessee_rank.get(sid)
+        if not self._end_lease(seq, "lost", sid, actor):
             return
         p = load_payload(payload)
-        del self.leased[sid]
-        rank = self._lessee_rank.pop(sid, None)
         if p.get("revision", 0) != self._revision.get(sid):
             # An older revision's features went missing; the newest ones are stored.
             self._enqueue(sid, self._round_robin_owner(), requeued=True)

@@ -343,7 +343,7 @@ class Producer:
         """
         validate_sample_id(sample_id)
         # Checked before the put too: a put would supersede features that are live.
-        self._check_regenerable(
+        checked = self._check_regenerable(
             self.ledger.commits(self.run_id, [sample_id]),
             self.ledger.released_revision(self.run_id, sample_id),
             sample_id,
@@ -353,9 +353,12 @@ class Producer:
             self._check_sendable([ref])
             with self.ledger.write(self.run_id, "regenerate") as tx:
                 newest = tx.commits([sample_id])
-                revision = self._check_regenerable(
-                    newest, tx.released_revision(sample_id), sample_id
-                )
+                if sample_id in newest and newest[sample_id][0] > checked:
+                    revision = self._settle_regeneration(ref, newest[sample_id])
+                else:
+                    revision = self._check_regenerable(
+                        newest, tx.released_revision(sample_id), sample_id
+                    )
                 tx.append(
                     [
                         NewEvent(
@@ -372,6 +375,23 @@ class Producer:
             raise
         self._send([ref])
         return ref
+
+    def _settle_regeneration(self, ours: SampleRef, newest: tuple[int, str]) -> int:
+        """Another producer regenerated the sample between our check and our commit.
+
+        In a store where a put supersedes older generations, our put may have made
+        their committed features stale: then ours are the only copy, and they are
+        committed as the next revision (the revision returned). Else theirs are
+        live and ours were never needed: LedgerStateError, and ours are deleted.
+        """
+        revision, payload = newest
+        theirs = SampleRef.from_json(payload)
+        if theirs.store == ours.store and not self.store.exists(theirs):
+            return revision
+        raise LedgerStateError(
+            f"{ours.sample_id!r} was regenerated meanwhile by another producer (revision "
+            f"{revision}, still stored): nothing to do"
+        )
 
     def _check_regenerable(
         self, newest: dict[str, tuple[int, str]], released: int | None, sample_id: str
@@ -545,6 +565,15 @@ class Consumer:
         # back through reconcile, so their slots go back to the window.
         self._credit(list(self._from_stream))
         self._catch_up()
+        if self.rank == 0 and self.state.violations:
+            problems = self.state.violations
+            warnings.warn(
+                f"run {self.run_id!r} in {self.ledger.safe_url} fails verification "
+                f"({len(problems)} problems, the first: {problems[0]}): the ledger may be damaged "
+                "or hand-edited, and what this resume trusts may be wrong; "
+                f"`dataflow replay --ledger URL --run {self.run_id}` lists them",
+                stacklevel=2,
+            )
         plan = self.state.plans[epoch]
         if self.rank == 0 and plan.released:
             with self._write("release") as tx:
@@ -797,13 +826,14 @@ class Consumer:
 
     # -- finishing samples ----------------------------------------------------
     def _check_leased(self, ids: list[str], what: str) -> None:
+        """Every id is leased by this consumer; ``what`` is the verb ("ack", "report lost")."""
         for sid in ids:
             holder = self.state.leased.get(sid)
             if holder != self.consumer_id:
                 held = f"leased by {holder!r}" if holder else "not leased"
                 raise LedgerStateError(
                     f"cannot {what} {sid!r}: it is {held} in epoch {self.epoch} of run "
-                    f"{self.run_id!r}; only samples this consumer leased can be {what}ed"
+                    f"{self.run_id!r}; only samples this consumer leased can take a {what}"
                 )
 
     def _credit(self, ids: list[str]) -> None:
@@ -882,14 +912,7 @@ class Consumer:
         if not isinstance(reason, str) or not 0 < len(reason) <= 1000:
             raise ValueError(f"reason must be a str of 1 to 1000 characters, got {reason!r:.80}")
         with self._write("lost") as tx:
-            for sid in ids:
-                holder = self.state.leased.get(sid)
-                if holder != self.consumer_id:
-                    held = f"leased by {holder!r}" if holder else "not leased"
-                    raise LedgerStateError(
-                        f"cannot report {sid!r} lost: it is {held} in epoch {self.epoch} of run "
-                        f"{self.run_id!r}; report only samples this consumer leased"
-                    )
+            self._check_leased(ids, "report lost")
             tx.append(
                 NewEvent(
                     Kind.LOST,

@@ -7,10 +7,14 @@ regeneration brings it back to the rank that found it lost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
-from dataflow import Kind, LedgerStateError, Producer, replay
+from dataflow import Consumer, Kind, LedgerStateError, Producer, replay
+from stores import SharedDirFeatureStore
 
 
 def _features(sample_id: str) -> dict[str, torch.Tensor]:
@@ -70,9 +74,9 @@ def test_only_the_lessee_reports_lost_and_a_reason_is_required(emit, make_consum
     [ref] = ranks[1].lease(1)
     ranks[0].refresh()
     head = ledger.head_seq("run")
-    with pytest.raises(LedgerStateError, match="cannot report 'b' lost: it is leased by 'rank1'"):
+    with pytest.raises(LedgerStateError, match="cannot report lost 'b': it is leased by 'rank1'"):
         ranks[0].lost([ref], reason="gone")
-    with pytest.raises(LedgerStateError, match="'a' lost: it is not leased"):
+    with pytest.raises(LedgerStateError, match="cannot report lost 'a': it is not leased"):
         ranks[1].lost(["a"], reason="gone")
     for bad in ("", "x" * 1001, None):
         with pytest.raises(ValueError, match="reason must be a str of 1 to 1000"):
@@ -86,3 +90,43 @@ def test_regenerate_refuses_a_sample_whose_features_are_neither_released_nor_los
     emit("a")
     with pytest.raises(LedgerStateError, match="released or lost can be regenerated"):
         Producer(ledger, store, run_id=run_id).regenerate("a", _features("a"))
+
+
+class _RacingStore(SharedDirFeatureStore):
+    """A real shared-directory store that runs ``race()`` once, at the start of a put."""
+
+    race: Callable[[], object] | None = None
+
+    def _put(self, *args: Any, **kwargs: Any) -> Any:
+        race, self.race = self.race, None
+        if race is not None:
+            race()  # another producer's whole regenerate, between our check and our put
+        return super()._put(*args, **kwargs)
+
+
+@pytest.mark.parametrize("ours_supersede_theirs", [True, False])
+def test_two_producers_regenerating_one_sample_leave_its_features_committed(
+    ledger, tmp_path, run_id, ours_supersede_theirs
+) -> None:
+    store = _RacingStore(tmp_path / "features")
+    first = Producer(ledger, store, run_id=run_id, producer_id="p0")
+    first.emit("a", _features("a"))
+    first.close()
+    cons = Consumer(ledger, store, run_id=run_id, consumer_id="trainer")
+    cons.resume()
+    cons.lost(cons.lease(1), reason="features gone")
+    ours, theirs = (Producer(ledger, store, run_id=run_id, producer_id=f"r{i}") for i in (1, 2))
+    if ours_supersede_theirs:
+        # Theirs is committed first, then our put replaces its file: ours must be committed.
+        store.race = lambda: theirs.regenerate("a", _features("a"))
+        ref = ours.regenerate("a", _features("a"))
+        assert ledger.commits(run_id, ["a"])["a"][0] == 2  # ours, after theirs
+    else:
+        # Theirs is committed and live before we start: ours is refused, nothing put stays.
+        ref = theirs.regenerate("a", _features("a"))
+        with pytest.raises(LedgerStateError, match="still stored"):
+            ours.regenerate("a", _features("a"))
+    assert store.exists(ref)  # the committed revision's features are stored
+    [leased] = cons.lease(1)
+    assert leased == ref and cons.load(leased)["x"].tolist() == list(b"a")
+    assert replay(ledger, run_id).verify() == []

@@ -55,12 +55,14 @@ def _seq(led: Ledger, kind: str, sample_id: str) -> int:
 
 def test_an_ack_moved_before_a_checkpoint_is_reported(history) -> None:
     # s7 was trained into step 4; rewritten to step 1, a resume from step 2 would count it
-    # trained although the step-2 weights never saw it.
-    led, _, path = history
+    # trained although the step-2 weights never saw it: the resume warns.
+    led, store, path = history
     seq = _seq(led, Kind.ACK, "s7")
     _sql(path, "UPDATE dataflow_events SET step = 1 WHERE seq = ?", seq)
     problems = replay(led, RUN).verify()
     assert any(p.startswith(f"seq {seq}: ack of 's7' at step 1") for p in problems), problems
+    with pytest.warns(UserWarning, match=rf"fails verification .*the first: seq {seq}: ack of"):
+        Consumer(led, store, run_id=RUN, consumer_id="again").resume(2)
 
 
 def test_a_checkpoint_that_does_not_increase_is_reported(history) -> None:
