@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoredObject, StoreStats
-from dataflow._errors import InvalidRefError, StaleRefError, StoreError, StoreFullError
+from dataflow._errors import (
+    CorruptFeatureError,
+    InvalidRefError,
+    StaleRefError,
+    StoreError,
+    StoreFullError,
+)
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -114,7 +120,18 @@ class LocalFeatureStore(FeatureStore):
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
         with self._lock:
             stored = self._lookup(ref)
-        return {name: stored[name] for name in names}
+        out = {}
+        for name in names:
+            tensor, spec = stored.get(name), ref.specs[name]
+            if tensor is None or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                # A ref made by hand, or of another store: its specs are not what was put.
+                raise CorruptFeatureError(
+                    f"{self.uri}: feature {name!r} of sample {ref.sample_id!r} generation "
+                    f"{ref.generation} is not what the ref describes ({spec.dtype}, "
+                    f"{list(spec.shape)}): the ref was not made by this store's put"
+                )
+            out[name] = tensor
+        return out
 
     def _delete(self, ref: SampleRef) -> None:
         self._delete_generation(ref.sample_id, ref.generation)

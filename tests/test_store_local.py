@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataflow import FeatureStore, InvalidRefError, StoreError, StoreFullError, StoreStats
+from dataflow import (
+    CorruptFeatureError,
+    FeatureSpec,
+    FeatureStore,
+    InvalidRefError,
+    SampleRef,
+    StoreError,
+    StoreFullError,
+    StoreStats,
+)
 from stores import LocalFeatureStore, StoredObject, open_store
 from stores.testing import FeatureStoreContract
 
@@ -145,3 +154,20 @@ def test_metadata_nesting_is_capped_at_32_levels():
             store.put("cycle", {"x": torch.zeros(1)}, metadata={"a": cycle})
         assert [o.sample_id for o in store.scan()] == ["ok"]
         assert store.stats().objects == 1
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        {"x": FeatureSpec((2, 3), torch.int32)},  # another dtype
+        {"x": FeatureSpec((3, 2), torch.float32)},  # another shape
+        {"x": FeatureSpec((6,), torch.float32)},  # same numel
+    ],
+)
+def test_a_ref_whose_specs_are_not_what_was_put_is_corrupt(specs) -> None:
+    store = LocalFeatureStore()
+    ref = store.put("a", {"x": torch.zeros(2, 3)})
+    forged = SampleRef(ref.sample_id, ref.store, ref.generation, specs, {})
+    with pytest.raises(CorruptFeatureError, match="not what the ref describes"):
+        store.get(forged)
+    assert store.get(ref)["x"].shape == (2, 3)  # the honest ref still reads
