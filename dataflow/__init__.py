@@ -42,6 +42,7 @@ from dataflow._errors import (
     UnknownStoreError,
 )
 from dataflow._events import Event, Kind
+from dataflow._gc import GcReport, collect_garbage
 from dataflow._ledger import Ledger
 from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay, seeded_order
 from dataflow._roles import Consumer, Producer
@@ -57,6 +58,7 @@ __all__ = [
     "Event",
     "FeatureSpec",
     "FeatureStore",
+    "GcReport",
     "IntegrityError",
     "InvalidCheckpointPathError",
     "InvalidIdError",
@@ -91,6 +93,7 @@ __all__ = [
     "UnknownCheckpointError",
     "UnknownStoreError",
     "assert_no_tensors",
+    "collect_garbage",
     "replay",
     "seeded_order",
     "validate_sample_id",

@@ -4,7 +4,7 @@ Errors are one line on stderr, with a hint: exit status 2 for a usage error
 (a bad option value, caught while parsing), 1 for a failure (no ledger at the
 URL, an unknown run, a file that cannot be written ...). ``dataflow --debug
 ...`` adds the traceback. The inspecting commands (``runs``, ``replay``,
-``events``, ``export``) open the ledger without creating anything: a
+``events``, ``export``, ``gc``) open the ledger without creating anything: a
 mistyped path is reported, never turned into a new, empty ledger.
 """
 
@@ -205,6 +205,42 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from dataflow._gc import collect_garbage
+
+    ledger = _open(args.ledger)
+    _check_run(ledger, args.run)
+    store = _open_store(args.store)
+    try:
+        report = collect_garbage(ledger, store, grace=args.grace, dry_run=args.dry_run)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+    else:
+        verb = "would remove" if report.dry_run else "removed"
+        print(
+            f"{verb} {report.removed} stored generations ({report.bytes} bytes) from "
+            f"{args.store}; kept {report.kept} the ledger references and {report.young} "
+            f"younger than {args.grace:g} s"
+        )
+    return 0
+
+
+def _open_store(uri: str) -> Any:
+    """The store at ``uri``; a shared directory must already exist (gc creates nothing)."""
+    from urllib.parse import unquote, urlsplit
+
+    from stores import open_store
+
+    parts = urlsplit(uri)
+    if parts.scheme == "dir" and not os.path.isdir(unquote(parts.path)):
+        raise _Failure(f"no shared-directory store at {unquote(parts.path)} (check --store)")
+    return open_store(uri)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from dataflow._demo import run_demo
 
@@ -251,6 +287,21 @@ def build_parser() -> argparse.ArgumentParser:
     ledger_and_run(p)
     p.add_argument("--out", type=_parquet_path, required=True, help="output .parquet path")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "gc", help="remove stored features that no committed event of the ledger keeps alive"
+    )
+    ledger_and_run(p)
+    p.add_argument("--store", required=True, help="URI of the run's feature store (dir://...)")
+    p.add_argument(
+        "--grace",
+        type=_seconds,
+        default=300.0,
+        help="leave alone what was put in the last GRACE seconds (default 300)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="report, remove nothing")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_gc)
 
     p = sub.add_parser(
         "demo", help="run the end-to-end demo: produce, train, crash, resume, verify"

@@ -1,0 +1,84 @@
+"""Garbage collection: the features a store holds that no ledger event keeps alive.
+
+A store collects what the ledger no longer needs: puts of producers that died before
+their commit, generations a regeneration superseded, and features the release policy
+freed whose delete never happened (a crash between the release event and the delete).
+Only the store contract is used (``scan`` and ``delete_stored``), so a plugin store is
+collected the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dataflow._contracts import FeatureStore
+from dataflow._projection import replay
+
+if TYPE_CHECKING:
+    from dataflow._ledger import Ledger
+
+#: Seconds a stored generation is left alone after its put: a commit may still come.
+DEFAULT_GRACE_S = 300.0
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What a collection removed (or, with ``dry_run``, would remove)."""
+
+    removed: int
+    bytes: int
+    kept: int
+    young: int
+    dry_run: bool
+
+
+def collect_garbage(
+    ledger: Ledger,
+    store: FeatureStore,
+    *,
+    grace: float = DEFAULT_GRACE_S,
+    dry_run: bool = False,
+) -> GcReport:
+    """Remove from ``store`` every generation that no run of ``ledger`` keeps alive.
+
+    A generation is kept while it is the newest committed revision of its sample in a
+    run of the ledger and the features of that revision were neither released nor
+    reported lost. Every run of the ledger counts, so a store that several runs share
+    loses nothing; a store shared with another ledger must not be collected against
+    this one. Generations younger than ``grace`` seconds are never touched (a put whose
+    commit is on its way), so a collection is safe while the run is live, as long as
+    ``grace`` exceeds the longest gap between a producer's put and its commit. A
+    generation put again meanwhile is never freed (``delete_stored``).
+    """
+    if not isinstance(store, FeatureStore):
+        raise TypeError(f"store must be a FeatureStore, got {type(store).__name__}")
+    if (
+        isinstance(grace, bool)
+        or not isinstance(grace, (int, float))
+        or not math.isfinite(grace)
+        or grace < 0
+    ):
+        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+    live: set[tuple[str, int]] = set()
+    for run_id in ledger.runs():
+        state = replay(ledger, run_id)
+        for sample_id in state.committed:
+            if sample_id in state.released or sample_id in state.lost:
+                continue
+            ref = state.ref(sample_id)
+            if ref.store == store.uri:
+                live.add((sample_id, ref.generation))
+    horizon = time.time() - grace
+    removed = nbytes = kept = young = 0
+    for obj in store.scan():
+        if (obj.sample_id, obj.generation) in live:
+            kept += 1
+        elif obj.created > horizon:
+            young += 1
+        elif dry_run or store.delete_stored(obj):
+            removed += 1
+            nbytes += obj.nbytes
+    return GcReport(removed=removed, bytes=nbytes, kept=kept, young=young, dry_run=dry_run)

@@ -1,0 +1,133 @@
+"""`dataflow gc` and `collect_garbage` on a real SQLite ledger and a real shared directory.
+
+The store holds what a run left behind: a put whose producer died before the commit,
+features the release policy freed whose delete never happened, and a fresh put whose
+commit may still come. Only the first two go; live features and young puts stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflow import Consumer, GcReport, Ledger, Producer, collect_garbage, replay
+from stores import SharedDirFeatureStore
+
+RUN = "run"
+HOUR = 3600.0
+
+
+class _DeleteFails(SharedDirFeatureStore):
+    """A trainer's store handle whose deletes never happen (a crash after the release)."""
+
+    def _delete(self, ref: object) -> None:
+        pass
+
+
+def _age(store: SharedDirFeatureStore, sample_id: str, seconds: float) -> None:
+    path = store._file(sample_id)
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+@pytest.fixture
+def leftovers(tmp_path: Path) -> tuple[Ledger, SharedDirFeatureStore, dict[str, int]]:
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    store = SharedDirFeatureStore(tmp_path / "features")
+    producer = Producer(led, store, run_id=RUN)
+    producer.emit_many((f"s{i}", {"x": torch.full((256,), float(i))}) for i in range(4))
+    producer.close()
+    trainer = Consumer(led, _DeleteFails(tmp_path / "features"), run_id=RUN, consumer_id="trainer")
+    trainer.resume()
+    trainer.ack(trainer.lease(2), step=1)  # s0 and s1
+    (tmp_path / "ckpt-1").mkdir()
+    trainer.checkpoint(1, str(tmp_path / "ckpt-1"))  # releases s0, s1: their files stay
+    orphan = store.put("orphan", {"x": torch.zeros(1024)})  # a producer died before commit
+    store.put("fresh", {"x": torch.zeros(8)})  # a commit may still come
+    for sample_id in ("s0", "s1", "s2", "s3", "orphan"):
+        _age(store, sample_id, HOUR)
+    assert set(replay(led, RUN).released) == {"s0", "s1"}
+    sizes = {o.sample_id: o.nbytes for o in store.scan()}
+    assert sizes["orphan"] == orphan.specs["x"].nbytes
+    return led, store, sizes
+
+
+def test_gc_removes_orphans_and_released_leftovers_only(leftovers) -> None:
+    led, store, sizes = leftovers
+    dry = collect_garbage(led, store, grace=60, dry_run=True)
+    gone = ("orphan", "s0", "s1")
+    assert dry == GcReport(
+        removed=3, bytes=sum(sizes[s] for s in gone), kept=2, young=1, dry_run=True
+    )
+    assert {o.sample_id for o in store.scan()} == set(sizes)  # a dry run removes nothing
+    report = collect_garbage(led, store, grace=60)
+    assert (report.removed, report.bytes, report.dry_run) == (3, dry.bytes, False)
+    assert {o.sample_id for o in store.scan()} == {"s2", "s3", "fresh"}
+    state = replay(led, RUN)
+    for sample_id in ("s2", "s3"):  # live features still load
+        assert store.get(state.ref(sample_id))["x"][0] == int(sample_id[1])
+    assert collect_garbage(led, store, grace=60).removed == 0  # nothing left to collect
+
+
+def test_a_generous_grace_keeps_everything_recent(leftovers) -> None:
+    led, store, sizes = leftovers
+    report = collect_garbage(led, store, grace=2 * HOUR)
+    assert (report.removed, report.kept, report.young) == (0, 2, 4)
+    assert {o.sample_id for o in store.scan()} == set(sizes)
+
+
+@pytest.mark.parametrize("grace", [-1, float("nan"), float("inf"), "60", True])
+def test_a_bad_grace_is_refused(leftovers, grace) -> None:
+    led, store, _ = leftovers
+    with pytest.raises(ValueError, match="grace must be a number of seconds"):
+        collect_garbage(led, store, grace=grace)  # type: ignore[arg-type]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataflow.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_gc_command(leftovers, tmp_path: Path) -> None:
+    led, store, sizes = leftovers
+    where = ["--ledger", led.url, "--run", RUN, "--store", store.uri, "--grace", "60"]
+    dry = _cli("gc", *where, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["removed"] == 3
+    assert len(list(store.scan())) == len(sizes)
+    done = _cli("gc", *where, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["removed"] == 3 and report["bytes"] == sizes["orphan"] + sizes["s0"] + sizes["s1"]
+    text = _cli("gc", *where)
+    assert text.returncode == 0 and text.stdout.startswith("removed 0 stored generations")
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "message"),
+    [
+        ({"--run": "nosuch"}, 1, "run 'nosuch' has no events"),
+        ({"--store": "dir:///nonexistent/features"}, 1, "no shared-directory store at"),
+        ({"--grace": "-1"}, 2, "--grace: expected a number of seconds"),
+        ({"--store": "nosuch://x"}, 1, "nosuch"),
+    ],
+)
+def test_gc_bad_input_is_one_line(leftovers, change, code, message) -> None:
+    led, store, sizes = leftovers
+    options = {"--ledger": led.url, "--run": RUN, "--store": store.uri} | change
+    result = _cli("gc", *(x for pair in options.items() for x in pair))
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert len(list(store.scan())) == len(sizes)  # nothing removed
