@@ -310,7 +310,7 @@ class Producer:
         """
         if committed.store == ours.store and committed.generation == ours.generation:
             return  # the committed ref is ours (a retried commit)
-        if committed.store != ours.store or self.store.exists(committed):
+        if not self._superseded_by(ours, committed):
             self.store.delete(ours)  # theirs is live (or elsewhere): ours was never needed
             return
         with self.ledger.write(self.run_id, "commit") as tx:
@@ -327,6 +327,11 @@ class Producer:
                         )
                     ]
                 )
+
+    def _superseded_by(self, ours: SampleRef, theirs: SampleRef) -> bool:
+        """Whether our put replaced their committed features in this store (ours are the
+        only copy left), rather than theirs being live or kept elsewhere."""
+        return theirs.store == ours.store and not self.store.exists(theirs)
 
     def regenerate(
         self,
@@ -385,8 +390,7 @@ class Producer:
         live and ours were never needed: LedgerStateError, and ours are deleted.
         """
         revision, payload = newest
-        theirs = SampleRef.from_json(payload)
-        if theirs.store == ours.store and not self.store.exists(theirs):
+        if self._superseded_by(ours, SampleRef.from_json(payload)):
             return revision
         raise LedgerStateError(
             f"{ours.sample_id!r} was regenerated meanwhile by another producer (revision "

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 
 from dataflow import (
     Checkpoint,
@@ -72,19 +73,6 @@ BAD_IDS = [
     pytest.param(5, r"got 5 \(int\)", id="int"),
     pytest.param(b"run", r"got b'run' \(bytes\)", id="bytes"),
 ]
-
-
-def ckpt(name: object) -> str:
-    """The path of checkpoint directory ``ckpt/NAME``, made (checkpoint paths must exist)."""
-    path = Path("ckpt", str(name)).absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
-@pytest.fixture(autouse=True)
-def _in_tmp_path(tmp_path, monkeypatch):
-    """Run in tmp_path, where ``ckpt`` makes the checkpoint directories."""
-    monkeypatch.chdir(tmp_path)
 
 
 # A consumer option or step that must be a non-negative int.

@@ -5,11 +5,11 @@ import os
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import sqlalchemy
 import torch
+from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 
 from dataflow import (
     BadFrameError,
@@ -30,19 +30,6 @@ from dataflow import (
 )
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
 from stores import LocalFeatureStore
-
-
-@pytest.fixture(autouse=True)
-def _in_tmp_path(tmp_path, monkeypatch):
-    """Run in tmp_path, where ``ckpt`` makes the checkpoint directories."""
-    monkeypatch.chdir(tmp_path)
-
-
-def ckpt(name: object) -> str:
-    """The path of checkpoint directory ``ckpt/NAME``, made (checkpoint paths must exist)."""
-    path = Path("ckpt", str(name)).absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
 
 
 def commit_events(ledger, run_id, sample_id=None):

@@ -1,10 +1,10 @@
 """Lineage and reconcile: resumes from checkpoints, fencing, ranks and data epochs."""
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,19 +21,6 @@ from dataflow import (
 from stores import LocalFeatureStore
 
 IDS = ("a", "b", "c", "d", "e", "f")
-
-
-@pytest.fixture(autouse=True)
-def _in_tmp_path(tmp_path, monkeypatch):
-    """Run in tmp_path, where ``ckpt`` makes the checkpoint directories."""
-    monkeypatch.chdir(tmp_path)
-
-
-def ckpt(name: object) -> str:
-    """The path of checkpoint directory ``ckpt/NAME``, made (checkpoint paths must exist)."""
-    path = Path("ckpt", str(name)).absolute()
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
 
 
 def features(sample_id: str) -> dict[str, torch.Tensor]:
