@@ -15,14 +15,15 @@ import contextlib
 import functools
 import json
 import re
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from dataflow._errors import (
     InvalidRefError,
@@ -73,6 +74,8 @@ def validate_feature_name(name: object) -> str:
 
 
 def _dtype_from_name(name: object) -> torch.dtype:
+    import torch  # here, not at import: the ledger and the CLI never touch a tensor
+
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise InvalidRefError(f"unknown torch dtype {name!r}; use a name like 'float32'")
@@ -81,7 +84,7 @@ def _dtype_from_name(name: object) -> torch.dtype:
 
 @functools.cache
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,8 +100,6 @@ class FeatureSpec:
 
     def __post_init__(self) -> None:
         shape = self.shape
-        if isinstance(shape, torch.Size):
-            shape = tuple(shape)
         if not isinstance(shape, (tuple, list)) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
@@ -106,7 +107,7 @@ class FeatureSpec:
         object.__setattr__(self, "shape", tuple(shape))
         if isinstance(self.dtype, str):
             object.__setattr__(self, "dtype", _dtype_from_name(self.dtype))
-        elif not isinstance(self.dtype, torch.dtype):
+        elif not _is_dtype(self.dtype):
             raise InvalidRefError(f"FeatureSpec.dtype must be a torch.dtype, got {self.dtype!r}")
 
     @classmethod
@@ -134,8 +135,18 @@ class FeatureSpec:
         return cls(tuple(data["shape"]), _dtype_from_name(data["dtype"]))
 
 
+def _is_dtype(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.dtype)
+
+
 def _is_tensor(obj: object) -> bool:
-    return isinstance(obj, (torch.Tensor, np.ndarray))
+    # No tensor can exist before its library was imported: checking sys.modules
+    # keeps torch and numpy out of the import path of the ledger and the CLI.
+    torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+    return (torch is not None and isinstance(obj, torch.Tensor)) or (
+        np is not None and isinstance(obj, np.ndarray)
+    )
 
 
 def assert_no_tensors(obj: object, *, where: str = "ref") -> None:
@@ -565,6 +576,8 @@ class FeatureStore(ABC):
     @classmethod
     def _check_tensor(cls, name: str, tensor: object) -> None:
         """Refuse a value that no store can round-trip as raw bytes, naming the feature."""
+        import torch
+
         where = f"tensors[{name!r}]"
         if not isinstance(tensor, torch.Tensor):
             raise InvalidRefError(f"{where} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -597,6 +610,8 @@ class FeatureStore(ABC):
     @functools.cache
     def _unstorable_dtype(dtype: torch.dtype) -> str | None:
         """Why no store can keep ``dtype`` as raw bytes; None when every store can."""
+        import torch
+
         probe = torch.empty(1, dtype=dtype)
         if probe.is_quantized:
             return (

@@ -15,12 +15,11 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from dataflow._contracts import (
     FeatureStore,
@@ -42,6 +41,9 @@ from dataflow._errors import (
 from dataflow._events import Kind, dump_payload
 from dataflow._ledger import Ledger, NewEvent, WriteTransaction, _check_run_id, check_id
 from dataflow._projection import RELEASE_POLICIES, Checkpoint, ReconcilePlan, RunState
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("dataflow")
 
@@ -143,9 +145,23 @@ def _sample_ids(refs: object, what: str) -> list[str]:
 
 
 def _dist_group_active(world_size: int) -> bool:
+    # A process group exists only where torch was imported: never import it here.
+    torch = sys.modules.get("torch")
     return (
-        world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+        world_size > 1
+        and torch is not None
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
     )
+
+
+def _broadcast_epoch(epoch: int) -> int:
+    """Rank 0's ``epoch``, on every rank of the active process group."""
+    import torch
+
+    value = torch.tensor([epoch], dtype=torch.int64)
+    torch.distributed.broadcast(value, src=0)
+    return int(value.item())
 
 
 class Producer:
@@ -621,8 +637,7 @@ class Consumer:
             )
             self._sync(tx)
         if _dist_group_active(self.world_size):
-            value = torch.tensor([epoch], dtype=torch.int64)
-            torch.distributed.broadcast(value, src=0)
+            _broadcast_epoch(epoch)
         return epoch
 
     def _resolve_checkpoint(self, checkpoint: object) -> Checkpoint | None:
@@ -649,9 +664,7 @@ class Consumer:
 
     def _join_epoch(self) -> int:
         if _dist_group_active(self.world_size):
-            value = torch.tensor([0], dtype=torch.int64)
-            torch.distributed.broadcast(value, src=0)
-            epoch = int(value.item())
+            epoch = _broadcast_epoch(0)
             while self.state.epoch < epoch:
                 self._catch_up()
                 if self.state.epoch < epoch:

@@ -1,0 +1,36 @@
+"""The ledger and the CLI never import torch: they touch no tensor, and torch costs seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("module", ["dataflow", "dataflow.cli", "dataflow.streams"])
+def test_importing_the_core_leaves_torch_and_numpy_out(module: str) -> None:
+    code = (
+        f"import sys, {module}\n"
+        "print(','.join(m for m in ('torch', 'numpy', 'stores', 'training', 'eval') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "", f"import {module} pulled in {out}"
+
+
+def test_a_ref_decoded_without_torch_imports_it_when_its_dtype_is_needed() -> None:
+    code = (
+        "import sys\n"
+        "from dataflow import SampleRef\n"
+        "ref = SampleRef.from_json('{\"sample_id\": \"s\", \"store\": \"local://\", "
+        "\"generation\": 0, \"metadata\": {}, "
+        "\"specs\": {\"x\": {\"shape\": [2, 3], \"dtype\": \"bfloat16\"}}}')\n"
+        "print(ref.specs['x'].nbytes, ref.specs['x'].dtype, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["12", "torch.bfloat16", "True"]
