@@ -970,7 +970,7 @@ class Consumer:
             raise ValueError(f"checkpoint digest must be a non-empty str or None, got {digest!r}")
         self._require_epoch()
         if _dist_group_active(self.world_size):
-            torch.distributed.barrier()
+            sys.modules["torch"].distributed.barrier()
         if self.rank != 0:
             return None
         with self._write("checkpoint") as tx:
