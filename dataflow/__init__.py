@@ -1,5 +1,6 @@
 """dataflow: the data and control plane between feature producers and trainers."""
 
+from dataflow._backpressure import Watermarks
 from dataflow._contracts import (
     FeatureSpec,
     FeatureStore,
@@ -44,6 +45,7 @@ from dataflow._errors import (
 from dataflow._events import Event, Kind
 from dataflow._gc import GcReport, collect_garbage
 from dataflow._ledger import Ledger
+from dataflow._metrics import MetricsServer, RunMetrics, serve_metrics
 from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay, seeded_order
 from dataflow._roles import Consumer, Producer
 
@@ -68,6 +70,7 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "LedgerStateError",
+    "MetricsServer",
     "NotALedgerError",
     "OperationalError",
     "Producer",
@@ -75,6 +78,7 @@ __all__ = [
     "ReconcilePlan",
     "RefReceiver",
     "RefSender",
+    "RunMetrics",
     "RunState",
     "SampleRef",
     "SchemaVersionError",
@@ -92,9 +96,11 @@ __all__ = [
     "TensorInRefError",
     "UnknownCheckpointError",
     "UnknownStoreError",
+    "Watermarks",
     "assert_no_tensors",
     "collect_garbage",
     "replay",
     "seeded_order",
+    "serve_metrics",
     "validate_sample_id",
 ]

@@ -7,7 +7,7 @@ import sqlite3
 from collections.abc import Iterator
 
 import sqlalchemy.exc as sa_exc
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 
 from dataflow._errors import (
@@ -83,10 +83,31 @@ class Backend:
 
 
 def create_schema(conn: Connection) -> None:
-    """Create every ledger table that is missing, and record the schema version once."""
+    """Create every ledger table that is missing, record the version once, migrate older ones."""
+    version = (
+        conn.execute(select(schema_info.c.version)).scalar()
+        if inspect(conn).has_table(schema_info.name)
+        else None
+    )
     metadata.create_all(conn)
-    if conn.execute(select(schema_info.c.version)).scalar() is None:
+    if version is None:
         conn.execute(insert(schema_info).values(id=1, version=SCHEMA_VERSION))
+    elif version < SCHEMA_VERSION:
+        _migrate(conn, version)
+
+
+def _migrate(conn: Connection, version: int) -> None:
+    """Bring a ledger of an older schema ``version`` to SCHEMA_VERSION, step by step.
+
+    Runs in the opening transaction, under the schema lock: all steps or none.
+    """
+    steps = {
+        1: lambda: None,  # 1 -> 2: create_all made the snapshots table; events are unchanged
+    }
+    while version < SCHEMA_VERSION:
+        steps[version]()
+        version += 1
+    conn.execute(update(schema_info).where(schema_info.c.id == 1).values(version=version))
 
 
 def backend_for(url: str) -> Backend:

@@ -29,7 +29,8 @@ keeps working around a store lookup::
     │   └── StoreUnavailableError (ConnectionError)
     └── StreamError
         ├── BadFrameError (ValueError)
-        ├── BackpressureError (TimeoutError)   every credit window stayed full
+        ├── BackpressureError (TimeoutError)   every credit window stayed full, or a
+        │                                      producer's backlog is at its high watermark
         ├── StreamIdleError (TimeoutError)     nothing arrived within the idle timeout
         └── ProducerLostError                  a producer stopped heart-beating
 
@@ -167,7 +168,15 @@ class BadFrameError(StreamError, ValueError):
 
 
 class BackpressureError(StreamError, TimeoutError):
-    """Every consumer's credit window stayed full for the whole send timeout."""
+    """Consumers are not keeping up, and the caller would not (or could not) wait.
+
+    Raised by a stream's ``send`` when every consumer's credit window stayed
+    full for the whole send timeout, and by ``Producer.emit`` / ``emit_many``
+    with ``backpressure=Watermarks(...)`` when the run's un-trained features
+    in the store are at the high mark and ``block=False`` was passed or the
+    ``timeout`` ran out; then nothing was stored or committed. A StreamError
+    (and a TimeoutError) in both cases, so one ``except`` serves either.
+    """
 
 
 class StreamIdleError(StreamError, TimeoutError):

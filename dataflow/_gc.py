@@ -35,6 +35,9 @@ class GcReport:
     dry_run: bool
 
 
+_CHUNK = 5000
+
+
 def collect_garbage(
     ledger: Ledger,
     store: FeatureStore,
@@ -65,12 +68,11 @@ def collect_garbage(
     live: set[tuple[str, int]] = set()
     for run_id in ledger.runs():
         state = replay(ledger, run_id)
-        for sample_id in state.committed:
-            if sample_id in state.released or sample_id in state.lost:
-                continue
-            ref = state.ref(sample_id)
-            if ref.store == store.uri:
-                live.add((sample_id, ref.generation))
+        stored = [s for s in state.committed if s not in state.released and s not in state.lost]
+        for start in range(0, len(stored), _CHUNK):  # refs of trained samples come from the ledger
+            for sample_id, ref in state.refs(stored[start : start + _CHUNK]).items():
+                if ref.store == store.uri:
+                    live.add((sample_id, ref.generation))
     horizon = time.time() - grace
     removed = nbytes = kept = young = 0
     for obj in store.scan():

@@ -6,13 +6,16 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+import warnings
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Row, func, insert, inspect, select, update
+from sqlalchemy import Connection, Row, delete, func, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 
+from dataflow import _snapshot
 from dataflow._db import (
     DEFAULT_URL,
     backend_for,
@@ -23,7 +26,10 @@ from dataflow._db import (
 )
 from dataflow._errors import InvalidIdError, NotALedgerError, SchemaVersionError, StaleEpochError
 from dataflow._events import Event, Kind, load_payload
-from dataflow._schema import SCHEMA_VERSION, events, schema_info
+from dataflow._schema import SCHEMA_VERSION, events, schema_info, snapshots
+
+if TYPE_CHECKING:
+    from dataflow._projection import RunState
 from dataflow._schema import runs as runs_table
 
 #: Columns of a raw event row, in order: what the fold consumes.
@@ -110,6 +116,23 @@ def _newest_commits(
         for sample_id, revision, payload in conn.execute(stmt):
             if sample_id not in found or revision > found[sample_id][0]:
                 found[sample_id] = (revision, payload)
+    return found
+
+
+def _commit_payloads(conn: Connection, run_id: str, revisions: Mapping[str, int]) -> dict[str, str]:
+    """The ref JSON of exactly ``revisions[sample_id]`` for each id (the commit index's key)."""
+    found: dict[str, str] = {}
+    ids = list(revisions)
+    for start in range(0, len(ids), 900):
+        stmt = select(events.c.sample_id, events.c.revision, events.c.payload).where(
+            events.c.run_id == run_id,
+            events.c.kind == Kind.COMMIT,
+            events.c.revision.isnot(None),
+            events.c.sample_id.in_(ids[start : start + 900]),
+        )
+        for sample_id, revision, payload in conn.execute(stmt):
+            if revisions[sample_id] == revision:
+                found[sample_id] = payload
     return found
 
 
@@ -309,6 +332,7 @@ class Ledger:
                     "nothing was created: check the URL"
                 )
             version = conn.execute(select(schema_info.c.version)).scalar()
+            self._schema_version = version
             if version is not None and version > SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"ledger {self.safe_url} has schema version {version}, newer than this "
@@ -319,7 +343,10 @@ class Ledger:
     @contextlib.contextmanager
     def write(self, run_id: str, what: str) -> Iterator[WriteTransaction]:
         """An append transaction holding ``run_id``'s write lock; commits on success."""
+        from dataflow._metrics import observe_append  # cached after the first; no prometheus
+
         _check_run_id(run_id)
+        started = time.perf_counter()
         with (
             translate_errors(f"{what} in run {run_id!r}"),
             self._engine.connect().execution_options(**write_options()) as conn,
@@ -327,6 +354,8 @@ class Ledger:
         ):
             epoch = self._backend.lock_run(conn, run_id)
             yield WriteTransaction(conn, run_id, epoch)
+        # Committed: what a writer waited, lock included (RunMetrics' dataflow_append_seconds).
+        observe_append(self.url, run_id, what, time.perf_counter() - started)
 
     # -- reading -------------------------------------------------------------
     def rows(
@@ -414,6 +443,104 @@ class Ledger:
             raise TypeError(f"sample_ids must be a list of ids, not the str {sample_ids!r}")
         with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
             return _newest_commits(conn, run_id, list(sample_ids))
+
+    def commit_payloads(self, run_id: str, revisions: Mapping[str, int]) -> dict[str, str]:
+        """The ref JSON committed for each ``sample_id: revision`` (ids not found are left out).
+
+        What a RunState that keeps only its live refs in memory reads the others from.
+        """
+        _check_run_id(run_id)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            return _commit_payloads(conn, run_id, revisions)
+
+    # -- snapshots -------------------------------------------------------------
+    def save_snapshot(self, run_id: str, state: RunState, *, keep: int = 2) -> bool:
+        """Store ``state`` as the run's snapshot at its ``head_seq``; keep the newest ``keep``.
+
+        A snapshot is a cache of a replay: restarts and ``replay`` read the newest
+        valid one and fold only the events after it. False when the ledger is of an
+        older schema opened read-only, or holds a snapshot at that seq already.
+        """
+        _check_run_id(run_id)
+        if state.run_id != run_id:
+            raise ValueError(f"the state is of run {state.run_id!r}, not {run_id!r}")
+        if (self._schema_version or SCHEMA_VERSION) < 2 or state.head_seq == 0:
+            return False
+        body = _snapshot.encode(state)
+        row = {
+            "run_id": run_id,
+            "seq": state.head_seq,
+            "format": _snapshot.FORMAT,
+            "digest": _snapshot.digest(body),
+            "body": body,
+            "ts": time.time(),
+        }
+        with (
+            translate_errors(f"snapshotting run {run_id!r}"),
+            self._engine.connect().execution_options(**write_options()) as conn,
+            conn.begin(),
+        ):
+            mine = snapshots.c.run_id == run_id
+            if conn.execute(
+                select(snapshots.c.seq).where(mine, snapshots.c.seq == state.head_seq)
+            ).first():
+                return False
+            conn.execute(insert(snapshots).values(row))
+            kept = (
+                conn.execute(
+                    select(snapshots.c.seq).where(mine).order_by(snapshots.c.seq.desc()).limit(keep)
+                )
+                .scalars()
+                .all()
+            )
+            conn.execute(delete(snapshots).where(mine, snapshots.c.seq.not_in(kept)))
+        return True
+
+    def load_snapshot(self, run_id: str, *, upto_seq: int | None = None) -> RunState | None:
+        """The run's newest valid snapshot at or before ``upto_seq``, as a RunState; None if none.
+
+        A snapshot whose digest or body is bad is skipped with a warning (the
+        caller then folds from an older one, or from the start); one of another
+        format (an older dataflow) is skipped quietly.
+        """
+        _check_run_id(run_id)
+        _check_seq("upto_seq", upto_seq, optional=True)
+        if (self._schema_version or SCHEMA_VERSION) < 2:
+            return None
+        stmt = select(snapshots.c.seq, snapshots.c.format, snapshots.c.digest).where(
+            snapshots.c.run_id == run_id
+        )
+        if upto_seq is not None:
+            stmt = stmt.where(snapshots.c.seq <= upto_seq)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            found = conn.execute(stmt.order_by(snapshots.c.seq.desc())).all()
+        for seq, format_, digest in found:
+            if format_ != _snapshot.FORMAT:
+                continue
+            with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+                body = conn.execute(
+                    select(snapshots.c.body).where(
+                        snapshots.c.run_id == run_id, snapshots.c.seq == seq
+                    )
+                ).scalar()
+            why = None
+            if body is None or _snapshot.digest(bytes(body)) != digest:
+                why = "its digest does not match its body"
+            else:
+                try:
+                    state = _snapshot.decode(run_id, bytes(body), ref_source=self)
+                except (ValueError, KeyError, TypeError, IndexError, zlib.error) as exc:
+                    why = f"it cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
+                else:
+                    if state.head_seq == seq:
+                        return state
+                    why = f"it covers seq {state.head_seq}, not the {seq} it is filed under"
+            warnings.warn(
+                f"snapshot of run {run_id!r} at seq {seq} in {self.safe_url} is skipped: {why}; "
+                "folding from an older snapshot or the start of the log instead",
+                stacklevel=2,
+            )
+        return None
 
     def released_revision(self, run_id: str, sample_id: str) -> int | None:
         """Highest revision of ``sample_id`` whose features were released, if any."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,37 @@ class ReconcilePlan:
         )
 
 
+#: The step stored for an ack whose step is not an int (a damaged row, already a
+#: violation): it never counts as trained at any checkpoint.
+_BAD_STEP = 2**63 - 1
+
+
+class _Acks:
+    """One epoch's acks as columns, (sample id, step, data epoch) per ack.
+
+    A run's longest list: arrays keep an ack at 20 bytes instead of a tuple's 100.
+    """
+
+    __slots__ = ("data_epochs", "sids", "steps")
+
+    def __init__(self) -> None:
+        self.sids: list[str] = []
+        self.steps = array("q")
+        self.data_epochs = array("l")
+
+    def append(self, sid: str, step: object, data_epoch: int) -> None:
+        self.sids.append(sid)
+        good = isinstance(step, int) and not isinstance(step, bool) and 0 <= step < _BAD_STEP
+        self.steps.append(step if good else _BAD_STEP)  # type: ignore[arg-type]
+        self.data_epochs.append(data_epoch)
+
+    def __iter__(self) -> Iterator[tuple[str, int, int]]:
+        return zip(self.sids, self.steps, self.data_epochs, strict=True)
+
+    def __len__(self) -> int:
+        return len(self.sids)
+
+
 @dataclass
 class _Epoch:
     """A node of the lineage tree: one consumer epoch."""
@@ -87,7 +119,7 @@ class _Epoch:
     world_size: int
     max_attempts: int
     order_seed: int | None = None
-    acks: list[tuple[int, str, int, int]] = field(default_factory=list)  # seq, id, step, data epoch
+    acks: _Acks = field(default_factory=_Acks)
     data_epochs: list[tuple[int, int, int]] = field(default_factory=list)  # seq, number, seed
     last_checkpoint_step: int = -1
     ack_steps: dict[str, int] = field(default_factory=dict)  # consumer id -> its newest ack step
@@ -102,19 +134,22 @@ def seeded_order(sample_ids: Iterable[str], seed: int) -> list[str]:
 
 
 class _Refs(Mapping[str, SampleRef]):
-    """Committed refs by id, decoded from their JSON on access."""
+    """Committed refs by id (commit order), decoded from their JSON on access."""
 
-    def __init__(self, raw: dict[str, str]) -> None:
-        self._raw = raw
+    def __init__(self, state: RunState) -> None:
+        self._state = state
 
     def __getitem__(self, sample_id: str) -> SampleRef:
-        return SampleRef.from_dict(json.loads(self._raw[sample_id]))
+        return self._state.ref(sample_id)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
+        return iter(self._state._commits)
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._state._commits)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._state._commits
 
 
 class RunState:
@@ -129,16 +164,28 @@ class RunState:
     again whose features are gone: released, or lost),
     ``checkpoints``, ``removed_checkpoints`` (seq -> reason), ``epoch``,
     ``data_epoch``, ``head_seq``.
+
+    ``ref_source``: the ledger the log came from. With it, the state keeps the ref
+    JSON of live samples only (not yet trained) and reads the others' from the
+    ledger when asked, which is most of a long run's memory; without it, every
+    ref stays in memory.
     """
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, *, ref_source: Ledger | None = None) -> None:
         self.run_id = run_id
         self.head_seq = 0
         self.epoch = 0
         self.data_epoch = 0
-        self._commits: dict[str, str] = {}  # id -> ref JSON of its newest revision
-        self._commit_seq: dict[str, int] = {}  # id -> seq of its first commit
-        self._revision: dict[str, int] = {}
+        self._ref_source = ref_source
+        # Insertion order is first-commit order; `_first_seqs` is aligned with it.
+        # id -> the same id: the one str object every structure of the state shares, so
+        # the copies each event row brings are freed (ids are most of a run's memory).
+        self._commits: dict[str, str] = {}
+        self._revisions: dict[str, int] = {}  # id -> newest revision, where it is not 0
+        self._first_seqs = array("q")
+        self._json: dict[str, str] = {}  # id -> ref JSON of its newest revision (see ref_source)
+        self._json_dropped = 0
+        self._steps: dict[int, int] = {}  # one int object per step, shared by its acks
         self.leased: dict[str, str] = {}
         self.trained: dict[str, int] = {}
         self.released: set[str] = set()
@@ -172,7 +219,7 @@ class RunState:
     # -- derived views -----------------------------------------------------
     @property
     def committed(self) -> Mapping[str, SampleRef]:
-        return _Refs(self._commits)
+        return _Refs(self)
 
     @property
     def pending(self) -> list[str]:
@@ -213,10 +260,23 @@ class RunState:
         return bool(self.closed) and self.producers <= self.closed
 
     def ref(self, sample_id: str) -> SampleRef:
-        return SampleRef.from_dict(json.loads(self._commits[sample_id]))
+        """The committed ref of ``sample_id`` (its newest revision); KeyError if uncommitted."""
+        return self.refs([sample_id])[sample_id]
+
+    def refs(self, sample_ids: Iterable[str]) -> dict[str, SampleRef]:
+        """The committed refs of ``sample_ids``, with one ledger read for those not in memory."""
+        raw = {sid: self._json.get(sid) for sid in sample_ids}
+        missing = {sid: self.revision(sid) for sid, text in raw.items() if text is None}
+        if missing:
+            if self._ref_source is None:
+                raise KeyError(next(iter(missing)))
+            raw.update(self._ref_source.commit_payloads(self.run_id, missing))
+        return {sid: SampleRef.from_dict(json.loads(raw[sid])) for sid in raw}  # type: ignore[arg-type]
 
     def revision(self, sample_id: str) -> int:
-        return self._revision[sample_id]
+        if sample_id not in self._commits:
+            raise KeyError(sample_id)
+        return self._revisions.get(sample_id, 0)
 
     def pending_for(self, rank: int, *, requeued_only: bool = False) -> Iterator[str]:
         for sid in self._pending.get(rank, {}):
@@ -255,7 +315,7 @@ class RunState:
             "head_seq": self.head_seq,
             "epoch": self.epoch,
             "data_epoch": self.data_epoch,
-            "committed": dict(self._commits),
+            "committed": {sid: self._revisions.get(sid, 0) for sid in self._commits},
             "pending": self.pending,
             "requeued": sorted(self._requeued),
             "leased": dict(self.leased),
@@ -349,14 +409,20 @@ class RunState:
         self.producers.add(actor)
         self.closed.discard(actor)
         revision = revision or 0
-        if sid in self._commits and revision <= self._revision[sid]:
+        if sid in self._commits and revision <= self._revisions.get(sid, 0):
             self.violations.append(f"seq {seq}: duplicate commit of {sid!r} revision {revision}")
             return
         first = sid not in self._commits
-        self._commits[sid] = payload
-        self._revision[sid] = revision
         if first:
-            self._commit_seq[sid] = seq
+            self._commits[sid] = sid
+            if revision:
+                self._revisions[sid] = revision
+        else:
+            sid = self._commits[sid]
+            self._revisions[sid] = revision
+        self._json[sid] = payload
+        if first:
+            self._first_seqs.append(seq)
             self._enqueue(sid, self._round_robin_owner(), requeued=False)
             return
         # A regeneration: the features are back. A lost sample goes back to the rank that
@@ -461,12 +527,11 @@ class RunState:
 
     def _unreleased_after(self, trained: Mapping[str, int]) -> list[str]:
         """Trained ids whose features are still stored, in commit order."""
-        ids = [
+        return [
             s
-            for s in trained
-            if s not in self.released and s not in self.lost and s in self._commits
+            for s in self._commits
+            if s in trained and s not in self.released and s not in self.lost
         ]
-        return sorted(ids, key=self._commit_seq.__getitem__)
 
     def _refill(self, order: Iterable[str], *, requeued: bool) -> list[str]:
         """Make every live, untrained id of ``order`` pending again; return them in order."""
@@ -489,18 +554,20 @@ class RunState:
             self._enqueue(sid, owner, requeued=requeued)
             queued.append(sid)
         self._next_owner = len(queued) % self.world_size
-        for sid, step in self.trained.items():
-            if sid not in self.released:
-                self._unreleased_acks[sid] = step
+        if self.release_policy != "never":  # nothing is ever released: nothing to track
+            for sid, step in self.trained.items():
+                if sid not in self.released:
+                    self._unreleased_acks[sid] = step
         return queued
 
     def _data_epoch_order(self, data_epoch: int, seed: int | None, start_seq: int) -> list[str]:
         order_seed = self.order_seed
-        commit_order = sorted(self._commits, key=self._commit_seq.__getitem__)
         if data_epoch == 0 or seed is None:
+            commit_order = list(self._commits)
             return commit_order if order_seed is None else seeded_order(commit_order, order_seed)
-        before = [s for s in commit_order if self._commit_seq[s] < start_seq]
-        after = [s for s in commit_order if self._commit_seq[s] > start_seq]
+        firsts = tuple(zip(self._commits, self._first_seqs, strict=True))
+        before = [s for s, first in firsts if first < start_seq]
+        after = [s for s, first in firsts if first > start_seq]
         if order_seed is not None:
             after = seeded_order(after, order_seed)
         return seeded_order(before, seed) + after
@@ -530,7 +597,7 @@ class RunState:
                 break
         trained: dict[str, int] = {}
         for node, cut_step, _cut_seq in reversed(chain):
-            for _seq, sid, ack_step, ack_data_epoch in node.acks:
+            for sid, ack_step, ack_data_epoch in node.acks:
                 if (cut_step is None or ack_step <= cut_step) and ack_data_epoch == data_epoch:
                     trained[sid] = ack_step
         return trained, data_epoch, seed, start_seq
@@ -571,11 +638,25 @@ class RunState:
             self.violations.append(
                 f"seq {seq}: {sid!r} trained twice in data epoch {self.data_epoch} of the lineage"
             )
+        sid = self._commits.get(sid, sid)
+        if isinstance(step, int):
+            step = self._steps.setdefault(step, step)
         self.trained[sid] = step
-        self._unreleased_acks[sid] = step
-        node.acks.append((seq, sid, step, self.data_epoch))
+        if node.policy != "never":
+            self._unreleased_acks[sid] = step
+        if self._ref_source is not None:
+            self._forget_json(sid)
+        node.acks.append(sid, step, self.data_epoch)
         if isinstance(step, int) and step > newest:
             node.ack_steps[actor] = step
+
+    def _forget_json(self, sid: str) -> None:
+        """Drop a trained sample's ref JSON; it is read from the ledger if ever needed again."""
+        if self._json.pop(sid, None) is not None:
+            self._json_dropped += 1
+            # A dict never shrinks by deleting: rebuild it once most of it is gone.
+            if self._json_dropped > 4096 and self._json_dropped > 3 * len(self._json):
+                self._json, self._json_dropped = dict(self._json), 0
 
     def _end_lease(self, seq: int, kind: str, sid: str, actor: str) -> bool:
         """End ``actor``'s lease of ``sid`` (an ack, nack or lost); False if it held none."""
@@ -598,6 +679,7 @@ class RunState:
         actor: str,
         payload: str | None,
     ) -> None:
+        queue_rank = self._lessee_rank.get(sid)
         if not self._end_lease(seq, "nack", sid, actor):
             return
         p = load_payload(payload)
@@ -608,7 +690,22 @@ class RunState:
             why = p.get("reason") or "nacked"
             self.dead[sid] = f"{why} (attempt {attempts}, retryable={p.get('retryable', True)})"
         else:
-            self._enqueue(sid, self._round_robin_owner(), requeued=True)
+            self._enqueue(sid, self._retry_rank(p.get("rank"), queue_rank), requeued=True)
+
+    def _retry_rank(self, nacked_by: object, queue_rank: int | None) -> int:
+        """The queue a retryable nack goes back to: that of the rank that nacked the sample.
+
+        That rank is alive (it just wrote) and is not drained while its queue holds the
+        retry, so a retry is never stranded on a rank that drained and exited, as a
+        round-robin owner could be. A nack records its rank when the world has more than
+        one (a streamed ref may have sat in another rank's queue); without it (one rank,
+        older logs) the queue the lease took the sample from. Ledger leases come from the
+        lessee's own queue, so with ``order_seed`` this is the sample's seeded owner.
+        """
+        for rank in (nacked_by, queue_rank):
+            if isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < self.world_size:
+                return rank
+        return self._round_robin_owner()
 
     def _on_lost(
         self,
@@ -624,7 +721,7 @@ class RunState:
         if not self._end_lease(seq, "lost", sid, actor):
             return
         p = load_payload(payload)
-        if p.get("revision", 0) != self._revision.get(sid):
+        if sid not in self._commits or p.get("revision", 0) != self._revisions.get(sid, 0):
             # An older revision's features went missing; the newest ones are stored.
             self._enqueue(sid, self._round_robin_owner(), requeued=True)
             return
@@ -688,12 +785,12 @@ class RunState:
         payload: str | None,
     ) -> None:
         revision = load_payload(payload).get("revision", 0)
-        if revision != self._revision.get(sid):
+        if sid not in self._commits or revision != self._revisions.get(sid, 0):
             return  # an older revision's features: the current ones stay
         reason = self._release_forbidden(sid)
         if reason:
             self.violations.append(f"seq {seq}: release of {sid!r} by {actor!r}: {reason}")
-        self.released.add(sid)
+        self.released.add(self._commits[sid])
         self._unreleased_acks.pop(sid, None)
 
     def _release_forbidden(self, sid: str) -> str | None:
@@ -783,8 +880,15 @@ _HANDLERS = {
 }
 
 
-def replay(ledger: Ledger, run_id: str, upto_seq: int | None = None) -> RunState:
-    """Fold the run's log (up to ``upto_seq``) into its RunState, in constant read memory."""
+def replay(
+    ledger: Ledger, run_id: str, upto_seq: int | None = None, *, snapshots: bool = True
+) -> RunState:
+    """Fold the run's log (up to ``upto_seq``) into its RunState, in constant read memory.
+
+    Starts from the newest valid snapshot at or before ``upto_seq`` and folds
+    the events after it; ``snapshots=False`` folds the whole log (what a
+    snapshot is checked against).
+    """
     from dataflow._ledger import Ledger
 
     if not isinstance(ledger, Ledger):
@@ -793,4 +897,9 @@ def replay(ledger: Ledger, run_id: str, upto_seq: int | None = None) -> RunState
         not isinstance(upto_seq, int) or isinstance(upto_seq, bool) or not 0 <= upto_seq < 2**63
     ):
         raise ValueError(f"upto_seq must be an int from 0 to 2**63-1 or None, got {upto_seq!r}")
-    return RunState(run_id).apply_rows(ledger.rows(run_id, upto_seq=upto_seq))
+    if not isinstance(snapshots, bool):
+        raise TypeError(f"snapshots must be a bool, got {snapshots!r}")
+    state = ledger.load_snapshot(run_id, upto_seq=upto_seq) if snapshots else None
+    if state is None:
+        state = RunState(run_id, ref_source=ledger)
+    return state.apply_rows(ledger.rows(run_id, after_seq=state.head_seq, upto_seq=upto_seq))

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from dataflow._backpressure import ProducerGate, Watermarks, check_wait, tensors_nbytes
 from dataflow._contracts import (
     FeatureStore,
     RefReceiver,
@@ -40,6 +41,7 @@ from dataflow._errors import (
 )
 from dataflow._events import Kind, dump_payload
 from dataflow._ledger import Ledger, NewEvent, WriteTransaction, _check_run_id, check_id
+from dataflow._metrics import MetricsServer, serve_run_metrics
 from dataflow._projection import RELEASE_POLICIES, Checkpoint, ReconcilePlan, RunState
 
 if TYPE_CHECKING:
@@ -169,6 +171,13 @@ class Producer:
 
     Give each concurrently running producer its own stable ``producer_id``:
     a run is finished when every producer that committed has closed.
+
+    ``backpressure``: a :class:`Watermarks`; an emit that would take the run's
+    un-trained features in the store above a high mark waits until they are
+    below the low marks (``emit(..., block=False)`` raises BackpressureError
+    instead). ``metrics_port``: serve the run's Prometheus metrics
+    (:class:`RunMetrics`) on this port, on ``metrics_host`` (default
+    ``127.0.0.1``, loopback only); ``close()`` stops serving them.
     """
 
     def __init__(
@@ -179,6 +188,9 @@ class Producer:
         run_id: str,
         producer_id: str = "producer",
         stream: RefSender | None = None,
+        backpressure: Watermarks | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
     ) -> None:
         _check_roles_args(ledger, store, run_id)
         if stream is not None and not isinstance(stream, RefSender):
@@ -188,6 +200,11 @@ class Producer:
         self.run_id = run_id
         self.producer_id = check_id("producer_id", producer_id)
         self.stream = stream
+        self._gate = None if backpressure is None else ProducerGate(ledger, run_id, backpressure)
+        #: The metrics endpoint (``metrics_port``), None when not serving.
+        self.metrics: MetricsServer | None = serve_run_metrics(
+            ledger, run_id, store, metrics_port, metrics_host
+        )
 
     def emit(
         self,
@@ -195,6 +212,8 @@ class Producer:
         tensors: Mapping[str, torch.Tensor],
         *,
         metadata: Mapping[str, Any] | None = None,
+        block: bool = True,
+        timeout: float | None = None,
     ) -> SampleRef | None:
         """Store ``tensors`` and commit the ref; None when ``sample_id`` was already committed.
 
@@ -203,20 +222,38 @@ class Producer:
         An emit that returns was committed; one that raises was not (a ref
         the stream would refuse, e.g. with too much metadata for a frame,
         raises BadFrameError before the commit).
-        """
-        return self.emit_many([(sample_id, tensors, metadata)])[0]
 
-    def emit_many(self, samples: Iterable[tuple[Any, ...]]) -> list[SampleRef | None]:
+        With ``backpressure``, an emit at the high mark waits until the
+        backlog is below the low marks, at most ``timeout`` seconds (None: as
+        long as it takes); ``block=False`` does not wait. Either way an emit
+        it cannot wait for raises BackpressureError before anything is stored.
+        """
+        return self.emit_many([(sample_id, tensors, metadata)], block=block, timeout=timeout)[0]
+
+    def emit_many(
+        self,
+        samples: Iterable[tuple[Any, ...]],
+        *,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> list[SampleRef | None]:
         """Emit ``(sample_id, tensors)`` or ``(sample_id, tensors, metadata)`` items.
 
         One ledger transaction for all; None for ids already committed.
+        ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
         """
+        check_wait(block, timeout)
         items = [tuple(item) for item in samples]
         for item in items:
             if len(item) not in (2, 3):
                 raise TypeError(f"emit_many takes (sample_id, tensors[, metadata]), got {item!r}")
             validate_sample_id(item[0])
         known = self.ledger.commits(self.run_id, [item[0] for item in items])
+        if self._gate is not None:
+            fresh = [item for item in items if item[0] not in known]
+            if fresh:
+                added = sum(tensors_nbytes(item[1]) for item in fresh)
+                self._gate.wait(len(fresh), added, block=block, timeout=timeout)
         refs: list[SampleRef] = []
         try:
             for sample_id, tensors, *meta in items:
@@ -429,11 +466,15 @@ class Producer:
         return revision
 
     def close(self) -> None:
-        """Record that this producer is done, and end its stream."""
-        with self.ledger.write(self.run_id, "close") as tx:
-            tx.append([NewEvent(Kind.CLOSE, self.producer_id)])
-        if self.stream is not None:
-            self.stream.close()
+        """Record that this producer is done, end its stream and stop serving its metrics."""
+        try:
+            with self.ledger.write(self.run_id, "close") as tx:
+                tx.append([NewEvent(Kind.CLOSE, self.producer_id)])
+            if self.stream is not None:
+                self.stream.close()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
 
 
 class Consumer:
@@ -467,6 +508,8 @@ class Consumer:
         release_policy: str = "on_checkpoint",
         max_attempts: int = 3,
         order_seed: int | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
     ) -> None:
         _check_roles_args(ledger, store, run_id)
         self.consumer_id = check_id("consumer_id", consumer_id)
@@ -498,21 +541,54 @@ class Consumer:
         self.release_policy = release_policy
         self.max_attempts = max_attempts
         #: The live fold of the run, brought up to date on every write.
-        self.state = RunState(run_id)
+        self.state = RunState(run_id, ref_source=ledger)
         self.epoch: int | None = None
         self._from_stream: set[str] = set()
         self._marked_closed: set[str] = set()
+        #: The run's Prometheus metrics endpoint (``metrics_port``, on ``metrics_host``,
+        #: default 127.0.0.1); None when not serving. ``metrics.close()`` stops it.
+        self.metrics: MetricsServer | None = serve_run_metrics(
+            ledger, run_id, store, metrics_port, metrics_host
+        )
+
+    #: Rank 0 stores a snapshot of its fold at a checkpoint once this many events
+    #: came since the last one (None: never); a restart then folds only the tail.
+    snapshot_every: int | None = 50_000
+    _snapshot_seq = -1  # the seq of the last snapshot written or read; -1: none looked for
 
     # -- internals -----------------------------------------------------------
     def _sync(self, tx: WriteTransaction) -> None:
+        self._start_from_snapshot()
         self.state.apply_rows(tx.rows_after(self.state.head_seq))
 
     def _catch_up(self) -> None:
+        self._start_from_snapshot()
         self.state.apply_rows(self.ledger.rows(self.run_id, after_seq=self.state.head_seq))
         if self.stream is not None:
             for producer_id in self.state.closed - self._marked_closed:
                 self.stream.mark_producer_closed(producer_id)
                 self._marked_closed.add(producer_id)
+
+    def _start_from_snapshot(self) -> None:
+        """Before the first fold: start from the run's newest valid snapshot, if any."""
+        if self._snapshot_seq >= 0:
+            return
+        self._snapshot_seq = 0
+        if self.state.head_seq == 0:
+            restored = self.ledger.load_snapshot(self.run_id)
+            if restored is not None:
+                self.state, self._snapshot_seq = restored, restored.head_seq
+
+    def _maybe_snapshot(self) -> None:
+        every = self.snapshot_every
+        if every is None or self.state.head_seq - max(self._snapshot_seq, 0) < every:
+            return
+        try:
+            self.ledger.save_snapshot(self.run_id, self.state)
+        except DataflowError as exc:  # a cache: a failed one costs a longer replay, no more
+            log.warning("could not snapshot run %r: %s", self.run_id, exc)
+            return
+        self._snapshot_seq = self.state.head_seq
 
     def _require_epoch(self) -> int:
         if self.epoch is None:
@@ -547,14 +623,17 @@ class Consumer:
         # The release events are durable before the features go: a crash in
         # between leaks features, it never leaves a ledger that promises
         # features which are gone.
-        for sid in sample_ids:
-            ref = self.state.ref(sid)
+        for sid, ref in self.state.refs(sample_ids).items():
             try:
                 self.store.delete(ref)
             except DataflowError as exc:
                 log.warning("could not delete features of %r from %s: %s", sid, ref.store, exc)
 
     # -- resume ----------------------------------------------------------------
+    #: Ids still leased to this consumer id when it joined its epoch (a restarted rank's
+    #: unfinished leases): the next lease() calls hand them out first. Set on joining.
+    _reclaimed: tuple[str, ...] = ()
+
     def resume(self, checkpoint: object = "latest") -> ReconcilePlan:
         """Start a new epoch from ``checkpoint`` and reconcile; return the plan.
 
@@ -562,7 +641,8 @@ class Consumer:
         lineage, or from scratch when there is none), a step (int) naming a
         recorded checkpoint (UnknownCheckpointError otherwise), a Checkpoint
         from ``state.checkpoints``, or None (from scratch). Ranks other than 0
-        join the epoch rank 0 started. Resuming a run that has no events
+        join the epoch rank 0 started, and reclaim what their ``consumer_id``
+        still holds in it (see :meth:`rejoin`). Resuming a run that has no events
         yet, in a ledger that holds other runs, warns and names them (a
         mistyped run id would otherwise start a new, empty run in silence);
         the first run of a new ledger starts quietly.
@@ -580,11 +660,13 @@ class Consumer:
                 stacklevel=2,
             )
         epoch = self._start_epoch(checkpoint) if self.rank == 0 else self._join_epoch()
-        self.epoch = epoch
+        joined, self.epoch = self.epoch != epoch, epoch
         # Stream refs of the old epoch are finished by this resume: they go
         # back through reconcile, so their slots go back to the window.
         self._credit(list(self._from_stream))
         self._catch_up()
+        if joined:  # not again for leases this object has already handed out
+            self._reclaim()
         if self.rank == 0 and self.state.violations:
             problems = self.state.violations
             warnings.warn(
@@ -670,19 +752,71 @@ class Consumer:
                 if self.state.epoch < epoch:
                     time.sleep(_POLL_S)
         else:
-            self._catch_up()
-            epoch = self.state.epoch
-            if epoch == 0:
-                raise LedgerStateError(
-                    f"rank {self.rank} cannot join run {self.run_id!r}: rank 0 has not resumed "
-                    "yet (resume rank 0 first, or initialize torch.distributed)"
-                )
+            epoch = self._current_epoch(
+                f"rank {self.rank} cannot join run {self.run_id!r}: rank 0 has not resumed "
+                "yet (resume rank 0 first, or initialize torch.distributed)"
+            )
+        self._check_world_size(epoch)
+        return epoch
+
+    def _current_epoch(self, refusal: str) -> int:
+        """The run's epoch, caught up; LedgerStateError(``refusal``) when none started yet."""
+        self._catch_up()
+        if self.state.epoch == 0:
+            raise LedgerStateError(refusal)
+        return self.state.epoch
+
+    def _check_world_size(self, epoch: int) -> None:
         if self.state.world_size != self.world_size:
             raise LedgerStateError(
                 f"epoch {epoch} of run {self.run_id!r} was started with world_size "
-                f"{self.state.world_size}, but this consumer has world_size {self.world_size}"
+                f"{self.state.world_size}, but this consumer has world_size {self.world_size}: "
+                "join it with the epoch's world size, or resume the whole run on the new one"
             )
-        return epoch
+
+    def rejoin(self) -> tuple[str, ...]:
+        """Join the run's current epoch alone, after this rank's process restarted.
+
+        For one rank that restarts while the others go on (independent consumers,
+        asynchronous ranks; in synchronous data parallel training every rank restarts
+        together and resumes). Nothing is appended, so no other rank is fenced off, and
+        no collective runs, so any rank may rejoin, rank 0 included. The samples this
+        ``consumer_id`` leased in the epoch and never acked, nacked or reported lost are
+        handed out again, first, by the next :meth:`lease` calls, without a new lease
+        event (they are still leased to it); returns their ids. Its acks stay.
+
+        The restarted process must use the same ``consumer_id``, ``rank`` and
+        ``world_size``: leases belong to the consumer id (another id reclaims nothing,
+        and the old id's leases wait for the next resume). Its acks go on from step
+        ``state.last_ack_step(consumer_id)``; its model state is the trainer's business.
+        Rejoin only once the old process is dead: the two would share the leases.
+
+        LedgerStateError when no consumer resumed the run yet, when the epoch has
+        another world size, or when this Consumer already resumed or rejoined.
+        """
+        if self.epoch is not None:
+            raise LedgerStateError(
+                f"consumer {self.consumer_id!r} already joined epoch {self.epoch} of run "
+                f"{self.run_id!r}: rejoin() is for a new Consumer in a restarted process"
+            )
+        epoch = self._current_epoch(
+            f"consumer {self.consumer_id!r} cannot rejoin run {self.run_id!r}: no consumer "
+            "has resumed it, so there is no epoch to rejoin; call resume() (rank 0 first)"
+        )
+        self._check_world_size(epoch)
+        self.epoch = epoch
+        return self._reclaim()
+
+    def _reclaim(self) -> tuple[str, ...]:
+        """Queue what this consumer id still holds in the epoch, in lease order, to hand out."""
+        mine = self.consumer_id
+        self._reclaimed = tuple(sid for sid, holder in self.state.leased.items() if holder == mine)
+        return self._reclaimed
+
+    def _still_reclaimed(self) -> list[str]:
+        """The reclaimed ids not handed out yet that this consumer id still holds."""
+        mine = self.consumer_id
+        return [s for s in self._reclaimed if self.state.leased.get(s) == mine]
 
     # -- leasing -------------------------------------------------------------
     @property
@@ -691,8 +825,11 @@ class Consumer:
 
         Samples this consumer still holds (leased, not yet acked) do not count:
         a trainer that accumulates gradients can be drained while it holds the
-        last micro-batches.
+        last micro-batches. Leases a restarted rank reclaimed (:meth:`rejoin`) and
+        has not handed out again do: they are still to come.
         """
+        if self._still_reclaimed():
+            return False
         if self.stream is not None and not self.stream.exhausted:
             return False
         if self.stream is None and not self.state.producers_done:
@@ -722,6 +859,9 @@ class Consumer:
 
     def lease(self, max_refs: int, *, timeout: float | None = 0.0) -> list[SampleRef]:
         """Take up to ``max_refs`` samples: requeued work first, then new commits.
+
+        After :meth:`rejoin` (or a rank > 0 :meth:`resume`), the leases this consumer
+        id still held come first, alone in their batches and without new lease events.
 
         Waits up to ``timeout`` seconds (None: until something comes or this
         rank is drained) for at least one; returns [] when nothing came.
@@ -765,6 +905,11 @@ class Consumer:
     def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
         self._catch_up()
         self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
+        held = self._still_reclaimed()
+        if held:  # before the seeded-order gate: these were leased already
+            refs = [self._committed_ref(s) for s in held[:max_refs]]
+            self._reclaimed = tuple(held[max_refs:])
+            return refs
         if self.state.order_seed is not None and (
             not self.state.producers_done or self.state.regenerate
         ):
@@ -899,7 +1044,11 @@ class Consumer:
     def nack(
         self, refs: Iterable[SampleRef | str], *, retryable: bool = True, reason: str = ""
     ) -> None:
-        """Give samples back: pending again if retryable, dead after ``max_attempts`` or if not."""
+        """Give samples back: pending again if retryable, dead after ``max_attempts`` or if not.
+
+        A retry goes back to this rank's queue (this rank is alive, so it is never stranded
+        on a rank that already drained); with several ranks the nack records the rank.
+        """
         ids = _sample_ids(refs, "nack")
         if not isinstance(retryable, bool):
             raise TypeError(f"retryable must be a bool, got {retryable!r}")
@@ -907,7 +1056,10 @@ class Consumer:
             raise ValueError(f"reason must be a str of at most 1000 characters, got {reason!r}")
         with self._write("nack") as tx:
             self._check_leased(ids, "nack")
-            payload = dump_payload({"retryable": retryable, "reason": reason})
+            fields: dict[str, Any] = {"retryable": retryable, "reason": reason}
+            if self.world_size > 1:
+                fields["rank"] = self.rank
+            payload = dump_payload(fields)
             tx.append(
                 NewEvent(Kind.NACK, self.consumer_id, s, epoch=tx.epoch, payload=payload)
                 for s in ids
@@ -1001,6 +1153,7 @@ class Consumer:
             tx.append(self._release_events(release))
             self._sync(tx)
         self._delete_features(release)
+        self._maybe_snapshot()
         return self.state.checkpoints[-1]
 
     def remove_checkpoints(self, checkpoints: Iterable[Checkpoint], *, reason: str) -> None:
@@ -1070,5 +1223,10 @@ class Consumer:
         return number
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
+        """Close the stream and stop the metrics endpoint, if any; the ledger stays open."""
+        try:
+            if self.stream is not None:
+                self.stream.close()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()

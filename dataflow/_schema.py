@@ -8,13 +8,15 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
     Text,
 )
 
-SCHEMA_VERSION = 1
+#: 1: events and runs. 2: snapshots (a v1 ledger is migrated when a writer opens it).
+SCHEMA_VERSION = 2
 
 metadata = MetaData()
 
@@ -68,4 +70,17 @@ Index(
     unique=True,
     sqlite_where=events.c.revision.isnot(None),
     postgresql_where=events.c.revision.isnot(None),
+)
+
+#: Snapshots of a run's fold (dataflow._snapshot): derived data, a cache of a
+#: replay. A bad or missing one only costs a full replay.
+snapshots = Table(
+    "dataflow_snapshots",
+    metadata,
+    Column("run_id", String(256), primary_key=True),
+    Column("seq", BigInteger, primary_key=True),
+    Column("format", Integer, nullable=False),
+    Column("digest", String(64), nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("ts", Float, nullable=False),
 )

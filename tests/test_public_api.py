@@ -27,6 +27,10 @@ REQUIRED = {
     "NotALedgerError",
     "InvalidIdError",
     "InvalidCheckpointPathError",
+    "Watermarks",
+    "RunMetrics",
+    "MetricsServer",
+    "serve_metrics",
 }
 
 

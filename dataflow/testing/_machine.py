@@ -36,6 +36,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from dataflow import _snapshot
 from dataflow._contracts import FeatureStore, SampleRef
 from dataflow._errors import StaleEpochError, UnknownCheckpointError
 from dataflow._ledger import Ledger
@@ -99,7 +100,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _new_consumers(self) -> list[Consumer]:
         self.generation += 1
-        return [
+        consumers = [
             Consumer(
                 self.ledger,
                 self.store,
@@ -112,6 +113,9 @@ class LedgerMachine(RuleBasedStateMachine):
             )
             for rank in range(self.world_size)
         ]
+        for consumer in consumers:
+            consumer.snapshot_every = 1  # a snapshot at every checkpoint: restarts start from one
+        return consumers
 
     # -- producers ---------------------------------------------------------------
     @rule(
@@ -337,6 +341,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def ledger_agrees_with_the_model(self) -> None:
         state = replay(self.ledger, self.run_id)
         assert state.verify() == [], state.verify()
+        full = replay(self.ledger, self.run_id, snapshots=False)
+        assert _snapshot._dump(state) == _snapshot._dump(full), "snapshot + tail != full replay"
         for consumer in self.consumers:
             consumer._catch_up()
             assert consumer.state.snapshot() == state.snapshot(), "live state != replay"
@@ -362,7 +368,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert state.released <= self.ever_checkpointed | self.dead, (
                 "features released before their sample was trained into a checkpoint"
             )
-        assert replay(self.ledger, self.run_id).plans == state.plans, "reconcile not deterministic"
+        assert full.plans == state.plans, "reconcile not deterministic"
         assert set(state.removed_checkpoints) == self.removed, "removals differ from the model"
         latest = state.checkpoint_for("latest") if state.epoch else None
         assert latest is None or latest.seq not in self.removed, "latest names a removed one"

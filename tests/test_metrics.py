@@ -1,0 +1,241 @@
+"""Prometheus metrics of a run: real runs on real ledgers, scraped over real HTTP (urllib)."""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from dataflow import Consumer, Kind, Ledger, Producer, RunMetrics, replay, serve_metrics
+from stores import LocalFeatureStore, SharedDirFeatureStore
+
+RUN = "run"
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def ledger_kinds(led: Ledger) -> collections.Counter[str]:
+    return collections.Counter(e.kind for e in led.events(RUN))
+
+
+def features(i: int) -> dict[str, torch.Tensor]:
+    return {"x": torch.zeros(i + 1, dtype=torch.float32), "y": torch.zeros(2, dtype=torch.int64)}
+
+
+def test_a_scrape_reports_the_ledger_s_counts_and_the_fold_s_gauges(ledger, store) -> None:
+    prod = Producer(ledger, store, run_id=RUN)
+    for i in range(12):
+        prod.emit(f"s{i:02d}", features(i))
+    cons = Consumer(ledger, store, run_id=RUN, consumer_id="trainer", max_attempts=1)
+    cons.resume()
+    metrics = RunMetrics(ledger, RUN, store=store)
+    with serve_metrics(0, metrics) as server:
+        first = scrape(server.url)
+        cons.ack(cons.lease(3), step=1)
+        cons.checkpoint(step=1, path=ckpt(1))  # releases the 3
+        refs = cons.lease(5)
+        cons.nack(refs[:1])  # max_attempts=1: dead
+        cons.nack(refs[1:2], retryable=False)  # dead
+        cons.lost(refs[2:3], reason="file deleted")
+        held = refs[3:]  # leased, not acked: in flight
+        samples = scrape(server.url)
+
+    state = replay(ledger, RUN)
+    kinds = ledger_kinds(ledger)
+    assert kinds[Kind.NACK] == 2 and kinds[Kind.LOST] == 1 and kinds[Kind.RELEASE] == 3
+    for kind in Kind.ALL:
+        assert value(samples, "dataflow_events_total", run=RUN, kind=kind) == kinds[kind], kind
+    assert value(first, "dataflow_events_total", run=RUN, kind="commit") == 12
+    assert value(first, "dataflow_events_total", run=RUN, kind="ack") == 0
+    assert value(samples, "dataflow_dead_samples_total", run=RUN) == len(state.dead) == 2
+    assert value(samples, "dataflow_inflight_refs", run=RUN) == len(state.leased) == 2
+    assert value(samples, "dataflow_inflight_bytes", run=RUN) == sum(r.nbytes for r in held)
+    assert value(samples, "dataflow_pending_refs", run=RUN) == len(state.pending) == 4
+    backlog = [s for s in state.committed if s in state.leased or state.is_pending(s)]
+    assert value(samples, "dataflow_backlog_refs", run=RUN) == len(backlog) == 6
+    assert value(samples, "dataflow_backlog_bytes", run=RUN) == sum(
+        state.ref(s).nbytes for s in backlog
+    )
+    assert value(samples, "dataflow_lag_refs", run=RUN) == 12 - 3 - 2 == 7  # the lost one too
+    stats = store.stats()
+    assert value(samples, "dataflow_store_bytes", store=store.uri) == stats.bytes
+    # 12 put, less 3 released at the checkpoint and 1 lost (what was left of it is deleted)
+    assert value(samples, "dataflow_store_objects", store=store.uri) == stats.objects == 8
+
+
+def test_the_append_histogram_counts_this_process_s_transactions(sqlite_url) -> None:
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    prod = Producer(led, store, run_id=RUN, metrics_port=0)
+    try:
+        prod.emit("a", features(0))
+        before = scrape(prod.metrics.url)
+        assert value(before, "dataflow_append_seconds_count", run=RUN, op="commit") == 1
+        prod.emit_many([("b", features(1)), ("c", features(2))])  # one transaction
+        prod.emit("d", features(3))
+        after = scrape(prod.metrics.url)
+        assert value(after, "dataflow_append_seconds_count", run=RUN, op="commit") == 3
+        assert value(after, "dataflow_append_seconds_sum", run=RUN, op="commit") > 0
+        assert value(after, "dataflow_append_seconds_bucket", run=RUN, op="commit", le="+Inf") == 3
+        assert value(after, "dataflow_events_total", run=RUN, kind="commit") == 4
+    finally:
+        prod.close()
+
+
+def test_the_endpoint_binds_to_loopback_unless_told_otherwise(sqlite_url) -> None:
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    prod = Producer(led, store, run_id=RUN, metrics_port=0)
+    cons = Consumer(led, store, run_id=RUN, consumer_id="trainer", metrics_port=0)
+    wide = Consumer(
+        led, store, run_id=RUN, consumer_id="t2", metrics_port=0, metrics_host="0.0.0.0"
+    )
+    try:
+        for server in (prod.metrics, cons.metrics):
+            assert server._httpd.socket.getsockname()[0] == server.host == "127.0.0.1"
+            assert server.url == f"http://127.0.0.1:{server.port}/metrics"
+        assert wide.metrics._httpd.socket.getsockname()[0] == "0.0.0.0"
+        # Three servers in one process, each with its own registry: no clash of names.
+        ports = {prod.metrics.port, cons.metrics.port, wide.metrics.port}
+        assert len(ports) == 3
+        for port in ports:
+            url = f"http://127.0.0.1:{port}/metrics"
+            assert value(scrape(url), "dataflow_events_total", run=RUN, kind="commit") == 0
+    finally:
+        prod.close()
+        cons.metrics.close()
+        wide.metrics.close()
+    assert Consumer(led, store, run_id=RUN, consumer_id="t3").metrics is None
+
+
+def test_close_stops_serving_and_frees_the_port(sqlite_url) -> None:
+    led = Ledger.open(sqlite_url)
+    server = serve_metrics(0, RunMetrics(led, RUN))
+    url, port = server.url, server.port
+    scrape(url)
+    server.close()
+    server.close()  # idempotent
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
+    with socket.socket() as s:  # nobody listens on the port (TIME_WAIT aside)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("port", "error", "says"),
+    [
+        (-1, ValueError, "must be from 0 to 65535 (0: any free port), got -1"),
+        (65536, ValueError, "got 65536"),
+        ("9100", TypeError, "must be an int (0 to 65535), got str '9100'"),
+        (9100.0, TypeError, "got float 9100.0"),
+        (True, TypeError, "got bool True"),
+    ],
+)
+def test_bad_ports_are_refused_naming_the_value(sqlite_url, port, error, says) -> None:
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    with pytest.raises(error) as info:
+        serve_metrics(port, RunMetrics(led, RUN))
+    assert says in str(info.value) and str(info.value).startswith("port ")
+    with pytest.raises(error) as info:
+        Producer(led, store, run_id=RUN, metrics_port=port)
+    assert says in str(info.value) and str(info.value).startswith("metrics_port ")
+
+
+def test_a_port_in_use_and_bad_hosts_are_refused_clearly(sqlite_url) -> None:
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}.*free port"):
+            Consumer(led, store, run_id=RUN, consumer_id="t", metrics_port=port)
+    for host in ("", " 127.0.0.1", None, 127):
+        with pytest.raises(ValueError, match="host must be an address or host name"):
+            serve_metrics(0, host=host)
+    with pytest.raises(
+        ValueError, match=r"metrics_host='0\.0\.0\.0' was given without metrics_port"
+    ):
+        Producer(led, store, run_id=RUN, metrics_host="0.0.0.0")
+
+
+def test_one_run_per_registry_and_a_user_registry_is_served(sqlite_url) -> None:
+    led = Ledger.open(sqlite_url)
+    registry = CollectorRegistry()
+    RunMetrics(led, RUN, registry=registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        RunMetrics(led, "other", registry=registry)
+    with serve_metrics(0, registry=registry) as server:
+        assert ("dataflow_lag_refs", (("run", RUN),)) in scrape(server.url)
+
+
+def produce(url: str, store_dir: str, count: int) -> None:
+    """A producer process: commit ``count`` samples and close."""
+    with Ledger.open(url) as led:
+        prod = Producer(led, SharedDirFeatureStore(store_dir), run_id=RUN)
+        for i in range(count):
+            prod.emit(f"p{i:02d}", features(i))
+        prod.close()
+
+
+def test_a_sidecar_counts_what_other_processes_wrote_folding_only_new_events(
+    sqlite_url, tmp_path
+) -> None:
+    store_dir = str(tmp_path / "features")
+    led = Ledger.open(sqlite_url)
+    store = SharedDirFeatureStore(store_dir)
+    metrics = RunMetrics(led, RUN, store=store)
+    with serve_metrics(0, metrics) as server:
+        assert value(scrape(server.url), "dataflow_lag_refs", run=RUN) == 0
+        process = multiprocessing.get_context("spawn").Process(
+            target=produce, args=(sqlite_url, store_dir, 10)
+        )
+        process.start()
+        process.join(120)
+        assert process.exitcode == 0
+        samples = scrape(server.url)
+        assert value(samples, "dataflow_events_total", run=RUN, kind="commit") == 10
+        assert value(samples, "dataflow_events_total", run=RUN, kind="close") == 1
+        assert value(samples, "dataflow_lag_refs", run=RUN) == 10
+        assert value(samples, "dataflow_store_objects", store=store.uri) == 10
+        # Appends of another process are not timed here.
+        assert not any(name.startswith("dataflow_append_seconds_count") for name, _ in samples)
+        cons = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+        cons.resume()
+        cons.ack(cons.lease(4), step=1)
+        seen = metrics._backlog.state.head_seq
+        samples = scrape(server.url)
+        assert value(samples, "dataflow_events_total", run=RUN, kind="ack") == 4
+        assert value(samples, "dataflow_lag_refs", run=RUN) == 6
+        assert metrics._backlog.state.head_seq == led.head_seq(RUN) > seen
+    assert ledger_kinds(led) == collections.Counter(
+        {Kind.COMMIT: 10, Kind.CLOSE: 1, Kind.RESUME: 1, Kind.LEASE: 4, Kind.ACK: 4}
+    )
+
+
+def test_importing_dataflow_leaves_prometheus_client_out() -> None:
+    code = "import sys, dataflow; print('prometheus_client' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
