@@ -15,7 +15,7 @@ class Kind:
     RESUME = "resume"  # a new consumer epoch starts, from a checkpoint or from scratch
     LEASE = "lease"  # a consumer took a sample
     ACK = "ack"  # the sample was trained into optimizer step `step`
-    NACK = "nack"  # the sample was given back (payload: retryable, reason)
+    NACK = "nack"  # the sample was given back (payload: retryable, reason, rank if > 1 rank)
     CHECKPOINT = "checkpoint"  # a durable checkpoint at `step` (payload: path, digest)
     RELEASE = "release"  # the sample's features were freed from the store
     DATA_EPOCH = "data_epoch"  # every live sample is pending again (payload: seed)

@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,7 @@ class ReconcilePlan:
     requeued: tuple[str, ...]
     released: tuple[str, ...]
     regenerate: tuple[str, ...]
-    trained: frozenset[str]
+    trained: Set[str]
     data_epoch: int = 0
     world_size: int = 1
     rank: int | None = None
@@ -73,6 +73,42 @@ class ReconcilePlan:
         return dataclasses.replace(
             self, requeued=tuple(self.requeued[rank :: self.world_size]), rank=rank
         )
+
+
+class _TrainedAt(Set[str]):
+    """A plan's ``trained``: its checkpoint's trained set, computed when first read.
+
+    Held eagerly, each resume's plan would keep a set of every sample trained so far
+    (30 bytes each); the lineage it is computed from never changes once the plan's
+    epoch has started, so reading it later gives the same set.
+    """
+
+    __slots__ = ("_compute", "_value")
+
+    def __init__(self, compute: Callable[[], Iterable[str]]) -> None:
+        self._compute: Callable[[], Iterable[str]] | None = compute
+        self._value: frozenset[str] | None = None
+
+    def _get(self) -> frozenset[str]:
+        if self._value is None:
+            assert self._compute is not None
+            self._value, self._compute = frozenset(self._compute()), None
+        return self._value
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._get()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __hash__(self) -> int:
+        return hash(self._get())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} samples)"
 
 
 #: The step stored for an ack whose step is not an int (a damaged row, already a
@@ -519,11 +555,17 @@ class RunState:
             requeued=tuple(requeued),
             released=tuple(released),
             regenerate=tuple(self.regenerate),
-            trained=frozenset(trained),
+            trained=self._trained_at(ckpt),
             data_epoch=data_epoch,
             world_size=node.world_size,
             checkpoint=ckpt,
         )
+
+    def _trained_at(self, ckpt: Checkpoint | None) -> Set[str]:
+        """The trained set of ``ckpt`` (empty from scratch), computed when first read."""
+        if ckpt is None:
+            return frozenset()
+        return _TrainedAt(lambda: self._lineage_at(ckpt.epoch, ckpt.step, ckpt.seq)[0])
 
     def _unreleased_after(self, trained: Mapping[str, int]) -> list[str]:
         """Trained ids whose features are still stored, in commit order."""
@@ -722,8 +764,9 @@ class RunState:
             return
         p = load_payload(payload)
         if sid not in self._commits or p.get("revision", 0) != self._revisions.get(sid, 0):
-            # An older revision's features went missing; the newest ones are stored.
-            self._enqueue(sid, self._round_robin_owner(), requeued=True)
+            # An older revision's features went missing; the newest ones are stored: back to
+            # the rank that found it (alive; a round-robin owner may have drained).
+            self._enqueue(sid, self._retry_rank(None, rank), requeued=True)
             return
         self.lost[sid] = str(p.get("reason") or "lost")
         if rank is not None:

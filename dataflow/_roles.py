@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import itertools
 import logging
 import math
@@ -155,6 +156,18 @@ def _dist_group_active(world_size: int) -> bool:
         and torch.distributed.is_available()
         and torch.distributed.is_initialized()
     )
+
+
+def _trim_heap(events: int) -> None:
+    """After the first fold of a long run, give the heap's free pages back (glibc).
+
+    Decoding a snapshot and reconciling a resume allocate far more than the fold
+    keeps; without this the process would go on holding that peak.
+    """
+    if events < 100_000 or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the pages stay, no more
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _broadcast_epoch(epoch: int) -> int:
@@ -492,7 +505,12 @@ class Consumer:
     appends the resume and checkpoint events; with torch.distributed
     initialized the ranks synchronize through collectives, otherwise the
     caller must make rank 0 resume before the others and checkpoint only
-    after every rank's acks up to that step have returned.
+    after every rank's acks up to that step have returned. A rank whose process
+    restarted alone calls :meth:`rejoin` instead of :meth:`resume`.
+
+    ``metrics_port``: serve this run's Prometheus metrics on that port (127.0.0.1
+    unless ``metrics_host`` says otherwise; docs/operations.md, "Metrics");
+    :meth:`close` stops the endpoint.
     """
 
     def __init__(
@@ -558,7 +576,10 @@ class Consumer:
 
     # -- internals -----------------------------------------------------------
     def _sync(self, tx: WriteTransaction) -> None:
-        self._start_from_snapshot()
+        if self._snapshot_seq < 0:
+            # The first fold: page through the log outside the transaction (rows_after
+            # holds what it reads in memory at once), so the transaction reads the tail.
+            self._catch_up()
         self.state.apply_rows(tx.rows_after(self.state.head_seq))
 
     def _catch_up(self) -> None:
@@ -683,6 +704,7 @@ class Consumer:
                 tx.append(self._release_events(pending_release))
                 self._sync(tx)
             self._delete_features(pending_release)
+        _trim_heap(self.state.head_seq)
         return plan.for_rank(self.rank)
 
     def _known_runs_hint(self) -> str:
@@ -805,6 +827,7 @@ class Consumer:
         )
         self._check_world_size(epoch)
         self.epoch = epoch
+        _trim_heap(self.state.head_seq)
         return self._reclaim()
 
     def _reclaim(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import zlib
 from array import array
 from collections.abc import Iterable, Mapping
@@ -31,32 +32,89 @@ if TYPE_CHECKING:
 FORMAT = 1
 
 
+_INT64 = range(-(2**63), 2**63)
+_MAGIC = b"DFSNAP01"
+_LENGTH = struct.Struct("<Q")
+
+
+class _Columns:
+    """Int columns of a body, each its own zlib segment of int64s after the JSON one.
+
+    Decoding one makes an array, never an int object per value, and only one
+    column is inflated at a time: a restart's memory peak stays near what it keeps.
+    """
+
+    def __init__(self, segments: list[bytes] | None = None) -> None:
+        self.segments = segments if segments is not None else []
+
+    def put(self, values: Iterable[Any]) -> Any:
+        """A reference to ``values`` as a segment when they are all int64s; else the list."""
+        values = list(values)
+        if all(type(v) is int and v in _INT64 for v in values):
+            self.segments.append(zlib.compress(array("q", values).tobytes(), 1))
+            return {"column": len(self.segments) - 1}
+        return values
+
+    def get(self, column: Any) -> Any:
+        """What :meth:`put` returned, back: an array of int64s, or the list as it was."""
+        if isinstance(column, dict):
+            values = array("q")
+            values.frombytes(zlib.decompress(self.segments[column["column"]]))
+            return values
+        if not isinstance(column, list):
+            raise TypeError(f"a snapshot column is a {type(column).__name__}")
+        return column
+
+
 def digest(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
 def encode(state: RunState) -> bytes:
-    """``state`` as a compressed snapshot body."""
-    return zlib.compress(json.dumps(_dump(state), separators=(",", ":")).encode(), 1)
+    """``state`` as a snapshot body: magic, then length-prefixed zlib segments."""
+    columns = _Columns()
+    header = zlib.compress(json.dumps(_dump(state, columns), separators=(",", ":")).encode(), 1)
+    parts = [_MAGIC]
+    for segment in (header, *columns.segments):
+        parts += [_LENGTH.pack(len(segment)), segment]
+    return b"".join(parts)
 
 
 def decode(run_id: str, body: bytes, *, ref_source: Ledger | None) -> RunState:
     """The RunState a snapshot body holds; ValueError/KeyError/TypeError if it is damaged."""
-    data = json.loads(zlib.decompress(body))
+    view = memoryview(body)
+    if bytes(view[: len(_MAGIC)]) != _MAGIC:
+        raise ValueError("a snapshot body must start with " + _MAGIC.decode())
+    segments, offset = [], len(_MAGIC)
+    while offset < len(view):
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += _LENGTH.size
+        if offset + length > len(view):
+            raise ValueError("a snapshot segment runs past the end of the body")
+        segments.append(view[offset : offset + length])
+        offset += length
+    if not segments:
+        raise ValueError("a snapshot body holds no segment")
+    data = json.loads(zlib.decompress(segments[0]))
     if data.get("format") != FORMAT or data.get("run_id") != run_id:
         raise ValueError(f"snapshot of format {data.get('format')!r}, run {data.get('run_id')!r}")
-    return _load(data, RunState(run_id, ref_source=ref_source))
+    return _load(data, _Columns(segments[1:]), RunState(run_id, ref_source=ref_source))
 
 
-def _dump(state: RunState) -> dict[str, Any]:
+def _dump(state: RunState, columns: _Columns | None = None) -> dict[str, Any]:
+    """``state`` as plain data; int columns go to ``columns`` (lists when None: for tests)."""
+    put = columns.put if columns is not None else list
     ids = list(state._commits)
     index = {sid: i for i, sid in enumerate(ids)}
 
-    def many(sids: Iterable[str]) -> list[int]:
-        return [index[s] for s in sids]
+    def many(sids: Iterable[str]) -> Any:
+        return put(index[s] for s in sids)
 
-    def pairs(mapping: Mapping[str, Any]) -> list[list[Any]]:
-        return [many(mapping), list(mapping.values())]
+    def sorted_many(sids: Iterable[str]) -> Any:
+        return put(sorted(index[s] for s in sids))
+
+    def pairs(mapping: Mapping[str, Any]) -> list[Any]:
+        return [many(mapping), put(mapping.values())]
 
     return {
         "format": FORMAT,
@@ -65,11 +123,11 @@ def _dump(state: RunState) -> dict[str, Any]:
         "epoch": state.epoch,
         "data_epoch": state.data_epoch,
         "ids": ids,
-        "first_seqs": state._first_seqs.tolist(),
+        "first_seqs": put(state._first_seqs),
         "revisions": pairs(state._revisions),
         "leased": pairs(state.leased),
         "trained": pairs(state.trained),
-        "released": sorted(many(state.released)),
+        "released": sorted_many(state.released),
         "dead": pairs(state.dead),
         "lost": pairs(state.lost),
         "attempts": pairs(state.attempts),
@@ -78,17 +136,17 @@ def _dump(state: RunState) -> dict[str, Any]:
         "removed_checkpoints": list(state.removed_checkpoints.items()),
         "producers": sorted(state.producers),
         "closed": sorted(state.closed),
-        "plans": [_plan_row(plan, many) for plan in state.plans.values()],
+        "plans": [_plan_row(plan, many, sorted_many) for plan in state.plans.values()],
         "violations": state.violations,
         "pending": [[rank, many(queue)] for rank, queue in state._pending.items()],
-        "requeued": sorted(many(state._requeued)),
+        "requeued": sorted_many(state._requeued),
         "queue_pos": pairs(state._queue_pos),
         "lessee_rank": pairs(state._lessee_rank),
         "lost_rank": pairs(state._lost_rank),
         "next_pos": state._next_pos,
         "next_owner": state._next_owner,
         "unreleased_acks": pairs(state._unreleased_acks),
-        "epochs": [_epoch_row(node, many) for node in state._epochs.values()],
+        "epochs": [_epoch_row(node, many, put) for node in state._epochs.values()],
         "world_size": state._world_size,
         "resumes": state._resumes,
         "order_args": list(state._order_args),
@@ -99,14 +157,13 @@ def _checkpoint_row(c: Checkpoint) -> list[Any]:
     return [c.seq, c.epoch, c.step, c.path, c.data_epoch, c.digest]
 
 
-def _plan_row(plan: ReconcilePlan, many: Any) -> dict[str, Any]:
+def _plan_row(plan: ReconcilePlan, many: Any, sorted_many: Any) -> dict[str, Any]:
     return {
         "epoch": plan.epoch,
         "checkpoint_step": plan.checkpoint_step,
         "requeued": many(plan.requeued),
         "released": many(plan.released),
         "regenerate": many(plan.regenerate),
-        "trained": sorted(many(plan.trained)),
         "data_epoch": plan.data_epoch,
         "world_size": plan.world_size,
         "rank": plan.rank,
@@ -114,7 +171,7 @@ def _plan_row(plan: ReconcilePlan, many: Any) -> dict[str, Any]:
     }
 
 
-def _epoch_row(node: _Epoch, many: Any) -> dict[str, Any]:
+def _epoch_row(node: _Epoch, many: Any, put: Any) -> dict[str, Any]:
     return {
         "number": node.number,
         "parent": node.parent,
@@ -126,44 +183,42 @@ def _epoch_row(node: _Epoch, many: Any) -> dict[str, Any]:
         "max_attempts": node.max_attempts,
         "order_seed": node.order_seed,
         "ack_sids": many(node.acks.sids),
-        "ack_steps": node.acks.steps.tolist(),
-        "ack_data_epochs": node.acks.data_epochs.tolist(),
+        "ack_steps": put(node.acks.steps),
+        "ack_data_epochs": put(node.acks.data_epochs),
         "data_epochs": node.data_epochs,
         "last_checkpoint_step": node.last_checkpoint_step,
         "ack_steps_by_consumer": node.ack_steps,
     }
 
 
-def _load(data: dict[str, Any], state: RunState) -> RunState:
+def _load(data: dict[str, Any], columns: _Columns, state: RunState) -> RunState:
     ids: list[str] = data["ids"]
-    steps: dict[int, int] = {}
+    steps: dict[int, int] = {}  # one int object per step, as the fold keeps them
 
-    def step(value: Any) -> Any:
-        return steps.setdefault(value, value) if isinstance(value, int) else value
+    def many(column: Any) -> list[str]:
+        return list(map(ids.__getitem__, columns.get(column)))
 
-    def many(indices: Iterable[int]) -> list[str]:
-        return [ids[i] for i in indices]
-
-    def mapping(row: list[list[Any]], value: Any = None) -> dict[str, Any]:
-        keys, values = row
+    def mapping(row: list[Any], *, shared: bool = False) -> dict[str, Any]:
+        keys, values = columns.get(row[0]), columns.get(row[1])
         if len(keys) != len(values):
             raise ValueError("a snapshot mapping has keys and values of different lengths")
-        if value is None:
-            return {ids[i]: v for i, v in zip(keys, values, strict=True)}
-        return {ids[i]: value(v) for i, v in zip(keys, values, strict=True)}
+        if shared and isinstance(values, array):
+            values = values.tolist()
+            values = map(steps.setdefault, values, values)
+        return dict(zip(map(ids.__getitem__, keys), values, strict=True))  # loops in C
 
     state.head_seq = data["head_seq"]
     state.epoch = data["epoch"]
     state.data_epoch = data["data_epoch"]
-    state._commits = {sid: sid for sid in ids}
+    state._commits = dict(zip(ids, ids, strict=True))
     if len(state._commits) != len(ids):
         raise ValueError("a snapshot lists a sample id twice")
-    state._first_seqs = array("q", data["first_seqs"])
+    state._first_seqs = array("q", columns.get(data["first_seqs"]))
     if len(state._first_seqs) != len(ids):
         raise ValueError("a snapshot has a first seq per id missing")
     state._revisions = mapping(data["revisions"])
     state.leased = mapping(data["leased"])
-    state.trained = mapping(data["trained"], step)
+    state.trained = mapping(data["trained"], shared=True)
     state._steps = steps
     state.released = set(many(data["released"]))
     state.dead = mapping(data["dead"])
@@ -176,17 +231,18 @@ def _load(data: dict[str, Any], state: RunState) -> RunState:
     state.closed = set(data["closed"])
     state.plans = {}
     for row in data["plans"]:
+        checkpoint = None if row["checkpoint"] is None else Checkpoint(*row["checkpoint"])
         plan = ReconcilePlan(
             epoch=row["epoch"],
             checkpoint_step=row["checkpoint_step"],
             requeued=tuple(many(row["requeued"])),
             released=tuple(many(row["released"])),
             regenerate=tuple(many(row["regenerate"])),
-            trained=frozenset(many(row["trained"])),
+            trained=state._trained_at(checkpoint),
             data_epoch=row["data_epoch"],
             world_size=row["world_size"],
             rank=row["rank"],
-            checkpoint=None if row["checkpoint"] is None else Checkpoint(*row["checkpoint"]),
+            checkpoint=checkpoint,
         )
         state.plans[plan.epoch] = plan
     state.violations = list(data["violations"])
@@ -197,13 +253,13 @@ def _load(data: dict[str, Any], state: RunState) -> RunState:
     state._lost_rank = mapping(data["lost_rank"])
     state._next_pos = data["next_pos"]
     state._next_owner = data["next_owner"]
-    state._unreleased_acks = mapping(data["unreleased_acks"], step)
+    state._unreleased_acks = mapping(data["unreleased_acks"], shared=True)
     state._epochs = {}
     for row in data["epochs"]:
         acks = _Acks()
         acks.sids = many(row["ack_sids"])
-        acks.steps = array("q", row["ack_steps"])
-        acks.data_epochs = array("l", row["ack_data_epochs"])
+        acks.steps = array("q", columns.get(row["ack_steps"]))
+        acks.data_epochs = array("l", columns.get(row["ack_data_epochs"]))
         if not len(acks.sids) == len(acks.steps) == len(acks.data_epochs):
             raise ValueError("a snapshot's acks have columns of different lengths")
         node = _Epoch(

@@ -123,6 +123,13 @@ def _damage(ledger: Ledger, run_id: str, **values: object) -> None:
     [
         ({"body": b"\x00" * 40}, "digest does not match"),
         ({"body": b"not zlib", "digest": _snapshot.digest(b"not zlib")}, "cannot be read"),
+        (  # a segment that claims more bytes than the body holds
+            {
+                "body": b"DFSNAP01\xff\x00\x00\x00\x00\x00\x00\x00xx",
+                "digest": _snapshot.digest(b"DFSNAP01\xff\x00\x00\x00\x00\x00\x00\x00xx"),
+            },
+            "runs past the end",
+        ),
     ],
 )
 def test_a_damaged_snapshot_falls_back_to_the_full_replay_with_a_warning(
