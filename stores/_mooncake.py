@@ -23,6 +23,7 @@ Every Mooncake return code is translated into the dataflow error tree in
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -35,7 +36,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -67,6 +68,7 @@ from stores._pool import Chunk, ChunkPool
 from stores._registry import MOONCAKE_HINT
 
 OK, NOT_FOUND, ALREADY_EXISTS, BUFFER_TOO_SMALL, NOT_READY = 0, -704, -705, -600, -703
+NO_AVAILABLE_HANDLE = -200
 # A read whose transfer outlasted the read lease it was granted: its bytes may be torn.
 LEASE_EXPIRED = -707
 _READ_TRIES = 3
@@ -98,7 +100,9 @@ _NAMES = {
     -901: "RPC_TIMEOUT",
     -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
 }
-_UNAVAILABLE = {-103, -800, -900, -901, -1010}
+_UNAVAILABLE = frozenset({-103, -800, -900, -901, -1010})
+# What may pass once the master answers and has taken this client back (see _Client.call).
+_TRANSIENT = _UNAVAILABLE | {NO_AVAILABLE_HANDLE}
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _CLAIM_BYTES = 8
@@ -107,6 +111,8 @@ _HEAD_MAGIC = b"DFHEAD02"
 _HEAD_FAMILY = b"DFHEAD"
 _HEAD_SUM = struct.Struct("<Q")
 _BLOCK = 1 << 20
+#: Seconds between the checks that the master still holds a client's claim of generations.
+_CLAIM_CHECK_S = 1.0
 _SCAN_BATCH = 128
 #: Port of the master's HTTP server (``mooncake_master -metrics_port``) by default.
 ADMIN_PORT = 9003
@@ -115,6 +121,8 @@ _FIX = "delete the sample (store.delete(ref)) and put it again (regenerate it)"
 _MiB = 1 << 20
 _SIZE_RE = re.compile(r"(\d+)\s*([KMG]i?B?)?", re.IGNORECASE)
 log = logging.getLogger(__name__)
+# The master's HTTP server is on the cluster's network: never through a proxy.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _require_mooncake() -> ModuleType:
@@ -127,15 +135,35 @@ def _require_mooncake() -> ModuleType:
     return mooncake_store
 
 
-def _error(code: int, what: str) -> StoreError:
+def _error(code: int, what: str, *, mounted: bool | None = True) -> StoreError:
+    """The dataflow error for a Mooncake return code. ``mounted``: whether the master
+    listed this client's memory when it got the code (None: unknown; see _Client.call)."""
     name = f"{_NAMES.get(code, 'error')} ({code})"
-    if code == -200:
+    if code == NO_AVAILABLE_HANDLE and mounted is False:
+        return StoreUnavailableError(
+            f"{what}: Mooncake found no memory, {name}, and the master does not list this "
+            "client's segment (or, for a client that mounts none, any segment): a master "
+            "that restarted takes its clients back, and mounts their memory again, at their "
+            "next heartbeat; check that the master runs, that this process reaches it, and "
+            "that some process mounts memory (a store opened with segment_size > 0)"
+        )
+    if code == NO_AVAILABLE_HANDLE:
+        unknown = (
+            " (the master's HTTP server, admin=, did not answer, so it is unknown whether "
+            "this is a master that restarted and has not taken this client back yet)"
+            if mounted is None
+            else ""
+        )
         return StoreFullError(
-            f"{what}: Mooncake has no space left, {name}; delete released samples or mount "
-            "larger segments (segment_size)"
+            f"{what}: Mooncake has no space left, {name}{unknown}; delete released samples "
+            "or mount larger segments (segment_size), and check that some process mounts "
+            "memory (a store opened with segment_size > 0)"
         )
     if code in _UNAVAILABLE:
-        return StoreUnavailableError(f"{what}: Mooncake is unreachable or not ready, {name}")
+        return StoreUnavailableError(
+            f"{what}: Mooncake is unreachable or not ready, {name}; check that the master "
+            "runs and that this process reaches it"
+        )
     if code == NOT_FOUND:
         return StaleRefError(f"{what}: {name}")
     return StoreError(f"{what} failed: {name}")
@@ -166,13 +194,26 @@ def _split_host_port(address: str, what: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _probe(address: str, what: str, timeout: float) -> None:
-    # Mooncake's own setup retries an unreachable master for about 90 s; a
-    # plain TCP connect answers in milliseconds and names the address.
+def _refused(address: str, what: str, timeout: float) -> OSError | None:
+    """Why a TCP connection to ``address`` fails (a master that is down refuses it); None
+    when it succeeds."""
     host, port = _split_host_port(address, what)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
+        return exc
+    return None
+
+
+def _answers(address: str) -> bool:
+    return _refused(address, "master address", 0.2) is None
+
+
+def _probe(address: str, what: str, timeout: float) -> None:
+    # Mooncake's own setup retries an unreachable master for about 90 s; a
+    # plain TCP connect answers in milliseconds and names the address.
+    exc = _refused(address, what, timeout)
+    if exc is not None:
         raise StoreUnavailableError(
             f"cannot reach the Mooncake {what} at {address}: {exc}; is mooncake_master running "
             "there (see stores.mooncake_master.MooncakeMaster)?"
@@ -202,19 +243,32 @@ class _Generations:
     more than its sample's current generation), rounded up to a block boundary;
     so two clients that claim at once race for one key, and the loser takes
     the next block.
+
+    A master that restarts forgets every claim, and another client could then
+    claim this client's block again: so at most once a second while puts
+    come, and at once after the client saw the master unreachable, a take
+    checks that the master still holds the claim, and claims a fresh block if
+    it does not.
     """
 
-    def __init__(self, raw: Any, config: Any, prefix: str) -> None:
-        self._raw = raw
-        self._config = config
+    def __init__(self, client: _Client, prefix: str) -> None:
+        self._client = client
         self._prefix = prefix
         self._lock = threading.Lock()
         self._next = self._end = 0
+        self._claim_key = ""
+        self._checked_at = 0.0
+        self._checked_troubles = 0
 
     def take(self, floors: list[int]) -> list[int]:
         """One fresh generation per floor, each at least its floor, in increasing order."""
         out = []
         with self._lock:
+            if self._end and (
+                time.monotonic() - self._checked_at >= _CLAIM_CHECK_S
+                or self._client.troubles != self._checked_troubles
+            ):
+                self._check_claim()
             for floor in floors:
                 generation = max(self._next, floor)
                 if generation >= self._end:
@@ -224,21 +278,38 @@ class _Generations:
                 self._next = generation + 1
         return out
 
+    def _check_claim(self) -> None:
+        client = self._client
+        self._checked_at, self._checked_troubles = time.monotonic(), client.troubles
+        if client.call(client.raw.is_exist, self._claim_key) == 0:
+            log.warning(
+                "the Mooncake master %s no longer holds the claim %s (it restarted): "
+                "claiming a fresh block of generations",
+                client.settings.master,
+                self._claim_key,
+            )
+            self._end = 0  # the next take claims a block above self._next
+
     def _claim(self, at_least: int) -> int:
+        client = self._client
         base = -(-at_least // _BLOCK) * _BLOCK
         for _ in range(64):
             key = f"{self._prefix}{base}"
-            (code,) = self._raw.batch_put_session_start([key], [_CLAIM_BYTES], self._config)
+            start = client.raw.batch_put_session_start
+            (code,) = client.call(start, [key], [_CLAIM_BYTES], client.config)
             if code == ALREADY_EXISTS:
                 base += _BLOCK
                 continue
+            what = f"claiming the generations of {key}"
             if code != OK:
-                raise _error(code, f"claiming the generations of {key}")
+                raise _error(code, what)
             # The claim is never read for its bytes: the session ends without a transfer.
-            (code,) = self._raw.batch_put_session_end([key])
+            (code,) = client.call(client.raw.batch_put_session_end, [key])
             if code != OK:
-                self._raw.batch_put_session_revoke([key])
-                raise _error(code, f"claiming the generations of {key}")
+                client.raw.batch_put_session_revoke([key])
+                raise _error(code, what)
+            self._claim_key = key
+            self._checked_at, self._checked_troubles = time.monotonic(), client.troubles
             return base
         raise StoreError(f"could not claim a free block of generations under {self._prefix}")
 
@@ -251,13 +322,16 @@ class _Removals:
     (OBJECT_HAS_LEASE); waiting for it in ``delete`` would stall every consumer
     that deletes what it just read. We never probe before removing (a probe is
     a read and renews the lease), and the keys that must wait are retried with
-    backoff by a daemon thread, and drained at close.
+    backoff by a daemon thread, and drained at close. While the master does
+    not answer (``reachable``), keys are queued without a try: a Mooncake call
+    to a master that is down takes seconds to fail.
     """
 
     _BATCH = 1024
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, reachable: Callable[[], bool] = lambda: True) -> None:
         self._raw = raw
+        self._reachable = reachable
         self._cond = threading.Condition()
         self._pending: dict[str, None] = {}
         self._thread: threading.Thread | None = None
@@ -298,6 +372,8 @@ class _Removals:
             time.sleep(0.05)
 
     def _try(self, keys: list[str]) -> list[str]:
+        if not self._reachable():
+            return list(keys)
         left = []
         for i in range(0, len(keys), self._BATCH):
             batch = keys[i : i + self._BATCH]
@@ -346,6 +422,7 @@ class _Settings:
     buffer_size: int
     connect_timeout: float
     max_idle_bytes: int
+    admin: str  # HOST:PORT of the master's HTTP server
 
     @property
     def key(self) -> tuple[str, ...]:
@@ -354,6 +431,7 @@ class _Settings:
 
 class _Client:
     def __init__(self, settings: _Settings) -> None:
+        self.settings = settings
         mooncake_store = _require_mooncake()
         _probe(settings.master, "master", settings.connect_timeout)
         parsed = urllib.parse.urlsplit(settings.metadata)
@@ -380,13 +458,90 @@ class _Client:
         self.pool = ChunkPool(
             settings.max_idle_bytes, register=self._register, unregister=self._unregister
         )
-        self.removals = _Removals(self.raw)
+        self.removals = _Removals(self.raw, self.reachable)
         # Puts and deletes of one sample id in this process take turns, so that
         # threads never race on its head; other processes still can (see _put_batch).
         self._id_locks = [threading.Lock() for _ in range(64)]
         self._generations: dict[str, _Generations] = {}
         self._generations_lock = threading.Lock()
         self.users = 0
+        #: Calls that found the master unreachable or without this client's memory (see call).
+        self.troubles = 0
+        self._unreachable = False
+
+    def call(self, op: Callable[..., Any], *args: Any) -> Any:
+        """``op(*args)`` on the Mooncake client, again for up to ``connect_timeout`` while it
+        cannot be served yet; what it returned last.
+
+        That is while the master is unreachable, and while it does not list this
+        client's memory (see :meth:`mounted`). A master that restarts forgets
+        every object and every client; the Mooncake client reconnects on its own
+        and is taken back at its next heartbeat (about a second), when its
+        segment is mounted again: until then a write finds no memory
+        (NO_AVAILABLE_HANDLE), and a read of anything put before the restart
+        finds nothing (a stale ref, which is the truth). While the master seems
+        down, its port is probed before each try: a Mooncake call to a master
+        that is down takes seconds to fail. At the deadline it raises
+        StoreUnavailableError naming the master (StoreFullError for a write that
+        still finds no memory while the master's HTTP server does not answer).
+        """
+        got = None if self._unreachable else op(*args)
+        if got is not None and self._settled(got):
+            return got
+        master, timeout = self.settings.master, self.settings.connect_timeout
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            self.troubles += 1
+            if time.monotonic() >= deadline:
+                if got is None:
+                    raise StoreUnavailableError(
+                        f"the Mooncake master at {master} refused connections for {timeout:g}s "
+                        "(connect_timeout); is mooncake_master running there?"
+                    )
+                codes = got if isinstance(got, list) else (got,)
+                code = next(code for code in codes if code in _TRANSIENT)
+                what = f"no answer from the Mooncake master at {master} in {timeout:g}s"
+                mounted = self.mounted() if code == NO_AVAILABLE_HANDLE else True
+                raise _error(code, what, mounted=mounted)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.2)
+            if _answers(master):
+                got = op(*args)
+                if self._settled(got):
+                    return got
+            else:
+                self._unreachable = True
+
+    def reachable(self) -> bool:
+        """Whether the master answers, as far as the last call tells (probed while it did not)."""
+        return not self._unreachable or _answers(self.settings.master)
+
+    def _settled(self, got: Any) -> bool:
+        """Whether what a call returned is its answer, not the master being away or not
+        listing this client's memory (yet)."""
+        codes = got if isinstance(got, list) else (got,)
+        if _TRANSIENT.isdisjoint(codes):
+            self._unreachable = False
+            return True
+        self._unreachable = not _UNAVAILABLE.isdisjoint(codes)
+        return not self._unreachable and self.mounted() is True
+
+    def mounted(self) -> bool | None:
+        """Whether the master lists this client's segment (or, for a client that mounts
+        none, any segment), as its HTTP server (``admin``) says; None if that does not
+        answer. What tells a full store from a master that restarted and has not
+        taken this client back: both answer a write with NO_AVAILABLE_HANDLE, and the
+        client's own health_check() can report healthy before its segment is back."""
+        url = f"http://{self.settings.admin}/get_all_segments"
+        try:
+            with _OPENER.open(url, timeout=0.5) as response:
+                segments = response.read().decode(errors="replace").split()
+        except OSError:  # URLError and HTTPError are OSErrors
+            return None
+        if self.settings.segment_size:
+            return self.raw.get_hostname() in segments
+        return bool(segments)
 
     def _register(self, chunk: Chunk) -> None:
         code = self.raw.register_buffer(chunk.ptr, chunk.size)
@@ -401,13 +556,18 @@ class _Client:
             found = self._generations.get(namespace)
             if found is None:
                 prefix = f"{namespace}/@generations/"
-                found = self._generations[namespace] = _Generations(self.raw, self.config, prefix)
+                found = self._generations[namespace] = _Generations(self, prefix)
             return found
 
-    @contextlib.contextmanager
-    def id_locks(self, keys: Iterable[str]) -> Iterator[None]:
+    def id_locks(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[Any]:
         """Hold the locks of ``keys`` (taken in one order, so batches cannot deadlock)."""
         indices = sorted({hash(key) % len(self._id_locks) for key in keys})
+        if len(indices) == 1:  # a put of one sample: its lock, without an ExitStack
+            return self._id_locks[indices[0]]
+        return self._hold(indices)
+
+    @contextlib.contextmanager
+    def _hold(self, indices: list[int]) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for index in indices:
                 stack.enter_context(self._id_locks[index])
@@ -445,6 +605,11 @@ def _release(settings: _Settings, drain_timeout: float) -> list[str]:
 
 
 # -- records ------------------------------------------------------------------
+# Made once: json.dumps with options builds an encoder on every call.
+_RECORD_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_RECORD_DECODER = json.JSONDecoder()
+
+
 @dataclass(frozen=True)
 class _Record:
     """What a generation's record (and the head, a copy of the current one) says."""
@@ -469,7 +634,7 @@ def _encode_record(
         "nbytes": nbytes,
         "xxh3": sums,
     }
-    body = json.dumps(doc, separators=(",", ":")).encode()
+    body = _RECORD_ENCODER.encode(doc).encode()
     return _HEAD_MAGIC + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body)) + body
 
 
@@ -494,7 +659,7 @@ def _decode_record(data: bytes, sample_id: str, key: str) -> _Record:
     if len(data) < 16 or _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body)) != data[8:16]:
         raise corrupt("it fails its checksum")
     try:
-        doc = json.loads(body)
+        doc = _RECORD_DECODER.decode(body.decode())
         generation, checksums = doc["generation"], doc["xxh3"]
         created, nbytes = doc["created"], doc["nbytes"]
         if not (
@@ -518,12 +683,13 @@ class _Put:
 
     sample_id: str
     specs: dict[str, FeatureSpec]
-    spans: dict[str, tuple[int, int]]
     names: list[str]  # the non-empty tensors, by name: one object each
     sources: list[int]  # their addresses, in the order of names
+    sizes: list[int]  # their sizes in bytes, in the order of names
     sums: dict[str, str | None]
     nbytes: int
-    keep: list[Any]  # what keeps the sources alive (dense copies, a staging chunk)
+    keep: list[torch.Tensor]  # what keeps the sources alive (dense tensors)
+    staged: Chunk | None = None  # the registered copy an RDMA put sends from
 
 
 def _distinct_runs(items: list[Any]) -> Iterator[list[Any]]:
@@ -538,6 +704,28 @@ def _distinct_runs(items: list[Any]) -> Iterator[list[Any]]:
         seen.add(item[0])
     if run:
         yield run
+
+
+@dataclass(frozen=True)
+class _ReadLayout:
+    """Where a get of some features puts each in its chunk; shared by every get of the
+    same features (``_read_layout`` caches it), so never changed."""
+
+    spans: Mapping[str, tuple[int, int]]  # name -> (offset, nbytes), in name order
+    data: tuple[str, ...]  # the non-empty tensors, by name: one object each
+    head_at: int  # where the head goes, after the tensors
+    views: Mapping[str, tuple[int, FeatureSpec]]  # what the get returns, in the asked order
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_layout(wanted: tuple[tuple[str, FeatureSpec], ...]) -> _ReadLayout:
+    """The layout of a get of ``wanted`` (name, spec) pairs; samples of one run share
+    their specs, so most gets find it made."""
+    specs = dict(wanted)
+    spans = _tensors.layout(specs)
+    data = tuple(name for name in sorted(specs) if spans[name][1])
+    views = {name: (spans[name][0], spec) for name, spec in wanted}
+    return _ReadLayout(spans, data, _tensors.end_of(spans.values()), views)
 
 
 # -- the store ---------------------------------------------------------------
@@ -576,6 +764,10 @@ class MooncakeFeatureStore(FeatureStore):
     The head holds the XXH3-64 of every tensor and a checksum of its own; a get
     checks the head and every tensor it reads, and raises CorruptFeatureError
     (naming sample, feature and key) on a mismatch.
+
+    A master that restarts loses every object: what was put before reads as
+    stale. Calls wait up to ``connect_timeout`` for a master that is down, and
+    for one that restarted to take this client back (see ``_Client.call``).
     """
 
     #: Benchmarks only: False skips the checksums (none computed on put, none
@@ -621,6 +813,7 @@ class MooncakeFeatureStore(FeatureStore):
             buffer_size=buffer_size,
             connect_timeout=connect_timeout,
             max_idle_bytes=max_idle_bytes,
+            admin=admin,
         )
         self._client = _acquire(self._settings)
         # TCP transfers read any memory of this process, so puts send straight
@@ -678,7 +871,7 @@ class MooncakeFeatureStore(FeatureStore):
     def _put(
         self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> SampleRef:
-        return self._put_many([(sample_id, tensors, metadata)])[0]
+        return self._put_batch([(sample_id, tensors, metadata)])[0]
 
     def _put_many(
         self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
@@ -698,9 +891,8 @@ class MooncakeFeatureStore(FeatureStore):
                 generations = self._commit(puts)
         finally:
             for put in puts:
-                for chunk in put.keep:
-                    if isinstance(chunk, Chunk):
-                        client.pool.release(chunk)
+                if put.staged is not None:
+                    client.pool.release(put.staged)
         with self._lock:
             for put, generation in zip(puts, generations, strict=True):
                 current = self._live.get(put.sample_id)
@@ -712,30 +904,43 @@ class MooncakeFeatureStore(FeatureStore):
         ]
 
     def _prepare(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> _Put:
-        """Dense bytes, layout and checksums of one sample, before any round trip."""
+        """Dense bytes, sizes and checksums of one sample, before any round trip."""
         specs = {name: FeatureSpec.of(t) for name, t in tensors.items()}
+        if self._stage_puts:
+            return self._stage(sample_id, tensors, specs)
+        names, sources, sizes, keep = [], [], [], []
+        sums: dict[str, str | None] = {}
+        for name in sorted(specs):
+            tensor = _tensors.dense(tensors[name])
+            size = tensor.nbytes
+            if size:  # an empty tensor gets no object: its spec says all there is
+                names.append(name)
+                sources.append(tensor.data_ptr())
+                sizes.append(size)
+                keep.append(tensor)
+                data = _tensors.byte_view(tensor).numpy()
+                sums[name] = _tensors.checksum(data) if self._checksums else None
+        return _Put(sample_id, specs, names, sources, sizes, sums, sum(sizes), keep)
+
+    def _stage(
+        self, sample_id: str, tensors: dict[str, torch.Tensor], specs: dict[str, FeatureSpec]
+    ) -> _Put:
+        """``_prepare`` over RDMA: the tensors copied into registered memory, sent from there."""
         spans = _tensors.layout(specs)
         names = [name for name in sorted(specs) if spans[name][1]]
-        keep: list[Any] = []
-        if self._stage_puts and names:
-            chunk = self._client.pool.lease(_tensors.end_of(spans.values()))
-            keep.append(chunk)
-            for name in names:
-                offset, nbytes = spans[name]
-                target = chunk.tensor[offset : offset + nbytes].view(specs[name].dtype)
-                _tensors.copy(target.view(specs[name].shape), tensors[name])
-            sources = [chunk.ptr + spans[name][0] for name in names]
-            data = [chunk.array[spans[n][0] : sum(spans[n])] for n in names]
-        else:
-            keep += [_tensors.dense(tensors[name]) for name in names]
-            sources = [tensor.data_ptr() for tensor in keep]
-            data = [_tensors.byte_view(tensor).numpy() for tensor in keep]
-        sums = {
-            name: _tensors.checksum(bytes_) if self._checksums else None
-            for name, bytes_ in zip(names, data, strict=True)
-        }
-        nbytes = sum(size for _, size in spans.values())
-        return _Put(sample_id, specs, spans, names, sources, sums, nbytes, keep)
+        sizes = [spans[name][1] for name in names]
+        if not names:
+            return _Put(sample_id, specs, [], [], [], {}, 0, [])
+        chunk = self._client.pool.lease(_tensors.end_of(spans.values()))
+        sources, sums = [], {}
+        for name in names:
+            offset, nbytes = spans[name]
+            target = chunk.tensor[offset : offset + nbytes].view(specs[name].dtype)
+            _tensors.copy(target.view(specs[name].shape), tensors[name])
+            sources.append(chunk.ptr + offset)
+            data = chunk.array[offset : offset + nbytes]
+            sums[name] = _tensors.checksum(data) if self._checksums else None
+        return _Put(sample_id, specs, names, sources, sizes, sums, sum(sizes), [], chunk)
 
     def _commit(self, puts: list[_Put]) -> list[int]:
         """Store a batch of samples of distinct ids (their locks held); their generations.
@@ -775,9 +980,8 @@ class MooncakeFeatureStore(FeatureStore):
             ):
                 chunk.array[at : at + len(record)] = np.frombuffer(record, np.uint8)
                 keys = self._keys(put.sample_id, generation, put.names)
-                sizes = [put.spans[name][1] for name in put.names]
                 writes.append((keys[0], chunk.ptr + at, len(record)))
-                writes += zip(keys[1:], put.sources, sizes, strict=True)
+                writes += zip(keys[1:], put.sources, put.sizes, strict=True)
                 head = (self._head_key(put.sample_id), chunk.ptr + at, len(record))
                 (first if old is None else replacing).append(head)
             heads = {head[0]: head for head in first + replacing}
@@ -809,7 +1013,8 @@ class MooncakeFeatureStore(FeatureStore):
         if not writes:
             return []
         keys, ptrs, sizes = (list(column) for column in zip(*writes, strict=True))
-        codes = self._client.raw.batch_upsert_from(keys, ptrs, sizes, self._client.config)
+        client = self._client
+        codes = client.call(client.raw.batch_upsert_from, keys, ptrs, sizes, client.config)
         return [(key, code) for key, code in zip(keys, codes, strict=True) if code != OK]
 
     def _write_heads(self, heads: list[tuple[str, int, int]]) -> None:
@@ -863,7 +1068,7 @@ class MooncakeFeatureStore(FeatureStore):
         fails every time; then say so.
         """
         for _ in range(_READ_TRIES):
-            codes = self._client.raw.batch_get_into(keys, ptrs, sizes)
+            codes = self._client.call(self._client.raw.batch_get_into, keys, ptrs, sizes)
             if LEASE_EXPIRED not in codes:
                 return codes
         key = keys[codes.index(LEASE_EXPIRED)]
@@ -901,13 +1106,14 @@ class MooncakeFeatureStore(FeatureStore):
         corrupt: a delete force-removes heads, and a reader racing that may see
         bytes of a removed object (see _remove_generation).
         """
-        pool, raw = self._client.pool, self._client.raw
+        client = self._client
+        pool, raw = client.pool, client.raw
         cap = _HEAD_CAP
         deadline, retried = time.monotonic() + 1.0, False
         while True:
             chunk = pool.lease(cap)
             try:
-                code = raw.get_into(key, chunk.ptr, cap)
+                code = client.call(raw.get_into, key, chunk.ptr, cap)
                 data = chunk.array[:code].tobytes() if code >= 0 else b""
             finally:
                 pool.release(chunk)
@@ -933,16 +1139,16 @@ class MooncakeFeatureStore(FeatureStore):
                 raise _error(code, f"reading {key}")
 
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
-        specs = {name: ref.specs[name] for name in names}
-        spans = _tensors.layout(specs)
-        data = [name for name in sorted(specs) if spans[name][1]]
-        head_at = _tensors.end_of(spans.values())
-        chunk = self._fetch(ref, data, spans, head_at)
-        views = {name: (spans[name][0], specs[name]) for name in names}
-        return self._client.pool.views(chunk, views)
+        read = _read_layout(tuple((name, ref.specs[name]) for name in names))
+        chunk = self._fetch(ref, read.data, read.spans, read.head_at)
+        return self._client.pool.views(chunk, read.views)
 
     def _fetch(
-        self, ref: SampleRef, data: list[str], spans: dict[str, tuple[int, int]], head_at: int
+        self,
+        ref: SampleRef,
+        data: Sequence[str],
+        spans: Mapping[str, tuple[int, int]],
+        head_at: int,
     ) -> Chunk:
         """Read the head and the ``data`` tensors of ``ref`` into one registered chunk."""
         client = self._client
@@ -998,8 +1204,8 @@ class MooncakeFeatureStore(FeatureStore):
     def _verify(
         ref: SampleRef,
         head: _Record,
-        data: list[str],
-        spans: dict[str, tuple[int, int]],
+        data: Sequence[str],
+        spans: Mapping[str, tuple[int, int]],
         keys: list[str],
         chunk: Chunk,
     ) -> None:
@@ -1080,7 +1286,7 @@ class MooncakeFeatureStore(FeatureStore):
             return False
         if head is None or head.generation != generation:
             return False
-        self._client.raw.remove(key, True)
+        self._client.call(self._client.raw.remove, key, True)
         return True
 
     # -- listing -----------------------------------------------------------
@@ -1109,9 +1315,8 @@ class MooncakeFeatureStore(FeatureStore):
             "master's HTTP server (mooncake_master -metrics_port, by default 9003); give "
             "its address as admin=HOST:PORT"
         )
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         try:
-            with opener.open(url, timeout=self._settings.connect_timeout) as response:
+            with _OPENER.open(url, timeout=self._settings.connect_timeout) as response:
                 for line in response:
                     key = line.decode(errors="replace").strip()
                     if key:

@@ -7,6 +7,10 @@ answer, and stops it again::
 
     with MooncakeMaster(lease_ttl_ms=200) as master:
         store = stores.open_store(master.store_uri(namespace="demo"))
+
+:meth:`MooncakeMaster.kill` ends it as a crash would (SIGKILL), and
+:meth:`MooncakeMaster.start` brings a fresh one up on the same ports: a
+master restarted mid-run, which has forgotten every object.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,8 +75,10 @@ class MooncakeMaster:
 
     ``lease_ttl_ms`` is the read lease of every object (``-default_kv_lease_ttl``;
     Mooncake's default is 10 s, tests want ~200 ms so that removals after reads
-    go through quickly). Ports default to free ones. The master's log goes to
-    :attr:`log_path`, removed at :meth:`stop` unless ``keep_log``.
+    go through quickly). Ports default to free ones, chosen once: after
+    :meth:`stop` or :meth:`kill`, :meth:`start` starts a new master on the same
+    ports. The master's log goes to :attr:`log_path`, removed at :meth:`stop`
+    and :meth:`kill` unless ``keep_log``.
     """
 
     def __init__(
@@ -152,14 +159,15 @@ class MooncakeMaster:
                 command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         deadline = time.monotonic() + self.startup_timeout
-        while not (port_open(self.host, self.rpc_port) and port_open(self.host, self.http_port)):
+        ports = (self.rpc_port, self.http_port, self.metrics_port)
+        while not all(port_open(self.host, port) for port in ports):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 code = self._process.poll()
                 state = f"exited with {code}" if code is not None else "did not open its ports"
                 message = (
-                    f"{BINARY} {state} within {self.startup_timeout:g}s "
-                    f"(rpc {self.master_address}, metadata {self.metadata_url}); "
-                    f"its log:\n{self.log_tail()}"
+                    f"{BINARY} {state} within {self.startup_timeout:g}s (rpc "
+                    f"{self.master_address}, metadata {self.metadata_url}, admin "
+                    f"{self.admin_address}); its log:\n{self.log_tail()}"
                 )
                 self.stop()
                 raise StoreUnavailableError(message)
@@ -168,9 +176,25 @@ class MooncakeMaster:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Terminate the master, kill it if it does not exit within ``timeout``; idempotent."""
+        self._end(signal.SIGTERM, timeout)
+
+    def kill(self) -> None:
+        """End the master with SIGKILL, as a crash would; idempotent.
+
+        Its objects are gone with it. :meth:`start` starts a fresh master on
+        the same ports, which the clients of the old one reconnect to.
+        """
+        self._end(signal.SIGKILL, 5.0)
+
+    @property
+    def pid(self) -> int | None:
+        """The master's process id while it runs."""
+        return self._process.pid if self.running and self._process is not None else None
+
+    def _end(self, sig: signal.Signals, timeout: float) -> None:
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
-            process.terminate()
+            process.send_signal(sig)
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -27,7 +27,7 @@ from dataflow import (
     StoreFullError,
     StoreUnavailableError,
 )
-from stores import MooncakeFeatureStore, mooncake_master, open_store
+from stores import MooncakeFeatureStore, _mooncake, mooncake_master, open_store
 from stores._mooncake import _encode_record, _Generations
 from stores.mooncake_master import MooncakeMaster, find_master_binary, free_port, port_open
 from stores.testing import FeatureStoreContract, assert_same_tensor
@@ -55,6 +55,7 @@ def cluster(mooncake_master):
         metadata=mooncake_master.metadata_url,
         namespace="anchor",
         segment_size=512 << 20,
+        admin=mooncake_master.admin_address,  # the client's: it tells "full" from "restarted"
     )
     yield Cluster(mooncake_master, anchor)
     anchor.close()
@@ -346,6 +347,8 @@ class _CountingClient:
 
 
 def test_put_many_takes_one_round_trip_per_phase(cluster, monkeypatch):
+    # Not counted: the check, once a second, that the master still holds the claim.
+    monkeypatch.setattr(_mooncake, "_CLAIM_CHECK_S", 3600.0)
     with cluster.store() as store:
         store.put("warm", {"x": torch.ones(1)})  # claims this client's block of generations
         counting = _CountingClient(store._client.raw)
@@ -416,9 +419,9 @@ def test_a_read_that_outlasts_its_lease_is_read_again(cluster, monkeypatch):
 def test_clients_claim_disjoint_blocks_of_generations(cluster):
     # Two clients (here two allocators on one connection) that start at once
     # race for the same block: the master gives it to one, the other takes the next.
-    raw, config = cluster.anchor._client.raw, cluster.anchor._client.config
+    client = cluster.anchor._client
     prefix = f"t{uuid.uuid4().hex[:12]}/@generations/"
-    first, second = _Generations(raw, config, prefix), _Generations(raw, config, prefix)
+    first, second = _Generations(client, prefix), _Generations(client, prefix)
     floor = time.time_ns() + 10**12  # both ask for the same floor: the same block
     a, b = first.take([floor, 0, 0]), second.take([floor, 0, 0])
     assert a == sorted(a) and b == sorted(b) and a[0] >= floor and b[0] >= floor
