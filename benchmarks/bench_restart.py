@@ -150,7 +150,9 @@ def _restart(path: Path, events: int, *, snapshot: bool, repeats: int) -> Restar
     return best
 
 
-def bench(workdir: Path, sizes: tuple[int, ...], memory_samples: int, repeats: int) -> list[Restart]:
+def bench(
+    workdir: Path, sizes: tuple[int, ...], memory_samples: int, repeats: int
+) -> list[Restart]:
     results = []
     for events in [*sizes, memory_samples * _EVENTS_PER_SAMPLE]:
         path = workdir / f"run-{events}.db"
@@ -199,6 +201,19 @@ def report(results: list[Restart], *, command: str, loads: tuple[float, float]) 
         f"Measured {_report.today()} on {_report.machine()}: `{command}`",
         f"(1-minute load average {loads[0]:.1f} at the start, {loads[1]:.1f} at the end;"
         " best of the repeats; a real disk).",
+        "",
+        "A crashed trainer restarts: a new process opens the ledger, resumes from the"
+        " latest checkpoint and leases its first batch. Each row is one such process on a"
+        " fresh copy of a run of that many events (commits, leases, acks, a checkpoint"
+        " every 1,000 acks), started from the snapshot a consumer stores at its"
+        " checkpoints (`Consumer.snapshot_every`), or without one (the full fold: the"
+        " peer, what every restart cost before snapshots). *Start to first lease* counts"
+        " from the process's start (Python, SQLAlchemy and dataflow imports included);"
+        " *resume to first lease* from after the imports. Both leave out torch's import,"
+        " which the first lease triggers (a ref's dtypes) and which a trainer pays once"
+        " whatever the log. *Consumer RSS* is the process's resident set once it has"
+        " resumed; *bytes / sample* is that less its resident set after the imports, per"
+        " committed sample (noisy at small sizes, where the fold is a few MiB).",
         "",
         table,
         "",
