@@ -417,6 +417,13 @@ def test_feature_loader_state_dict(parts) -> None:
     other = training.FeatureLoader(consumer, config=LoaderConfig(batch_size=1))
     other.load_state_dict(loader.state_dict())
     assert other.position == 3
+    # Arrival order: a position only counts what was handed out (a stream's batches may
+    # be short), so any batch size continues from it.
+    arrival = training.FeatureLoader(consumer, config=LoaderConfig(batch_size=2))
+    arrival.load_state_dict({"position": 3})
+    assert arrival.position == 3
+    # A seeded order: a place in the rank's queue, where batches must line up.
+    consumer.order_seed = 7
     with pytest.raises(ValueError, match="not a multiple of batch_size=2"):
         training.FeatureLoader(consumer, config=LoaderConfig(batch_size=2)).load_state_dict(
             {"position": 3}
@@ -537,3 +544,27 @@ def test_a_resize_hands_rank_0_its_old_state_and_restarts_its_position(tmp_path:
     run = replay(parts["led"], RUN)
     assert run.plans[run.epoch].world_size == 2
     assert run.verify() == []
+
+
+def test_an_arrival_order_run_whose_last_batch_was_short_resumes(parts) -> None:
+    """8 samples in batches of 3: the checkpoint after the short last batch saves
+    position 8, which a seeded run could not line up with batches of 3 but an
+    arrival-order one resumes from (the ledger alone says what is left)."""
+    first = _trainer(
+        parts,
+        loader_config=LoaderConfig(batch_size=3),
+        config=TrainerConfig(checkpoint_every=1),
+    )
+    first.run()
+    assert first.position == 8
+    assert first.checkpoints.load_rank_state(rank=0)["data"]["position"] == 8
+    root = parts["checkpoints"].config.root
+    parts["consumer"] = Consumer(parts["led"], parts["store"], run_id=RUN, consumer_id="again")
+    parts["checkpoints"] = CheckpointManager(CheckpointConfig(root=root))  # a restart
+    second = _trainer(parts, loader_config=LoaderConfig(batch_size=3))
+    second.resume()
+    assert second.position == 8 and second.step == 3
+    acks = sum(1 for e in parts["led"].events(RUN) if e.kind == "ack")
+    assert second.run() == 3  # everything was trained and checkpointed: no step left
+    assert sum(1 for e in parts["led"].events(RUN) if e.kind == "ack") == acks == 8
+    assert replay(parts["led"], RUN).verify() == []

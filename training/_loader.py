@@ -189,11 +189,21 @@ class FeatureLoader:
         return {"position": self.position, "batch_size": self.config.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position; the batch size may change where it divides it."""
+        """Continue from a saved position.
+
+        With a seeded order the position is a place in this rank's queue, so the
+        batch size may change only where it divides it (batches must line up with
+        the saved run's). In arrival order it only counts what was handed out (a
+        stream's batches may be short); the ledger alone says what is left.
+        """
         if not isinstance(state, dict) or not isinstance(state.get("position"), int):
             raise ValueError(f"not a FeatureLoader state: {state!r:.100}")
-        check_position(state["position"], self.config.batch_size)
+        check_position(state["position"], self.config.batch_size if self._seeded else 1)
         self.position = state["position"]
+
+    @property
+    def _seeded(self) -> bool:
+        return self.consumer.order_seed is not None
 
     def close(self) -> None:
         """Stop the prefetch thread (refs it leased ahead stay leased until a resume)."""

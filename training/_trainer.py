@@ -351,8 +351,11 @@ class Trainer:
         # A resize starts a new split: the saved positions were places in the old ranks'
         # queues, and this rank's batches now start where its new queue starts (0).
         if not resized and isinstance(data, dict) and "position" in data:
+            # Seeded: a place in the rank's queue, where batches must line up; in arrival
+            # order only a count (a stream's batches may be short).
+            seeded = self.consumer.order_seed is not None
             try:
-                check_position(data["position"], self.loader.config.batch_size)
+                check_position(data["position"], self.loader.config.batch_size if seeded else 1)
             except ValueError as exc:
                 raise IncompatibleCheckpointError(
                     f"cannot resume rank {self.consumer.rank} of run {self.consumer.run_id!r}: "
