@@ -1,18 +1,24 @@
-"""Export a run's log to Parquet (for analysis in pandas, DuckDB, Spark ...)."""
+"""Export a run to Parquet (for analysis in pandas, DuckDB, Spark ...).
+
+Two tables: the run's events, one row each, and, with ``samples_path``, the state of
+each committed sample at the end of the log (the fold of the same events).
+"""
 
 from __future__ import annotations
 
 import errno
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dataflow._durable import fsync_path
+from dataflow._events import Kind
 
 if TYPE_CHECKING:
+    from dataflow._inspect import Progress
     from dataflow._ledger import Ledger
 
 SCHEMA = pa.schema(
@@ -28,16 +34,86 @@ SCHEMA = pa.schema(
         ("ts", pa.float64()),
     ]
 )
+#: One row per committed sample, in commit order. ``state``: one of
+#: dataflow._inspect.SAMPLE_STATES; ``commit_seq`` and ``producer``: the commit of its
+#: newest ``revision``; ``reason``: why it is dead or lost.
+SAMPLES_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("state", pa.string()),
+        ("revision", pa.int32()),
+        ("attempts", pa.int32()),
+        ("trained_step", pa.int64()),
+        ("leased_by", pa.string()),
+        ("released", pa.bool_()),
+        ("reason", pa.string()),
+        ("commit_seq", pa.int64()),
+        ("producer", pa.string()),
+    ]
+)
 _BATCH = 50_000
 
 
-def export_parquet(ledger: Ledger, run_id: str, path: str | os.PathLike[str]) -> int:
+def samples_path_for(path: str | os.PathLike[str]) -> Path:
+    """Where ``export`` writes the per-sample table beside ``path``: ``X.samples.parquet``."""
+    target = Path(path)
+    stem = target.name.removesuffix(".parquet")
+    return target.with_name(f"{stem}.samples.parquet")
+
+
+def export_parquet(
+    ledger: Ledger,
+    run_id: str,
+    path: str | os.PathLike[str],
+    *,
+    samples_path: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+) -> int:
     """Write every event of ``run_id`` to ``path`` atomically; return the number of events.
 
-    Streams in batches, so memory stays bounded for long runs. Payloads stay
-    JSON text. ``path`` must name a file in an existing directory
-    (IsADirectoryError, FileNotFoundError before anything is written).
+    With ``samples_path``, also write the state of each committed sample there (one
+    row each, SAMPLES_SCHEMA), folded from the same pass over the log; both files
+    appear together, at the end. Streams in batches, so the events never sit in
+    memory at once. Payloads stay JSON text. Each path must name a file in an existing
+    directory (IsADirectoryError, FileNotFoundError before anything is written).
+    ``progress`` is called with the seq reached after each batch.
     """
+    targets = [_check_target(path)]
+    if samples_path is not None:
+        targets.append(_check_target(samples_path))
+    tmps = [t.with_name(f".{t.name}.tmp-{os.getpid()}") for t in targets]
+    state = None
+    if samples_path is not None:
+        from dataflow._projection import RunState
+
+        state = RunState(run_id, ref_source=ledger)
+    commits: dict[str, tuple[int, str]] = {}  # sample id -> (seq, producer) of its newest
+    count = 0
+    try:
+        with pq.ParquetWriter(tmps[0], SCHEMA) as writer:
+            batch: list[tuple[Any, ...]] = []
+            for row in ledger.rows(run_id):
+                batch.append(tuple(row))
+                if state is not None and row[1] == Kind.COMMIT:
+                    commits[row[2]] = (row[0], row[6])
+                if len(batch) >= _BATCH:
+                    count += _write_events(writer, batch, state, progress)
+                    batch = []
+            if batch or count == 0:
+                count += _write_events(writer, batch, state, progress)
+        if state is not None:
+            _write_samples(tmps[1], state, commits)
+        for tmp, target in zip(tmps, targets, strict=True):
+            fsync_path(tmp)
+            os.replace(tmp, target)
+            fsync_path(target.parent, directory=True)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+    return count
+
+
+def _check_target(path: str | os.PathLike[str]) -> Path:
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(
@@ -51,34 +127,46 @@ def export_parquet(ledger: Ledger, run_id: str, path: str | os.PathLike[str]) ->
             f"cannot export to {str(target)!r}: its directory {target.absolute().parent} "
             "does not exist; create it first",
         )
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    count = 0
-    try:
-        with pq.ParquetWriter(tmp, SCHEMA) as writer:
-            batch: list[tuple[object, ...]] = []
-            for row in ledger.rows(run_id):
-                batch.append(tuple(row))
-                if len(batch) >= _BATCH:
-                    writer.write_table(_table(batch))
-                    count += len(batch)
-                    batch = []
-            if batch or count == 0:
-                writer.write_table(_table(batch))
-                count += len(batch)
-        fsync_path(tmp)
-        os.replace(tmp, target)
-        fsync_path(target.parent, directory=True)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return count
+    return target
 
 
-def _table(rows: list[tuple[object, ...]]) -> pa.Table:
-    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in SCHEMA.names]
+def _write_events(
+    writer: pq.ParquetWriter,
+    batch: list[tuple[Any, ...]],
+    state: Any,
+    progress: Progress | None,
+) -> int:
+    writer.write_table(_table(batch, SCHEMA))
+    if state is not None:
+        state.apply_rows(batch)
+    if progress is not None and batch:
+        progress(batch[-1][0])
+    return len(batch)
+
+
+def _write_samples(path: Path, state: Any, commits: dict[str, tuple[int, str]]) -> None:
+    from dataflow._inspect import sample_rows
+
+    names = SAMPLES_SCHEMA.names
+    with pq.ParquetWriter(path, SAMPLES_SCHEMA) as writer:
+        batch: list[tuple[Any, ...]] = []
+        written = 0
+        for row in sample_rows(state):
+            row["commit_seq"], row["producer"] = commits.get(row["sample_id"], (None, None))
+            batch.append(tuple(row[name] for name in names))
+            if len(batch) >= _BATCH:
+                writer.write_table(_table(batch, SAMPLES_SCHEMA))
+                written, batch = written + len(batch), []
+        if batch or written == 0:
+            writer.write_table(_table(batch, SAMPLES_SCHEMA))
+
+
+def _table(rows: list[tuple[object, ...]], schema: pa.Schema) -> pa.Table:
+    columns = list(zip(*rows, strict=True)) if rows else [[] for _ in schema.names]
     return pa.table(
         {
-            name: pa.array(list(col), type=SCHEMA.field(name).type)
-            for name, col in zip(SCHEMA.names, columns, strict=True)
+            name: pa.array(list(col), type=schema.field(name).type)
+            for name, col in zip(schema.names, columns, strict=True)
         },
-        schema=SCHEMA,
+        schema=schema,
     )

@@ -51,6 +51,6 @@ if [ "$job" = test ]; then
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
   exec .venv/bin/python -m pytest "$@"
 else
-  "${pip[@]}" -e .
+  "${pip[@]}" -e ".[plot]"   # plot: matplotlib, for the demo's timeline.png
   exec .venv/bin/dataflow demo "$@"
 fi

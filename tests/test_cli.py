@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -25,11 +26,13 @@ def ckpt(root: Path, name: str) -> str:
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "DATAFLOW_LEDGER"}  # the default ledger
     return subprocess.run(
         [sys.executable, "-m", "dataflow.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
+        env=env,
         timeout=300,
     )
 
@@ -118,22 +121,8 @@ def test_runs_events_and_export(run_url: str, tmp_path: Path) -> None:
     table = pq.read_table(out)
     assert table.num_rows == len(events) + 4
     assert table.column("kind").to_pylist()[:5] == ["commit"] * 5
-
-
-def test_demo_runs_clean(tmp_path: Path) -> None:
-    result = _cli("demo", "--dir", str(tmp_path / "demo"), "--samples", "24")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "verify: clean" in result.stdout
-    check = _cli(
-        "replay",
-        "--ledger",
-        f"sqlite:///{tmp_path / 'demo' / 'ledger.db'}",
-        "--run",
-        "demo",
-        "--json",
-    )
-    report = json.loads(check.stdout)
-    assert report["trained"] == report["committed"] == 24
+    samples = pq.read_table(tmp_path / "events.samples.parquet")  # beside it: one row a sample
+    assert samples.column("state").to_pylist() == ["trained"] * 3 + ["pending"] * 2
 
 
 def test_quickstart_runs(tmp_path: Path) -> None:
@@ -157,6 +146,7 @@ def test_quickstart_runs(tmp_path: Path) -> None:
         pytest.param(["replay", "--run", "r1"], id="replay"),
         pytest.param(["events", "--run", "r1"], id="events"),
         pytest.param(["export", "--run", "r1", "--out", "{tmp}/r1.parquet"], id="export"),
+        pytest.param(["status", "--run", "r1"], id="status"),
     ],
 )
 def test_inspecting_a_mistyped_ledger_path_fails_and_creates_nothing(
@@ -171,8 +161,9 @@ def test_inspecting_a_mistyped_ledger_path_fails_and_creates_nothing(
         "(nothing was created); check the path\n"
     )
     assert result.stdout == ""
-    default = _cli(*args, cwd=tmp_path)  # the default ledger, ./dataflow.db
-    assert default.returncode == 1 and "no ledger at ./dataflow.db" in default.stderr
+    default = _cli(*args, cwd=tmp_path)  # the default ledger, ./dataflow.db: a usage error
+    assert default.returncode == 2 and "no ledger at ./dataflow.db" in default.stderr
+    assert "pass --ledger URL or set DATAFLOW_LEDGER" in default.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -209,16 +200,18 @@ CLI_ERRORS = [
     ("run-unknown", ["replay", "--run", "nosuch"], 1, "known runs: 'r1' \\(check --run\\)"),
     ("export-no-dir", ["export", "--run", "r1", "--out", "{tmp}/no/r1.parquet"], 2, "create it"),
     ("export-onto-dir", ["export", "--run", "r1", "--out", "{tmp}"], 2, "is a directory; name"),
+    ("export-file-onto-dir", ["export", "--run", "r1", "{tmp}"], 2, "is a directory; name"),
+    ("status-window", ["status", "--run", "r1", "--window", "-1"], 2, "--window: expected"),
     ("ledger-scheme", ["runs", "--ledger", "mysql://x/y"], 2, "unsupported ledger URL"),
     ("ledger-memory", ["runs", "--ledger", "sqlite://"], 2, "in-memory SQLite"),
     ("ledger-missing", ["runs", "--ledger", "sqlite:///{tmp}/no.db"], 1, "no ledger at"),
-    ("demo-samples", ["demo", "--samples", "3"], 2, "--samples: must be from 16"),
+    ("demo-samples", ["demo", "--samples", "3"], 2, "--samples: must be from 64"),
     ("demo-seed", ["demo", "--seed", str(2**64)], 2, "--seed: must be from 0"),
     (
         "demo-dir-in-proc",
-        ["demo", "--dir", "/proc/dataflow-demo", "--samples", "16"],
+        ["demo", "--workdir", "/proc/dataflow-demo", "--quick"],
         1,
-        "cannot make the demo's directory /proc/dataflow-demo/checkpoints: .*pass --dir",
+        "cannot make the demo's work directory /proc/dataflow-demo: .*pass --workdir",
     ),
 ]
 

@@ -1,0 +1,112 @@
+"""``dataflow demo``: the main job, with the real parts, verified by replay.
+
+Everything runs on one machine with embedded defaults, under one work directory
+(``./dataflow-demo`` unless told otherwise): a SQLite ledger file, a shared-directory
+feature store and ZeroMQ on loopback. The demo starts
+
+- two **producer** processes (``dataflow.demo._producer``): synthetic prompts through a
+  small frozen target network into hidden-state features, put into the store, committed
+  to the ledger and pushed as refs to the ranks over ZeroMQ;
+- two **trainer ranks** (``dataflow.demo._trainer``), a gloo group under DDP, training
+  draft heads with ``training.Trainer`` (gradient accumulation, evals of the acceptance
+  length through ``eval.Evaluator``, checkpoints through ``training.CheckpointManager``);
+
+and, partway through, SIGKILLs both ranks at a random moment (seeded) and starts them
+again; they resume from the ledger's latest checkpoint, as an operator would restart
+them. At the end it prints the report of ``dataflow replay`` (the fold of the whole log
+and its verification), and writes ``report.json`` and ``timeline.png`` into the work
+directory. With a Mooncake store, a keeper process (``dataflow.demo._keeper``) lends the
+store its memory, so that the killed ranks take no features with them.
+
+The children fork from a server that imported torch once (``multiprocessing``'s
+forkserver); each is a process of its own, its output in ``runs/RUN/logs/``. The demo
+sits at the top of the dependency graph, beside the CLI: nothing in the core
+(``dataflow``'s ledger, roles, streams) imports it, and its own process imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from dataflow._errors import DataflowError
+
+#: The fewest samples a demo runs with: enough for checkpoints before the kill.
+MIN_SAMPLES = 64
+MAX_SAMPLES = 1_000_000
+
+
+class DemoError(DataflowError):
+    """The demo could not finish: a process failed or stalled (its log is named)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """What ``dataflow demo`` runs; checked when created (ValueError naming the option)."""
+
+    workdir: str = "dataflow-demo"
+    """Directory for the ledger file, the features, checkpoints, logs and the report;
+    created if missing. Runs of earlier demos there are kept (each demo is a new run)."""
+
+    quick: bool = False
+    """A small run: under a minute on two cores."""
+
+    crash: bool = True
+    """SIGKILL both trainer ranks partway through and restart them (``--no-crash``: not)."""
+
+    seed: int = 0
+    """Seeds the data, the models and the moment of the kill."""
+
+    samples: int | None = None
+    """Samples to produce and train; None: 384 with ``quick``, else 3072."""
+
+    ledger: str | None = None
+    """Ledger URL; None: ``sqlite:///{workdir}/ledger.db``."""
+
+    store: str | None = None
+    """Feature store URI; None: a shared directory, ``{workdir}/features/{run_id}``."""
+
+    start_mooncake_master: bool = False
+    """Start a local ``mooncake_master`` for a ``mooncake://`` store, and stop it at the end."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workdir, str) or not self.workdir:
+            raise ValueError(f"--workdir must be a directory path, got {self.workdir!r}")
+        if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+            raise ValueError(
+                f"--workdir {self.workdir} is a file, not a directory; pass a directory "
+                "(it is created if missing)"
+            )
+        if self.samples is not None and not MIN_SAMPLES <= self.samples <= MAX_SAMPLES:
+            raise ValueError(
+                f"--samples must be from {MIN_SAMPLES} to {MAX_SAMPLES}, got {self.samples}"
+            )
+        if self.store is not None:
+            scheme, sep, _ = self.store.partition("://")
+            if not sep or not scheme:
+                raise ValueError(
+                    f"--store {self.store!r} is not a store URI; pass dir:///PATH or "
+                    "mooncake://HOST:PORT?..."
+                )
+            if scheme == "mem":
+                raise ValueError(
+                    f"--store {self.store} lives in one process, and the demo's producers and "
+                    "ranks are separate processes; pass dir:///PATH or mooncake://HOST:PORT?..."
+                )
+        if self.start_mooncake_master and not (self.store or "").startswith("mooncake://"):
+            raise ValueError(
+                "--start-mooncake-master starts the master of a mooncake:// store, but the "
+                f"store is {self.store or 'the default shared directory'}: add "
+                "--store mooncake:// (or drop --start-mooncake-master)"
+            )
+
+
+def run_demo(options: DemoOptions) -> dict[str, Any]:
+    """Run the demo (printing its progress to stdout); return the report it wrote."""
+    from dataflow.demo._run import Demo
+
+    return Demo(options).run()
+
+
+__all__ = ["MIN_SAMPLES", "DemoError", "DemoOptions", "run_demo"]

@@ -1,0 +1,46 @@
+"""A demo producer process: synthetic prompts -> the target's hidden states -> the store;
+the refs are committed to the ledger and pushed to the trainer ranks over ZeroMQ."""
+
+from __future__ import annotations
+
+import torch
+
+from dataflow import Ledger, Producer
+from dataflow.demo._model import TargetNetwork, sample_id
+from dataflow.streams import SenderConfig, ZmqRefSender
+from stores import open_store
+
+CHUNK = 8  # samples per emit_many: one ledger transaction
+
+
+def produce(config: dict, index: int) -> None:
+    torch.set_num_threads(1)
+    target = TargetNetwork(config["seed"])
+    producer_id = f"producer-{index}"
+    ledger = Ledger.open(config["ledger_url"])
+    store = open_store(config["store_uri"])
+    sender = ZmqRefSender(
+        # Long enough to wait out a restart of both ranks; a ref that still finds no
+        # credit stays pending in the ledger, and the ranks lease it from there.
+        SenderConfig(endpoints=tuple(config["endpoints"]), producer_id=producer_id, send_timeout=60)
+    )
+    producer = Producer(
+        ledger, store, run_id=config["run_id"], producer_id=producer_id, stream=sender
+    )
+    mine = list(range(index, config["samples"], config["producers"]))
+    for start in range(0, len(mine), CHUNK):
+        chunk = mine[start : start + CHUNK]
+        producer.emit_many([(sample_id(i), target.features(i)) for i in chunk])
+    # End the stream before the ledger records the close: once every rank acknowledged the
+    # EOF, every ref sent before it has reached them. (Producer.close records the close
+    # first, and a rank that folds it counts this producer as closed at once: it could
+    # settle its last micro-batches while refs are still on the wire, and strand them.)
+    sender.close()
+    producer.close()  # 'close' in the ledger (the stream is closed already)
+    store.close()
+    ledger.close()
+
+
+def main(config: dict, index: int) -> None:
+    """The producer process (``dataflow.demo._child.run_child`` calls it)."""
+    produce(config, index)
