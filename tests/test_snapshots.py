@@ -19,7 +19,7 @@ from sqlalchemy import select, update
 
 from dataflow import Consumer, Ledger, Producer, _snapshot, replay
 from dataflow._schema import SCHEMA_VERSION, schema_info, snapshots
-from tests._paths import ckpt
+from tests._paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 
 
 def _features(sample_id: str) -> dict[str, torch.Tensor]:
