@@ -31,11 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import _report
+from benchmarks._rows import Row, row
 from benchmarks.bench_ledger import RUN_ID, build_run
+from benchmarks.bench_stores import filesystem
 from dataflow import Ledger, replay
 
 _SIZES = (10_000, 100_000, 1_000_000)
 _QUICK = (2_000, 6_000)
+#: The sizes of :func:`rows`: the target compares the largest with the smallest.
+ROW_SIZES, QUICK_ROW_SIZES = (10_000, 100_000, 1_000_000), (1_000, 10_000)
+TARGET = "<= 2"
 _MEMORY_SAMPLES = 1_000_000
 _QUICK_MEMORY_SAMPLES = 3_000
 #: Events per committed sample in bench_ledger's runs: a commit, a lease, an ack.
@@ -150,18 +155,69 @@ def _restart(path: Path, events: int, *, snapshot: bool, repeats: int) -> Restar
     return best
 
 
+def restarts(
+    workdir: Path, events: int, repeats: int, modes: tuple[bool, ...] = (True, False)
+) -> list[Restart]:
+    """Restarts of a consumer on a run of ``events`` events: from a snapshot, from none."""
+    path = workdir / f"run-{events}.db"
+    build_run(path, events)
+    try:
+        _snapshot_at_last_checkpoint(path)
+        return [_restart(path, events, snapshot=s, repeats=repeats) for s in modes]
+    finally:
+        path.unlink()
+
+
 def bench(
     workdir: Path, sizes: tuple[int, ...], memory_samples: int, repeats: int
 ) -> list[Restart]:
     results = []
     for events in [*sizes, memory_samples * _EVENTS_PER_SAMPLE]:
-        path = workdir / f"run-{events}.db"
-        build_run(path, events)
-        _snapshot_at_last_checkpoint(path)
-        for snapshot in (True, False):
-            results.append(_restart(path, events, snapshot=snapshot, repeats=repeats))
-        path.unlink()
+        results += restarts(workdir, events, repeats)
     return results
+
+
+def consumer_memory(workdir: Path, samples: int) -> tuple[int, int]:
+    """(resident bytes, resident bytes after its imports) of a consumer that resumed a run
+    of about ``samples`` committed samples (from its snapshot) and leased a batch.
+
+    The difference is what the fold keeps; ``workdir`` holds the run's database.
+    """
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="bench_memory_") as tmp:
+        (got,) = restarts(Path(tmp), samples * _EVENTS_PER_SAMPLE, repeats=1, modes=(True,))
+    return got.rss, got.base_rss
+
+
+def rows(workdir: Path, *, quick: bool, sizes: tuple[int, ...] | None = None) -> list[Row]:
+    """Restart latency (process start to first leased batch) at the largest size against
+    the smallest, from a snapshot (the target) and from the full fold; files in ``workdir``."""
+    sizes = sizes or (QUICK_ROW_SIZES if quick else ROW_SIZES)
+    repeats = 1 if quick else 2
+    before = _report.load()
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="bench_restart_") as tmp:
+        results = [r for events in sizes for r in restarts(Path(tmp), events, repeats)]
+        fs = filesystem(Path(tmp))
+    by = {(r.events, r.snapshot): r for r in results}
+    small, large = min(sizes), max(sizes)
+    note = (
+        f"best of {repeats} restarts, each a fresh process on a fresh copy of the SQLite "
+        f"ledger (torch's import left out); files on {fs}; load average {before:.1f} at the "
+        f"start, {_report.load():.1f} at the end; "
+        + ", ".join(f"{r.events:,} events {'snapshot' if r.snapshot else 'full fold'} "
+                    f"{r.start_to_lease:.2f} s" for r in results)
+    )  # fmt: skip
+    return [
+        row(
+            f"restart to first lease at {large:,} events, {how}",
+            by[large, snapshot].start_to_lease,
+            "s",
+            f"restart to first lease at {small:,} events, {how}",
+            by[small, snapshot].start_to_lease,
+            target=TARGET if snapshot else None,
+            note=note,
+        )
+        for snapshot, how in ((True, "from a snapshot"), (False, "full fold"))
+    ]
 
 
 def report(results: list[Restart], *, command: str, loads: tuple[float, float]) -> str:

@@ -16,13 +16,15 @@ each contender writes the sample and reads it back into fresh memory:
   share of our put + get.
 
 Contenders are interleaved (repetition i of each before repetition i + 1 of
-any, in an order that rotates), each after one untimed warm-up; the medians of
+any, in a seeded random order per round, so that no contender always follows
+the same one: a fixed rotation flattered ours by 6-10%), each after one
+untimed warm-up; the medians of
 put and of get count. A get counts until every page of what it returned has been touched
 (safetensors maps files lazily); deleting what a repetition wrote is not
 timed. Ratios are throughput ratios, ours over theirs.
 
 Run: ``python -m benchmarks.bench_stores [--out FILE.md] [--dir DIR] [--sizes 1,16,256]
-[--no-mooncake] [--write-docs]``.
+[--no-mooncake] [--write-docs]``; :func:`rows` gives the rows of ``python -m benchmarks``.
 """
 
 from __future__ import annotations
@@ -31,22 +33,29 @@ import argparse
 import io
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 import xxhash
 
 from benchmarks import _report
+from benchmarks._rows import Row, row
+from dataflow import StoreDependencyError
 from stores import LocalFeatureStore, MooncakeFeatureStore, SharedDirFeatureStore
 from stores.mooncake_master import MooncakeMaster, find_master_binary
+
+try:
+    import safetensors.torch
+except ImportError:  # an optional peer: its rows are left out, and the notes say so
+    safetensors = None
 
 SIZES_MIB = (1.0, 16.0, 256.0)
 _MiB = 1 << 20
@@ -54,6 +63,22 @@ _MiB = 1 << 20
 TARGETS = {"raw": 0.8, "torch.save": 1.5, "pickle": 2.0}
 #: What the checksums may add to a put + get, at most (a share of it).
 CHECKSUM_TARGET = 0.10
+QUICK_SIZES_MIB, QUICK_SCALE = (1.0,), 0.25
+
+# Contenders, as the tables name them.
+SHARED_DIR = "`SharedDirFeatureStore`"
+RAW_FILE = "raw file: write, fsync, rename, fsync dir; read"
+TORCH_FILES = "`torch.save` / `torch.load` files"
+SAFETENSORS = "safetensors files"
+SHARED_DIR_UNCHECKED = "`SharedDirFeatureStore`, checksums off"
+MOONCAKE = "`MooncakeFeatureStore` (zero-copy)"
+MOONCAKE_PICKLE = "Mooncake `put`/`get` of `torch.save` bytes"
+MOONCAKE_UNCHECKED = "`MooncakeFeatureStore`, checksums off"
+LOCAL = "`LocalFeatureStore`"
+LOCAL_RAW = "raw copy of the tensors (`empty_like` + `copy_`)"
+#: The contender each ratio line and target compares ours with.
+PEERS = {"raw": RAW_FILE, "torch.save": TORCH_FILES, "safetensors": SAFETENSORS,
+         "pickle": MOONCAKE_PICKLE}  # fmt: skip
 
 
 @dataclass
@@ -91,9 +116,9 @@ def touch(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def run(contenders: list[Contender], sample: dict[str, torch.Tensor], reps: int) -> None:
+    rng = random.Random(0)
     for i in range(-1, reps):  # -1: the warm-up
-        for k in range(len(contenders)):
-            contender = contenders[(i + k) % len(contenders)]
+        for contender in rng.sample(contenders, len(contenders)):
             start = time.perf_counter()
             handle = contender.put(sample, i)
             middle = time.perf_counter()
@@ -165,36 +190,42 @@ def file_contenders(directory: Path) -> list[Contender]:
     store = SharedDirFeatureStore(directory / "store")
     unchecked = SharedDirFeatureStore(directory / "store-unchecked")
     unchecked._checksums = False
-    return [
+    contenders = [
+        Contender(SHARED_DIR, lambda s, i: store.put(f"bench-{i}", s), store.get, store.delete),
+        Contender(RAW_FILE, lambda s, i: raw_put(directory, s, i), raw_get, os.unlink),
         Contender(
-            "`SharedDirFeatureStore`",
-            lambda s, i: store.put(f"bench-{i}", s),
-            store.get,
-            store.delete,
-        ),
-        Contender(
-            "raw file: write, fsync, rename, fsync dir; read",
-            lambda s, i: raw_put(directory, s, i),
-            raw_get,
-            os.unlink,
-        ),
-        Contender(
-            "`torch.save` / `torch.load` files",
+            TORCH_FILES,
             lambda s, i: torch_put(directory, s, i),
             lambda p: torch.load(p, weights_only=True),
             os.unlink,
         ),
         Contender(
-            "safetensors files",
-            lambda s, i: safetensors_put(directory, s, i),
-            safetensors.torch.load_file,
-            os.unlink,
-        ),
-        Contender(
-            "`SharedDirFeatureStore`, checksums off",
+            SHARED_DIR_UNCHECKED,
             lambda s, i: unchecked.put(f"bench-{i}", s),
             unchecked.get,
             unchecked.delete,
+        ),
+    ]
+    if safetensors is not None:
+        contenders.append(
+            Contender(
+                SAFETENSORS,
+                lambda s, i: safetensors_put(directory, s, i),
+                safetensors.torch.load_file,
+                os.unlink,
+            )
+        )
+    return contenders
+
+
+def local_contenders(store: LocalFeatureStore) -> list[Contender]:
+    """``LocalFeatureStore`` put + get beside the one copy of the tensors its put makes."""
+    return [
+        Contender(LOCAL, lambda s, i: store.put(f"bench-{i}", s), store.get, store.delete),
+        Contender(
+            LOCAL_RAW,
+            lambda s, i: {k: torch.empty_like(t).copy_(t) for k, t in s.items()},
+            lambda copied: copied,
         ),
     ]
 
@@ -218,20 +249,12 @@ def mooncake_contenders(
         return torch.load(io.BytesIO(client.raw.get(key)), weights_only=True)
 
     return [
+        Contender(MOONCAKE, lambda s, i: store.put(f"bench-{i}", s), store.get, store.delete),
         Contender(
-            "`MooncakeFeatureStore` (zero-copy)",
-            lambda s, i: store.put(f"bench-{i}", s),
-            store.get,
-            store.delete,
+            MOONCAKE_PICKLE, pickle_put, pickle_get, lambda key: client.removals.remove([key])
         ),
         Contender(
-            "Mooncake `put`/`get` of `torch.save` bytes",
-            pickle_put,
-            pickle_get,
-            lambda key: client.removals.remove([key]),
-        ),
-        Contender(
-            "`MooncakeFeatureStore`, checksums off",
+            MOONCAKE_UNCHECKED,
             lambda s, i: unchecked.put(f"bench-{i}", s),
             unchecked.get,
             unchecked.delete,
@@ -268,9 +291,16 @@ def group_table(results: dict[float, list[Contender]]) -> str:
     return _report.markdown_table(headers, rows)
 
 
-def ratio_line(results: dict[float, list[Contender]], index: int, label: str) -> str:
-    """Ours over contender ``index`` per size, and whether TARGETS[label] (if any) holds."""
-    ratios = {mib: cs[index].round_trip_s / cs[0].round_trip_s for mib, cs in results.items()}
+def named(contenders: list[Contender], name: str) -> Contender:
+    return next(c for c in contenders if c.name == name)
+
+
+def ratio_line(results: dict[float, list[Contender]], label: str) -> str:
+    """Ours over PEERS[label] per size, and whether TARGETS[label] (if any) holds."""
+    ratios = {
+        mib: named(cs, PEERS[label]).round_trip_s / cs[0].round_trip_s
+        for mib, cs in results.items()
+    }
     line = f"- ours ÷ {label}: " + ", ".join(f"{fmt_size(m)} {r:.2f}x" for m, r in ratios.items())
     target = TARGETS.get(label)
     if target is None:
@@ -292,8 +322,8 @@ def xxh3_s(sample: dict[str, torch.Tensor], reps: int) -> float:
     return statistics.median(times)
 
 
-def checksum_line(results: dict[float, list[Contender]], index: int, scale: float) -> str:
-    """Checksum cost per size: ours ÷ ours without checksums (contender ``index``), and
+def checksum_line(results: dict[float, list[Contender]], unchecked: str, scale: float) -> str:
+    """Checksum cost per size: ours ÷ ours without checksums (contender ``unchecked``), and
     the XXH3-64 of the sample's bytes, twice (put and get), as a share of our put + get.
 
     The target is judged on the latter: it is the same work, without the noise
@@ -301,11 +331,11 @@ def checksum_line(results: dict[float, list[Contender]], index: int, scale: floa
     """
     parts, missed = [], []
     for mib, contenders in results.items():
-        ours, unchecked = contenders[0].round_trip_s, contenders[index].round_trip_s
+        ours, without = contenders[0].round_trip_s, named(contenders, unchecked).round_trip_s
         hashing = 2 * xxh3_s(make_sample(int(mib * _MiB)), reps_for(mib, scale))
         share = hashing / ours
         parts.append(
-            f"{fmt_size(mib)} {(ours / unchecked - 1) * 100:+.1f}% measured, "
+            f"{fmt_size(mib)} {(ours / without - 1) * 100:+.1f}% measured, "
             f"xxh3 {fmt_ms(hashing)} ms = {share * 100:.1f}%"
         )
         if share > CHECKSUM_TARGET:
@@ -355,19 +385,26 @@ def reps_for(mib: float, scale: float) -> int:
     return max(1, round(base * scale))
 
 
-def bench_files(sizes: list[float], scale: float, directory: Path) -> list[str]:
-    results: dict[float, list[Contender]] = {}
+Results = dict[float, list[Contender]]  # per sample size in MiB, ours first
+
+
+def measure_files(sizes: list[float], scale: float, directory: Path) -> Results:
+    results: Results = {}
     for mib in sizes:
         results[mib] = file_contenders(directory)
         run(results[mib], make_sample(int(mib * _MiB)), reps_for(mib, scale))
-    return [
-        group_table(results),
-        "",
-        ratio_line(results, 1, "raw"),
-        ratio_line(results, 2, "torch.save"),
-        ratio_line(results, 3, "safetensors"),
-        checksum_line(results, 4, scale),
-    ]
+    return results
+
+
+def bench_files(sizes: list[float], scale: float, directory: Path) -> list[str]:
+    results = measure_files(sizes, scale, directory)
+    lines = [group_table(results), "", ratio_line(results, "raw")]
+    lines.append(ratio_line(results, "torch.save"))
+    if safetensors is not None:
+        lines.append(ratio_line(results, "safetensors"))
+    else:
+        lines.append("- safetensors is not installed: no safetensors rows")
+    return [*lines, checksum_line(results, SHARED_DIR_UNCHECKED, scale)]
 
 
 def prefault(store: MooncakeFeatureStore, segment: int) -> None:
@@ -382,13 +419,18 @@ def prefault(store: MooncakeFeatureStore, segment: int) -> None:
     client.raw.batch_remove(keys, True)
 
 
-def bench_mooncake(sizes: list[float], scale: float) -> list[str]:
+def mooncake_missing() -> str | None:
+    """Why the Mooncake rows cannot run here, or None when they can."""
     try:
         import mooncake.store  # noqa: F401
 
         find_master_binary()
-    except (ImportError, FileNotFoundError) as exc:
-        return [f"Skipped: {exc}"]
+    except (ImportError, FileNotFoundError, StoreDependencyError) as exc:
+        return str(exc)
+    return None
+
+
+def measure_mooncake(sizes: list[float], scale: float) -> Results:
     largest = int(max(sizes) * _MiB) + _MiB
     segment = max(8 * largest, 256 * _MiB)
     results: dict[float, list[Contender]] = {}
@@ -413,12 +455,86 @@ def bench_mooncake(sizes: list[float], scale: float) -> list[str]:
         finally:
             unchecked.close()
             store.close()
+    return results
+
+
+def bench_mooncake(sizes: list[float], scale: float) -> list[str]:
+    missing = mooncake_missing()
+    if missing is not None:
+        return [f"Skipped: {missing}"]
+    results = measure_mooncake(sizes, scale)
     return [
         group_table(results),
         "",
-        ratio_line(results, 1, "pickle"),
-        checksum_line(results, 2, scale),
+        ratio_line(results, "pickle"),
+        checksum_line(results, MOONCAKE_UNCHECKED, scale),
     ]
+
+
+def measure_local(sizes: list[float], scale: float) -> Results:
+    results: Results = {}
+    with LocalFeatureStore() as store:
+        for mib in sizes:
+            results[mib] = local_contenders(store)
+            run(results[mib], make_sample(int(mib * _MiB)), reps_for(mib, scale))
+    return results
+
+
+def throughput_rows(results: Results, backend: str, peer: str, label: str, note: str) -> list[Row]:
+    """Our put + get MiB/s against ``peer``'s, per size; the target of ``label`` if any."""
+    out = []
+    for mib, contenders in results.items():
+        size = sum(t.nbytes for t in make_sample(int(mib * _MiB)).values()) / _MiB
+        target = TARGETS.get(label)
+        out.append(
+            row(
+                f"store {backend} put+get / {label}, {fmt_size(mib)}",
+                size / contenders[0].round_trip_s,
+                "MiB/s",
+                f"{named(contenders, peer).name}, {fmt_size(mib)}",
+                size / named(contenders, peer).round_trip_s,
+                target=None if target is None else f">= {target:g}",
+                note=note,
+            )
+        )
+    return out
+
+
+def rows(
+    workdir: Path,
+    *,
+    quick: bool,
+    sizes: tuple[float, ...] | None = None,
+    scale: float | None = None,
+) -> list[Row]:
+    """Put + get of each store against its peers (raw files, torch.save, safetensors, Mooncake's
+    pickle path, one memory copy), per sample size; files in ``workdir``."""
+    sizes_mib = list(sizes or (QUICK_SIZES_MIB if quick else SIZES_MIB))
+    scale = scale if scale is not None else QUICK_SCALE if quick else 1.0
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="bench_stores_") as tmp:
+        load = os.getloadavg()[0]
+        fs = f"files on {filesystem(Path(tmp))} ({workdir})"
+        files = measure_files(sizes_mib, scale, Path(tmp))
+    note = f"load average {load:.1f} at the start; medians of interleaved repetitions"
+    file_note = f"{note}; {fs}; fsynced write + rename, read into fresh memory"
+    out = [
+        *throughput_rows(files, "dir://", RAW_FILE, "raw", file_note),
+        *throughput_rows(files, "dir://", TORCH_FILES, "torch.save", file_note),
+    ]
+    if safetensors is not None:
+        out += throughput_rows(files, "dir://", SAFETENSORS, "safetensors", file_note)
+    else:
+        out[-1] = replace(out[-1], note=f"{file_note}; safetensors is not installed: no row")
+    missing = mooncake_missing()
+    if missing is None:
+        moon = measure_mooncake(sizes_mib, scale)
+        moon_note = f"{note}; one client, local master, loopback TCP"
+        out += throughput_rows(moon, "mooncake://", MOONCAKE_PICKLE, "pickle", moon_note)
+    else:
+        out[-1] = replace(out[-1], note=f"{out[-1].note}; no mooncake:// rows: {missing}")
+    local = measure_local(sizes_mib, scale)
+    out += throughput_rows(local, "mem://", LOCAL_RAW, "copy", f"{note}; in process memory")
+    return out
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -429,8 +545,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--sizes", default="1,16,256", help="sample sizes in MiB (1,16,256)")
     parser.add_argument("--reps", type=float, default=1.0, help="scale the repetitions (1.0)")
     parser.add_argument(
-        "--dir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
-        help="where the files go (default: /dev/shm, a tmpfs)",
+        "--dir", type=Path, default=Path.cwd(),
+        help="where the files go (default: the current directory; a real disk, not tmpfs)",
     )  # fmt: skip
     parser.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake rows")
     parser.add_argument("--out", type=Path, help="also write the report to this markdown file")

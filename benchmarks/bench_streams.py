@@ -22,7 +22,7 @@ consumer records the age of each ref on receipt.
 
 Run: ``python -m benchmarks.bench_streams [--quick] [--refs N] [--rate R]
 [--write-docs]``; ``--write-docs`` rewrites the Streams section of
-docs/streams.md.
+docs/benchmarks.md; :func:`rows` gives the rows of ``python -m benchmarks``.
 """
 
 from __future__ import annotations
@@ -32,20 +32,27 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
 from benchmarks import _report
+from benchmarks._rows import Row, row
 from dataflow import FeatureSpec, SampleRef
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
 from dataflow.streams._wire import encode_ref, encode_ref_body
 
-SPAWN = mp.get_context("spawn")
+# Children fork from a server that imported torch and dataflow once: a spawned
+# child pays seconds of imports on a loaded machine, for every run.
+PROCESSES = mp.get_context("forkserver")
+PROCESSES.set_forkserver_preload(["torch", "zmq", "dataflow.streams", "benchmarks.bench_streams"])
 WAIT = 300.0
 BATCH = 64
 TARGET = 0.25  # of the raw rate
+CONTENDERS = ("stream", "raw", "raw+json")
 
 
 def make_ref(i: int, stamp: int = 0) -> SampleRef:
@@ -133,18 +140,22 @@ def _pace(start: float, i: int, rate: float) -> None:
 # -- running a contender -------------------------------------------------------------------------
 def run(contender: str, count: int, *, rate: float = 0.0, window: int = 64) -> tuple[float, list]:
     """(seconds from the start signal to the last receipt, ages in ns) of one run."""
-    consumer_pipe, consumer_end = SPAWN.Pipe()
-    producer_pipe, producer_end = SPAWN.Pipe()
+    consumer_pipe, consumer_end = PROCESSES.Pipe()
+    producer_pipe, producer_end = PROCESSES.Pipe()
     if contender == "stream":
-        consumer = SPAWN.Process(target=stream_consumer, args=(window, consumer_end))
+        consumer = PROCESSES.Process(target=stream_consumer, args=(window, consumer_end))
     else:
-        consumer = SPAWN.Process(target=raw_consumer, args=(contender == "raw+json", consumer_end))
+        consumer = PROCESSES.Process(
+            target=raw_consumer, args=(contender == "raw+json", consumer_end)
+        )
     consumer.start()
     endpoint = _recv(consumer_pipe)
     if contender == "stream":
-        producer = SPAWN.Process(target=stream_producer, args=(endpoint, count, rate, producer_end))
+        producer = PROCESSES.Process(
+            target=stream_producer, args=(endpoint, count, rate, producer_end)
+        )
     else:
-        producer = SPAWN.Process(
+        producer = PROCESSES.Process(
             target=raw_producer,
             args=(endpoint, count, rate, contender == "raw+json", producer_end),
         )
@@ -166,8 +177,10 @@ def _recv(pipe: Any) -> Any:
     return pipe.recv()
 
 
-def throughput(count: int, repeats: int, window: int) -> dict[str, float]:
-    best = {"stream": float("inf"), "raw": float("inf"), "raw+json": float("inf")}
+def throughput(
+    count: int, repeats: int, window: int, contenders: tuple[str, ...] = CONTENDERS
+) -> dict[str, float]:
+    best = dict.fromkeys(contenders, float("inf"))
     for _ in range(repeats):
         for contender in best:  # alternate, so machine drift hits all alike
             best[contender] = min(best[contender], run(contender, count, window=window)[0])
@@ -183,10 +196,59 @@ def latency(count: int, rate: float) -> dict[str, tuple[float, float]]:
     return result
 
 
-def report(args: argparse.Namespace) -> str:
+@dataclass
+class Measured:
+    rates: dict[str, float]  # refs/s per contender, window ``window``
+    big: float  # our refs/s with a window 8 times larger
+    latency: dict[str, tuple[float, float]]  # (p50, p99) ms of "stream" and "raw+json"
+
+
+def measure(args: argparse.Namespace) -> Measured:
     rates = throughput(args.refs, args.repeats, args.window)
-    big = throughput(args.refs, args.repeats, args.window * 8)["stream"]
-    lat = latency(args.latency_refs, args.rate)
+    big = throughput(args.refs, args.repeats, args.window * 8, ("stream",))["stream"]
+    return Measured(rates, big, latency(args.latency_refs, args.rate))
+
+
+def rows(
+    workdir: Path, *, quick: bool, refs: int | None = None, latency_refs: int | None = None
+) -> list[Row]:
+    """Our stream's refs/s against raw PUSH/PULL, and its latency against raw + JSON.
+
+    ``workdir`` is unused: nothing touches the disk.
+    """
+    args = parse_args(["--quick"] if quick else [])
+    args.refs = refs or args.refs
+    args.latency_refs = latency_refs or args.latency_refs
+    before = _report.load()
+    got = measure(args)
+    note = (
+        f"one producer and one consumer process, {args.refs:,} refs of {payload_bytes()} bytes "
+        f"per frame, best of {args.repeats}; latency of {args.latency_refs:,} refs offered at "
+        f"{args.rate:,.0f} refs/s; load average {before:.1f} at the start, "
+        f"{_report.load():.1f} at the end"
+    )
+    raw, raw_json = got.rates["raw"], got.rates["raw+json"]
+    out = [
+        row(f"stream refs/s, window {window}", rate, "refs/s", "raw PUSH/PULL, same frame bytes",
+            raw, target=f">= {TARGET:g}", note=note)
+        for window, rate in ((args.window, got.rates["stream"]), (args.window * 8, got.big))
+    ]  # fmt: skip
+    out.append(
+        row(f"stream refs/s / raw + JSON, window {args.window * 8}", got.big, "refs/s",
+            "raw PUSH/PULL + `SampleRef` JSON codec", raw_json, note=note)
+    )  # fmt: skip
+    for i, name in enumerate(("p50", "p99")):
+        out.append(
+            row(f"stream latency {name}", got.latency["stream"][i], "ms",
+                f"raw PUSH/PULL + `SampleRef` JSON codec {name}", got.latency["raw+json"][i],
+                note=note)
+        )  # fmt: skip
+    return out
+
+
+def report(args: argparse.Namespace) -> str:
+    got = measure(args)
+    rates, big, lat = got.rates, got.big, got.latency
     raw, raw_json = rates["raw"], rates["raw+json"]
     rows = [
         (
@@ -231,7 +293,7 @@ def report(args: argparse.Namespace) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> str:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refs", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3)
@@ -243,6 +305,11 @@ def main(argv: list[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.quick:
         args.refs, args.repeats, args.latency_refs = 2000, 1, 500
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
     body = report(args)
     print(body)
     if args.write_docs:

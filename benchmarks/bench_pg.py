@@ -1,0 +1,534 @@
+"""The ledger on PostgreSQL under concurrent writers, beside raw psycopg ``executemany``.
+
+1, 4 and 8 writer processes commit batches of refs for a fixed time while one
+consumer process leases and acks what they commit, through:
+
+* ours: ``Producer.commit`` (validation, the run's row lock, the dedup read,
+  the append) and ``Consumer.lease`` / ``Consumer.ack``;
+* raw: psycopg ``executemany`` of the same commit rows into the same table
+  (our schema, created by ``Ledger.open``), one transaction per batch, and a
+  raw consumer that selects new commits and inserts lease and ack rows;
+* raw + the per-run row lock (one run only): raw with the ``SELECT ... FOR
+  UPDATE`` on the run's row that every ledger append takes first, to show
+  how much of the gap the lock alone explains.
+
+Writers either all write one run (their appends serialize on its row lock,
+which our consumer's lease and ack transactions take too) or each its own
+run. Every contender gets a fresh database on one throw-away server in the
+work directory, with ``fsync`` on and ``synchronous_commit=on`` (a ledger
+opened with ``durability="full"``). Events/s counts the writers'
+commit events over the wall time from a common start to the last writer's
+last batch; latency is one commit transaction, seen by its writer (ours:
+``Producer.commit``; raw: the ref JSON, then the transaction).
+
+Run: ``python -m benchmarks.bench_pg [--quick] [--writers 1,4,8] [--seconds S] [--dir DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import psycopg
+
+from benchmarks import _report
+from benchmarks._rows import Row, row
+from benchmarks.bench_ledger import bench_ref
+from benchmarks.bench_stores import filesystem
+from dataflow import Consumer, Kind, Ledger, Producer
+from dataflow.testing._postgres import (
+    PostgresServer,
+    _conninfo,
+    _run_tool,
+    create_database,
+    drop_database,
+)
+from stores import LocalFeatureStore
+
+WRITERS = (1, 4, 8)
+BATCH = 64  # refs per commit transaction
+LEASE_BATCH = 256
+SECONDS, QUICK_SECONDS = 6.0, 1.0
+TARGET = ">= 0.5"  # ours / raw events/s at the most writers
+ONE_RUN, OWN_RUNS = "one run", "own runs"
+OURS, RAW, RAW_LOCKED = "ours", "raw", "raw+lock"
+# Workers fork from a server that imported torch and dataflow once (bench_streams).
+_PROCESSES = mp.get_context("forkserver")
+_PROCESSES.set_forkserver_preload(["torch", "psycopg", "dataflow", "benchmarks.bench_pg"])
+_WAIT = 300.0
+_INSERT = (
+    "INSERT INTO dataflow_events (run_id, kind, sample_id, revision, epoch, step, actor, "
+    "payload, ts) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+)
+_DURABLE = ("fsync", "full_page_writes", "synchronous_commit")
+_LOCK = (
+    "INSERT INTO dataflow_runs (run_id, epoch) VALUES (%s, 0) ON CONFLICT DO NOTHING",
+    "SELECT epoch FROM dataflow_runs WHERE run_id = %s FOR UPDATE",
+)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One process's part of one measurement: ``writer`` index, or None for the consumer."""
+
+    contender: str
+    url: str
+    run_ids: tuple[str, ...]
+    writer: int | None
+
+
+@dataclass
+class Result:
+    events: int = 0
+    laps: list[float] = field(default_factory=list)
+    ended: float = 0.0
+
+
+@dataclass
+class Measured:
+    contender: str
+    writers: int
+    mode: str
+    rate: float  # the writers' commit events per second
+    p50_ms: float
+    p99_ms: float
+    consumer_events: int
+
+
+# -- the processes -------------------------------------------------------------------------------
+Step = Callable[[], tuple[int, float]]  # one batch: (events, seconds it took)
+
+
+def _worker(pipe: Any) -> None:
+    while (task := pipe.recv()) is not None:
+        try:
+            with _STEPS[task.contender, task.writer is None](task) as step:
+                pipe.send("ready")
+                start, stop = pipe.recv()
+                pipe.send(_loop(step, start, stop))
+        except Exception as exc:  # the coordinator raises it, instead of waiting on us
+            pipe.send(exc)
+
+
+def _loop(step: Step, start: float, stop: float) -> Result:
+    time.sleep(max(0.0, start - time.monotonic()))
+    result = Result()
+    while time.monotonic() < stop:
+        events, seconds = step()
+        if events:
+            result.events += events
+            result.laps.append(seconds)
+        else:
+            time.sleep(0.001)  # a consumer with nothing committed yet
+    result.ended = time.monotonic()
+    return result
+
+
+def _batches(task: Task) -> Iterator[list[Any]]:
+    assert task.writer is not None
+    for b in itertools.count():
+        yield [bench_ref(f"w{task.writer}-{b * BATCH + i:09d}") for i in range(BATCH)]
+
+
+@contextmanager
+def _ours_writer(task: Task) -> Iterator[Step]:
+    assert task.writer is not None
+    with Ledger.open(task.url, create=False) as ledger, LocalFeatureStore() as store:
+        producer = Producer(
+            ledger,
+            store,
+            run_id=task.run_ids[task.writer],
+            producer_id=f"producer-{task.writer}",
+        )
+        ledger.head_seq(producer.run_id)  # connect before the clock starts
+        batches = _batches(task)
+
+        def step() -> tuple[int, float]:
+            refs = next(batches)
+            start = time.perf_counter()
+            producer.commit(refs)
+            return len(refs), time.perf_counter() - start
+
+        yield step
+
+
+@contextmanager
+def _raw_writer(task: Task, *, locked: bool) -> Iterator[Step]:
+    assert task.writer is not None
+    run_id, actor = task.run_ids[task.writer], f"producer-{task.writer}"
+    options = "-c synchronous_commit=on"
+    with psycopg.connect(_conninfo(task.url), autocommit=True, options=options) as conn:
+        batches = _batches(task)
+
+        def step() -> tuple[int, float]:
+            refs = next(batches)
+            start = time.perf_counter()
+            now = time.time()
+            rows = [(run_id, Kind.COMMIT, r.sample_id, 0, 0, None, actor, r.to_json(), now)
+                    for r in refs]  # fmt: skip
+            with conn.transaction(), conn.cursor() as cur:
+                if locked:
+                    for statement in _LOCK:
+                        cur.execute(statement, (run_id,))
+                cur.executemany(_INSERT, rows)
+            return len(rows), time.perf_counter() - start
+
+        yield step
+
+
+@contextmanager
+def _ours_consumer(task: Task) -> Iterator[Step]:
+    with Ledger.open(task.url, create=False) as ledger, LocalFeatureStore() as store:
+        consumers = [
+            Consumer(
+                ledger,
+                store,
+                run_id=run_id,
+                consumer_id="trainer",
+                release_policy="never",
+            )
+            for run_id in dict.fromkeys(task.run_ids)
+        ]
+        with warnings.catch_warnings():
+            # "run ... has no events": the writers have not committed yet, by design.
+            warnings.simplefilter("ignore", UserWarning)
+            for consumer in consumers:
+                consumer.resume()
+        steps = [0] * len(consumers)
+
+        def step() -> tuple[int, float]:
+            start, events = time.perf_counter(), 0
+            for i, consumer in enumerate(consumers):
+                refs = consumer.lease(LEASE_BATCH)
+                if refs:
+                    steps[i] += 1
+                    consumer.ack(refs, step=steps[i])
+                    events += 2 * len(refs)
+            return events, time.perf_counter() - start
+
+        yield step
+
+
+@contextmanager
+def _raw_consumer(task: Task) -> Iterator[Step]:
+    run_ids = list(dict.fromkeys(task.run_ids))
+    options = "-c synchronous_commit=on"
+    with psycopg.connect(_conninfo(task.url), autocommit=True, options=options) as conn:
+        after = dict.fromkeys(run_ids, 0)
+        steps = dict.fromkeys(run_ids, 0)
+
+        def step() -> tuple[int, float]:
+            start, events = time.perf_counter(), 0
+            for run_id in run_ids:
+                found = conn.execute(
+                    "SELECT seq, sample_id FROM dataflow_events WHERE run_id = %s AND kind = %s "
+                    "AND seq > %s ORDER BY seq LIMIT %s",
+                    (run_id, Kind.COMMIT, after[run_id], LEASE_BATCH),
+                ).fetchall()
+                if not found:
+                    continue
+                after[run_id] = found[-1][0]
+                steps[run_id] += 1
+                for kind, step_no in ((Kind.LEASE, None), (Kind.ACK, steps[run_id])):
+                    now = time.time()
+                    rows = [(run_id, kind, sid, None, 1, step_no, "trainer", None, now)
+                            for _, sid in found]  # fmt: skip
+                    with conn.transaction(), conn.cursor() as cur:
+                        cur.executemany(_INSERT, rows)
+                events += 2 * len(found)
+            return events, time.perf_counter() - start
+
+        yield step
+
+
+_STEPS: dict[tuple[str, bool], Callable[[Task], Any]] = {
+    (OURS, False): _ours_writer,
+    (RAW, False): lambda task: _raw_writer(task, locked=False),
+    (RAW_LOCKED, False): lambda task: _raw_writer(task, locked=True),
+    (OURS, True): _ours_consumer,
+    (RAW, True): _raw_consumer,
+    (RAW_LOCKED, True): _raw_consumer,
+}
+
+
+# -- the coordinator ------------------------------------------------------------------------------
+class Workers:
+    """Processes that outlive one measurement, so each imports dataflow and torch only once."""
+
+    def __init__(self, count: int) -> None:
+        self.pipes, self.procs = [], []
+        for _ in range(count):
+            ours, theirs = _PROCESSES.Pipe()
+            proc = _PROCESSES.Process(target=_worker, args=(theirs,), daemon=True)
+            proc.start()
+            self.pipes.append(ours)
+            self.procs.append(proc)
+
+    def run(self, tasks: list[Task], seconds: float) -> list[Result]:
+        pipes = self.pipes[: len(tasks)]
+        for pipe, task in zip(pipes, tasks, strict=True):
+            pipe.send(task)
+        answers = [_recv(pipe) for pipe in pipes]
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise RuntimeError(f"a benchmark process failed: {answer!r}") from answer
+        start = time.monotonic() + 0.2
+        for pipe in pipes:
+            pipe.send((start, start + seconds))
+        results = [_recv(pipe) for pipe in pipes]
+        for result in results:
+            if isinstance(result, Exception):
+                raise RuntimeError(f"a benchmark process failed: {result!r}") from result
+            result.ended -= start
+        return results
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():  # stuck behind a failed measurement
+                proc.terminate()
+
+
+def _recv(pipe: Any) -> Any:
+    if not pipe.poll(_WAIT):
+        raise TimeoutError(f"a benchmark process said nothing for {_WAIT:g}s")
+    return pipe.recv()
+
+
+def _reachable_by_others(path: Path) -> bool:
+    return all(p.stat().st_mode & 0o001 for p in (path, *path.parents))
+
+
+@contextmanager
+def postgres(workdir: Path) -> Iterator[PostgresServer]:
+    """A throw-away server with fsync on, its files in ``workdir`` where it can reach them."""
+    # As root the server runs as the postgres user, which cannot enter a private
+    # directory (pytest's tmp_path is one); then the files go to tempfile's default.
+    where = workdir if os.geteuid() != 0 or _reachable_by_others(workdir) else None
+    server = PostgresServer()
+    # PostgresServer puts its cluster in tempfile's directory; only while it starts,
+    # so that nothing else (multiprocessing's own temporary files) lands there.
+    with mock.patch.object(tempfile, "tempdir", where and str(workdir)):
+        server.start()
+    try:
+        assert server.directory is not None and server.port is not None
+        # The test helper starts it with fsync off (on its command line, which
+        # ALTER SYSTEM cannot override); a benchmark must pay for durability.
+        options = (
+            f"-p {server.port} -c listen_addresses=127.0.0.1 "
+            f"-c unix_socket_directories='{server.directory}'"
+        )
+        data = str(server.directory / "data")
+        _run_tool(server.bin_dir, "pg_ctl", "restart", "-D", data, "-m", "fast", "-o", options,
+                  "-w", "-l", str(server.directory / "server.log"))  # fmt: skip
+        server._wait_ready()
+        with psycopg.connect(_conninfo(server.url)) as conn:
+            settings = [conn.execute(f"SHOW {name}").fetchone() for name in _DURABLE]
+        if settings != [("on",)] * len(_DURABLE):
+            raise RuntimeError(f"PostgreSQL runs with {dict(zip(_DURABLE, settings, strict=True))}")
+        yield server
+    finally:
+        server.stop()
+
+
+@contextmanager
+def fresh_database(server_url: str) -> Iterator[str]:
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    url = create_database(server_url, name)
+    try:
+        Ledger.open(url).close()  # our schema, for raw too: the same table and indexes
+        yield url
+    finally:
+        drop_database(server_url, name)
+
+
+def measure(
+    workers: Workers,
+    server_url: str,
+    contender: str,
+    writers: int,
+    mode: str,
+    seconds: float,
+    *,
+    consumer: bool = True,
+) -> Measured:
+    run_ids = tuple("run" if mode == ONE_RUN else f"run-{w}" for w in range(writers))
+    with fresh_database(server_url) as url:
+        tasks = [Task(contender, url, run_ids, w) for w in range(writers)]
+        if consumer:
+            tasks.append(Task(contender, url, run_ids, None))
+        results = workers.run(tasks, seconds)
+    written = results[:writers]
+    consumed = results[writers].events if consumer else 0
+    laps = sorted(lap for r in written for lap in r.laps)
+    wall = max(r.ended for r in written)
+    return Measured(
+        contender,
+        writers,
+        mode,
+        _report.per_second(sum(r.events for r in written), wall),
+        statistics.median(laps) * 1e3,
+        laps[min(len(laps) - 1, int(0.99 * len(laps)))] * 1e3,
+        consumed,
+    )
+
+
+def bench(
+    workdir: Path, writers: tuple[int, ...], seconds: float, *, consumer: bool = True
+) -> tuple[list[Measured], str]:
+    """The measurements, and the file system the server's files were on."""
+    configs = [
+        (n, mode) for n in writers for mode in (ONE_RUN, OWN_RUNS) if n > 1 or mode == ONE_RUN
+    ]
+    results = []
+    with postgres(workdir) as server, ExitStack() as stack:
+        assert server.directory is not None
+        where = f"{filesystem(server.directory)} ({server.directory.parent})"
+        workers = Workers(max(writers) + 1)
+        stack.callback(workers.close)
+        for k, (n, mode) in enumerate(configs):
+            contenders = [OURS, RAW] + ([RAW_LOCKED] if mode == ONE_RUN and n > 1 else [])
+            # Alternate the order, so that no contender always runs on a warmer server.
+            for contender in contenders if k % 2 == 0 else contenders[::-1]:
+                results.append(
+                    measure(workers, server.url, contender, n, mode, seconds, consumer=consumer)
+                )
+    return results, where
+
+
+def _label(n: int, mode: str) -> str:
+    return f"{n} writer{'s' if n > 1 else ''}, {mode}"
+
+
+def to_rows(results: list[Measured], *, note: str) -> list[Row]:
+    by = {(m.contender, m.writers, m.mode): m for m in results}
+    most = max(m.writers for m in results)
+    out = []
+    for m in results:
+        if m.contender != OURS:
+            continue
+        raw = by[RAW, m.writers, m.mode]
+        where = _label(m.writers, m.mode)
+        consumers = (
+            f"; consumer lease+ack events: ours {m.consumer_events:,}, raw {raw.consumer_events:,}"
+            if m.consumer_events or raw.consumer_events
+            else ""
+        )
+        out += [
+            row(
+                f"pg ledger commit, {where}",
+                m.rate,
+                "events/s",
+                f"raw psycopg executemany, {where}",
+                raw.rate,
+                target=TARGET if m.writers == most else None,
+                note=note + consumers,
+            ),
+            row(
+                f"pg ledger commit p50 latency, {where}",
+                m.p50_ms,
+                "ms",
+                f"raw psycopg executemany p50, {where}",
+                raw.p50_ms,
+                note=note,
+            ),
+            row(
+                f"pg ledger commit p99 latency, {where}",
+                m.p99_ms,
+                "ms",
+                f"raw psycopg executemany p99, {where}",
+                raw.p99_ms,
+                note=note,
+            ),
+        ]
+        locked = by.get((RAW_LOCKED, m.writers, m.mode))
+        if locked is not None:
+            out.append(
+                row(
+                    f"pg raw executemany + per-run row lock, {where}",
+                    locked.rate,
+                    "events/s",
+                    f"raw psycopg executemany, {where}",
+                    raw.rate,
+                    note=note + f"; ours / raw+lock {m.rate / locked.rate:.2f}x",
+                )
+            )
+    return out
+
+
+def rows(
+    workdir: Path,
+    *,
+    quick: bool,
+    writers: tuple[int, ...] = WRITERS,
+    seconds: float | None = None,
+    consumer: bool = True,
+) -> list[Row]:
+    """Our commit rate and latency on PostgreSQL against raw executemany, per writer count.
+
+    ``consumer=False`` leaves the consumer process out: the writers alone.
+    """
+    seconds = (QUICK_SECONDS if quick else SECONDS) if seconds is None else seconds
+    before = _report.load()
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="bench_pg_") as tmp:
+        os.chmod(tmp, 0o755)  # see postgres()
+        results, fs = bench(Path(tmp), writers, seconds, consumer=consumer)
+    consuming = (
+        f"one consumer process leasing {LEASE_BATCH} and acking" if consumer else "no consumer"
+    )
+    note = (
+        f"{BATCH} refs per commit, {seconds:g} s per contender, {consuming}; PostgreSQL "
+        f"fsync on, synchronous_commit on, files on {fs}; "
+        f"load average {before:.1f} at the start, {_report.load():.1f} at the end"
+    )
+    return to_rows(results, note=note)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_pg", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="short runs: a check, not a result")
+    parser.add_argument("--writers", default=",".join(map(str, WRITERS)), help="1,4,8")
+    parser.add_argument("--seconds", type=float, help="per contender and writer count")
+    parser.add_argument("--dir", type=Path, default=Path.cwd(), help="where the server's files go")
+    parser.add_argument("--no-consumer", action="store_true", help="the writers alone")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    writers = tuple(int(n) for n in args.writers.split(","))
+    result = rows(
+        args.dir,
+        quick=args.quick,
+        writers=writers,
+        seconds=args.seconds,
+        consumer=not args.no_consumer,
+    )
+    table = [
+        (r.name, f"{r.value:,.2f}", r.unit, f"{r.baseline_value or 0:,.2f}", f"{r.ratio or 0:.2f}x",
+         r.target or "", "" if r.met is None else ("met" if r.met else "missed"))
+        for r in result
+    ]  # fmt: skip
+    headers = ["row", "ours", "unit", "raw", "ours / raw", "target", ""]
+    print(_report.markdown_table(headers, table))
+    if result:
+        print(f"\n{result[0].note}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
