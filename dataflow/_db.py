@@ -49,6 +49,12 @@ def _translated(what: str, exc: Exception) -> LedgerError:
         )
     if isinstance(exc, sa_exc.IntegrityError):
         return IntegrityError(f"{what}: the database refused the write: {orig}")
+    if getattr(orig, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+        return OperationalError(
+            f"{what}: {orig}: another connection held the ledger's write lock for longer "
+            "than busy_timeout, and this transaction wrote nothing; retry, or open the "
+            "ledger with a longer Ledger.open(busy_timeout=...)"
+        )
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError)):
         return OperationalError(f"{what}: {orig}")
     if isinstance(exc, sa_exc.DBAPIError):

@@ -28,6 +28,7 @@ means the ref's generation is gone (stale).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -61,6 +62,7 @@ from dataflow._errors import (
     InvalidSampleIdError,
     StaleRefError,
     StoreError,
+    StoreFullError,
 )
 from stores import _tensors
 from stores._pool import ChunkPool
@@ -79,6 +81,7 @@ _PLAIN_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 _ESCAPE_RE = re.compile(r"[^A-Za-z0-9._-]|^\.")
 _MAX_NAME = 200
 _BUCKET_RE = re.compile(r"[0-9a-f]{2}")
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Directories are opened relative to their parent's fd and never through a
 # symlink, so a scan cannot be led out of the root.
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -218,6 +221,27 @@ class SharedDirFeatureStore(FeatureStore):
         dense = {name: _tensors.dense(t) for name, t in tensors.items()}
         specs = {name: FeatureSpec.of(t) for name, t in dense.items()}
         path = self._file(sample_id)
+        try:
+            generation = self._put_file(sample_id, path, dense, specs)
+        except OSError as exc:
+            if exc.errno not in _DISK_FULL:
+                raise
+            raise StoreFullError(
+                f"cannot put sample {sample_id!r} to {path}: the file system under "
+                f"{self.root} is full ({exc.strerror}); nothing was stored and the sample's "
+                "previous generation, if any, is intact: free space there (`dataflow gc` "
+                "deletes released samples) and put it again"
+            ) from exc
+        return SampleRef(sample_id, self.uri, generation, specs, metadata)
+
+    def _put_file(
+        self,
+        sample_id: str,
+        path: str,
+        dense: dict[str, torch.Tensor],
+        specs: dict[str, FeatureSpec],
+    ) -> int:
+        """Write a new generation of ``sample_id`` and rename it over ``path``; its generation."""
         fd, tmp, header = self._write_tmp(sample_id, dense, specs)
         try:
             with self._locked(sample_id):
@@ -233,7 +257,7 @@ class SharedDirFeatureStore(FeatureStore):
         finally:
             os.close(fd)
         fsync_path(os.path.dirname(path), directory=True)
-        return SampleRef(sample_id, self.uri, generation, specs, metadata)
+        return generation
 
     def _rename_into_place(self, tmp: str, path: str, sample_id: str) -> None:
         """Rename ``tmp`` over ``path``, mending what a hand may have broken in the layout."""

@@ -22,6 +22,7 @@ The layout is described in ``training._layout``.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import numbers
@@ -69,6 +70,8 @@ from training._layout import (
 from training._storable import check_storable
 
 log = logging.getLogger("training")
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 #: What an absent (None) entry is stored as, so every save writes the same entries.
 ABSENT = {"__dataflow_training__": "absent"}
@@ -128,6 +131,26 @@ def _check_current(consumer: Consumer) -> None:
             f"{consumer.run_id!r}, but the run moved to epoch {state.epoch}: a newer trainer "
             "resumed; this one must stop (nothing was saved)"
         )
+
+
+def _disk_full(exc: BaseException, step: int, where: Path) -> Exception | None:
+    """A CheckpointError saying the disk is full, when ENOSPC (or EDQUOT) caused ``exc``.
+
+    torch.save reports a failed write as a RuntimeError whose context holds the OSError.
+    """
+    cause: BaseException | None = exc
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+            return CheckpointError(
+                f"cannot save the checkpoint of step {step}: the disk is full writing "
+                f"{cause.filename or where} ({cause.strerror}); nothing was published and the "
+                f"earlier checkpoints are intact: free space under {where.parent} (a smaller "
+                "keep_latest_k keeps fewer checkpoints) and save again"
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _stage(value: Any) -> Any:
@@ -467,7 +490,10 @@ class CheckpointManager:
     # -- hooks: the file format -----------------------------------------------------------
     def _write(self, file: Path, obj: dict[str, Any]) -> None:
         """Write ``obj`` to the new file ``file`` (fsync and digests are done by ``save``)."""
-        torch.save(obj, file)
+        # Through a Python file, so that a failed write (ENOSPC) keeps its errno: torch.save
+        # to a path reports only "file write failed".
+        with open(file, "wb") as f:
+            torch.save(obj, f)
         # Refuse at save time what weights_only loading would refuse at resume time.
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
         if unsafe:
@@ -577,7 +603,7 @@ class CheckpointManager:
         try:
             files = self._write_files(job, rank)
         except Exception as exc:
-            error = exc
+            error = _disk_full(exc, job["step"], tmp) or exc
         try:
             every_rank = agree(error, files, **meeting)
         except BaseException:
@@ -590,7 +616,7 @@ class CheckpointManager:
                 digest = self._publish(job, every_rank, world_size)
             except Exception as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                error = exc
+                error = _disk_full(exc, job["step"], tmp) or exc
         return str(agree(error, digest, **meeting)[0])
 
     def _write_files(self, job: dict[str, Any], rank: int) -> dict[str, Any]:
