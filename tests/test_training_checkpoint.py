@@ -23,6 +23,7 @@ from training import (
     CorruptCheckpointError,
     SavedCheckpoint,
 )
+from training._layout import manifest_bytes
 
 RUN = "run"
 ACC = "eval/simulated_acc_len"
@@ -187,7 +188,7 @@ def test_load_uses_weights_only(tmp_path: Path) -> None:
     manifest = json.loads((path / "manifest.json").read_text())  # ... and the manifest too
     data = (path / "state.pt").read_bytes()
     manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_bytes(manifest_bytes(manifest))  # with its own sha256
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         manager.load(1)
 

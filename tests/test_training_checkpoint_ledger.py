@@ -28,6 +28,7 @@ from training import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
+from training._layout import manifest_bytes
 
 RUN = "run"
 ACC = "eval/simulated_acc_len"
@@ -373,7 +374,7 @@ def test_a_model_less_checkpoint_is_valid_only_with_its_marker(tmp_path: Path) -
     # A manifest that does not even list the marker: still not a valid checkpoint.
     manifest = json.loads((path / "manifest.json").read_text())
     del manifest["files"]["NO_MODEL"]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_bytes(manifest_bytes(manifest))  # with its own sha256
     with pytest.raises(CorruptCheckpointError, match="holds no model and no NO_MODEL marker"):
         manager.load(1)
 

@@ -23,7 +23,6 @@ The layout is described in ``training._layout``.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import numbers
 import os
@@ -60,6 +59,7 @@ from training._layout import (
     SavedCheckpoint,
     checkpoint_dir_name,
     file_digest,
+    manifest_bytes,
     parse_dir_name,
     point,
     rank_file,
@@ -668,7 +668,7 @@ class CheckpointManager:
             "metrics": job["metrics"],
             "files": dict(sorted(files.items())),
         }
-        raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        raw = manifest_bytes(manifest)
         with open(tmp / MANIFEST_FILE, "wb") as f:
             f.write(raw)
             f.flush()

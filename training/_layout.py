@@ -114,6 +114,9 @@ def read_manifest(path: Path, *, expected_digest: str | None = None) -> SavedChe
         )
     try:
         data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        _check_self_digest(data, file)
         if data.get("format") != FORMAT:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         files = data["files"]
@@ -134,6 +137,38 @@ def read_manifest(path: Path, *, expected_digest: str | None = None) -> SavedChe
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"{file} is unreadable: {exc}") from None
+
+
+#: The manifest's key for the sha256 of its own JSON without that key.
+SELF_DIGEST = "self_sha256"
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """``manifest`` as the bytes of manifest.json, with the sha256 of its own content.
+
+    The ledger records the digest of the whole file; the self digest catches a
+    damaged manifest where no ledger is asked (``load(step)``, ``best``, ``saved()``).
+    """
+    body = {k: v for k, v in manifest.items() if k != SELF_DIGEST}
+    digest = hashlib.sha256(_canonical(body)).hexdigest()
+    return _canonical({**body, SELF_DIGEST: digest})
+
+
+def _canonical(data: dict[str, Any]) -> bytes:
+    # Floats round-trip through repr, so a parsed manifest serializes to the same bytes.
+    return (json.dumps(data, indent=1) + "\n").encode()
+
+
+def _check_self_digest(data: dict[str, Any], file: Path) -> None:
+    recorded = data.pop(SELF_DIGEST, None)
+    if recorded is None:
+        return  # written before manifests carried one
+    actual = hashlib.sha256(_canonical(data)).hexdigest()
+    if actual != recorded:
+        raise CorruptCheckpointError(
+            f"{file} is corrupt: its content does not match its own sha256 (recorded "
+            f"{str(recorded)[:16]}..., content {actual[:16]}...): resume from another checkpoint"
+        )
 
 
 def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> None:
