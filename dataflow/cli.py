@@ -627,6 +627,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from dataflow.demo._chaos import ChaosOptions, clean, run_chaos
+
+    options = ChaosOptions(
+        trials=args.trials,
+        seed=args.seed,
+        ledger=args.ledger,
+        store=args.store,
+        workdir=args.workdir,
+        quick=args.quick,
+        mode=args.mode,
+        json_path=args.json,
+    )
+    return 0 if clean(run_chaos(options)) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dataflow",
@@ -819,6 +835,66 @@ def build_parser() -> argparse.ArgumentParser:
         "--start-mooncake-master",
         action="store_true",
         help="start a local mooncake_master for --store mooncake:// and stop it at the end",
+    )
+
+    p = command(
+        "chaos",
+        cmd_chaos,
+        help="the demo pipeline SIGKILLed at random, trial after trial, and checked",
+        description="Run the demo pipeline (2 producers, 2 gloo ranks, ZeroMQ) again and "
+        "again; each trial SIGKILLs a producer, one rank or both ranks at a random moment, "
+        "restarts them, and checks verify, lost/duplicated samples, the weights against an "
+        "uninterrupted run (offline trials) and orphans after gc. Exit 1 if any check fails.",
+    )
+    p.add_argument(
+        "--trials",
+        type=_int_in(1, 100_000, "trials"),
+        default=20,
+        metavar="N",
+        help="how many trials (default: 20)",
+    )
+    p.add_argument(
+        "--seed",
+        type=_int_in(0, 2**32 - 1, "a seed"),
+        default=0,
+        metavar="S",
+        help="trial i draws its kill from S+i; the data and models come from S (default: 0)",
+    )
+    p.add_argument(
+        "--ledger",
+        type=_ledger_url,
+        default=None,
+        metavar="URL",
+        help="one ledger for every trial (default: a SQLite file per trial under WORKDIR)",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="URI",
+        help="dir:///PATH: each trial's features under PATH/trial-NNN (default: under "
+        "WORKDIR); mooncake://: a local mooncake_master per trial, killed as a target too",
+    )
+    p.add_argument(
+        "--json",
+        type=_output_path("chaos.json", (".json",)),
+        default=None,
+        metavar="FILE",
+        help="write the totals and every trial's result to FILE as JSON",
+    )
+    p.add_argument(
+        "--workdir",
+        default="dataflow-chaos",
+        metavar="DIR",
+        help="where the trials' ledgers, features, checkpoints and logs go "
+        "(default: ./dataflow-chaos)",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller trials (128 samples, not 256)")
+    p.add_argument(
+        "--mode",
+        choices=("alternate", "streaming", "offline"),
+        default="alternate",
+        help="alternate (default: every other trial offline, in the seeded order, its weights "
+        "compared with an uninterrupted run), or every trial streaming, or every one offline",
     )
     return parser
 

@@ -65,3 +65,10 @@ def _end_with(pid: int) -> None:
                 pass
 
     threading.Thread(target=watch, name="demo-watch", daemon=True).start()
+
+
+def kill_self(marker: str | os.PathLike[str]) -> None:
+    """A planned crash at a chosen point: note the moment in ``marker`` (for the conductor,
+    which did not send this kill itself), then SIGKILL this process, as a crash would."""
+    Path(marker).write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -3,9 +3,13 @@ the refs are committed to the ledger and pushed to the trainer ranks over ZeroMQ
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from dataflow import Ledger, Producer
+from dataflow.demo._child import kill_self
 from dataflow.demo._model import TargetNetwork, sample_id
 from dataflow.streams import SenderConfig, ZmqRefSender
 from stores import open_store
@@ -19,15 +23,26 @@ def produce(config: dict, index: int) -> None:
     producer_id = f"producer-{index}"
     ledger = Ledger.open(config["ledger_url"])
     store = open_store(config["store_uri"])
-    sender = ZmqRefSender(
-        # Long enough to wait out a restart of both ranks; a ref that still finds no
-        # credit stays pending in the ledger, and the ranks lease it from there.
-        SenderConfig(endpoints=tuple(config["endpoints"]), producer_id=producer_id, send_timeout=60)
+    # Without a stream (a committed dataset, trained in a seeded order) the ranks lease
+    # from the ledger alone.
+    sender = (
+        ZmqRefSender(
+            # Long enough to wait out a restart of both ranks; a ref that still finds no
+            # credit stays pending in the ledger, and the ranks lease it from there.
+            SenderConfig(
+                endpoints=tuple(config["endpoints"]), producer_id=producer_id, send_timeout=60
+            )
+        )
+        if config.get("stream", True)
+        else None
     )
     producer = Producer(
         ledger, store, run_id=config["run_id"], producer_id=producer_id, stream=sender
     )
+    _kill_in_commit(config, index, store)
     mine = list(range(index, config["samples"], config["producers"]))
+    # A restarted producer emits everything again: the ledger answers the ids it holds
+    # without a put, so only what the killed one did not commit is stored and committed.
     for start in range(0, len(mine), CHUNK):
         chunk = mine[start : start + CHUNK]
         producer.emit_many([(sample_id(i), target.features(i)) for i in chunk])
@@ -35,10 +50,30 @@ def produce(config: dict, index: int) -> None:
     # EOF, every ref sent before it has reached them. (Producer.close records the close
     # first, and a rank that folds it counts this producer as closed at once: it could
     # settle its last micro-batches while refs are still on the wire, and strand them.)
-    sender.close()
+    if sender is not None:
+        sender.close()
     producer.close()  # 'close' in the ledger (the stream is closed already)
     store.close()
     ledger.close()
+
+
+def _kill_in_commit(config: dict, index: int, store: Any) -> None:
+    """``dataflow chaos``: SIGKILL this producer after the n-th put of its run, in the middle
+    of a batch (features stored, the batch's commit not written yet)."""
+    plan = config.get("kill_in_commit")
+    if plan is None or plan["producer"] != index or Path(plan["marker"]).exists():
+        return  # not this one, or this is the restarted producer
+    put, count = store.put, 0
+
+    def put_then_die(*args: Any, **kwargs: Any) -> Any:
+        nonlocal count
+        ref = put(*args, **kwargs)
+        count += 1
+        if count == plan["after_puts"]:
+            kill_self(plan["marker"])
+        return ref
+
+    store.put = put_then_die
 
 
 def main(config: dict, index: int) -> None:

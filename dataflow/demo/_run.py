@@ -100,6 +100,7 @@ class Demo:
         rng = random.Random(options.seed)
         self.kill_at = max(1, int(self.samples * rng.uniform(*KILL_BETWEEN)))
         self.kill_delay = rng.uniform(0.0, 0.3)
+        self._kill_due: float | None = None
         self._evals: list[dict[str, Any]] = []
         self._evals_offset = 0
         self._last_print = 0.0
@@ -151,9 +152,7 @@ class Demo:
             )
             if self.lender_store_uri is not None:
                 self._start_keeper()
-            for index in range(PRODUCERS):
-                self._start(f"producer-{index}", "producer", index)
-            self._start_ranks()
+            self._launch()
             self.timeline.started = time.monotonic() - self.started
             self._watch()
             return self._finish()
@@ -162,6 +161,12 @@ class Demo:
             if self._master is not None:
                 self._master.stop()
             self.ledger.close()
+
+    def _launch(self) -> None:
+        """Start the producers and the first attempt of the trainer ranks."""
+        for index in range(PRODUCERS):
+            self._start(f"producer-{index}", "producer", index)
+        self._start_ranks()
 
     def _store_uri(self) -> str:
         """The URI the children open the store with: a shared directory by default."""
@@ -277,7 +282,6 @@ class Demo:
         state = RunState(self.run_id, ref_source=self.ledger)
         last_event = time.monotonic()
         epoch = 0
-        kill_due: float | None = None
         while True:
             head = state.head_seq
             state.apply_rows(self.ledger.rows(self.run_id, after_seq=head))
@@ -292,16 +296,12 @@ class Demo:
                 if epoch > 1:
                     self._say_resumed(state)
             self._progress(state)
+            if self._tick(state, now):  # first: a child it killed is no failure
+                last_event = time.monotonic()
             for child in self.children:
                 failure = child.failure()
                 if failure is not None:
                     raise DemoError(failure)
-            if self.options.crash and self.attempt == 1:
-                if kill_due is None and trained >= self.kill_at:
-                    kill_due = now + self.kill_delay
-                if kill_due is not None and now >= kill_due:
-                    self._kill_and_restart(state)
-                    last_event = time.monotonic()
             if all(c.process.exitcode == 0 for c in self.children if not (c.killed or c.service)):
                 return
             if now - last_event > STALL_S:
@@ -310,6 +310,18 @@ class Demo:
                     f"in {self.run_dir / 'logs'}"
                 )
             time.sleep(TICK_S)
+
+    def _tick(self, state: RunState, now: float) -> bool:
+        """Called on every round of the watch: kill and restart the ranks once, when due;
+        True when something was restarted."""
+        if not self.options.crash or self.attempt != 1:
+            return False
+        if self._kill_due is None and len(state.trained) >= self.kill_at:
+            self._kill_due = now + self.kill_delay
+        if self._kill_due is None or now < self._kill_due:
+            return False
+        self._kill_and_restart(state)
+        return True
 
     def _kill_and_restart(self, state: RunState) -> None:
         if any(rank.process.exitcode is not None for rank in self.ranks):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dataflow import Consumer, Ledger
+from dataflow.demo._child import kill_self
 from dataflow.demo._model import (
     DRAFT,
     HIDDEN,
@@ -69,6 +70,25 @@ class RecordingEvaluator(Evaluator):
             with self.path.open("a") as file:
                 file.write(json.dumps(record) + "\n")
         return metrics
+
+
+class DyingCheckpointManager(CheckpointManager):
+    """``dataflow chaos``: SIGKILLs its rank in the middle of the save at ``step``, once the
+    rank's first file is written (the checkpoint neither published nor recorded)."""
+
+    def __init__(self, config: CheckpointConfig, *, step: int, marker: str) -> None:
+        super().__init__(config)
+        self.kill_step, self.marker = step, marker
+        self.saving: int | None = None
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> Any:
+        self.saving = step
+        return super().save(step, *args, **kwargs)
+
+    def _write(self, file: Path, obj: dict[str, Any]) -> None:
+        super()._write(file, obj)
+        if self.saving == self.kill_step:
+            kill_self(self.marker)
 
 
 def train(config: dict, rank: int, attempt: int, port: int) -> None:
@@ -118,12 +138,20 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
     def model_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
         return eval_outputs(model, batch)  # under no_grad (Evaluator.evaluate)
 
-    receiver = ZmqRefReceiver(
-        ReceiverConfig(
-            endpoint=config["endpoints"][rank],
-            window=config["window"],
-            expected_producers=config["producers"],
+    # Streaming: refs in arrival order over ZeroMQ. Without a stream: a committed dataset,
+    # leased in the order `order_seed` fixes, so a resumed run trains what an uninterrupted
+    # one does, batch for batch.
+    streaming = config.get("stream", True)
+    receiver = (
+        ZmqRefReceiver(
+            ReceiverConfig(
+                endpoint=config["endpoints"][rank],
+                window=config["window"],
+                expected_producers=config["producers"],
+            )
         )
+        if streaming
+        else None
     )
     consumer = Consumer(
         Ledger.open(config["ledger_url"]),
@@ -133,21 +161,29 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
         rank=rank,
         world_size=WORLD_SIZE,
         stream=receiver,
+        order_seed=None if streaming else config["seed"],
+    )
+    checkpoint_config = CheckpointConfig(
+        root=config["checkpoint_root"],
+        # No "data" (the rank's position in its queue) when streaming: refs come in arrival
+        # order, a batch holds what has arrived, so a position is no batch boundary to line
+        # up with; the ledger alone says what is trained and what comes next.
+        components=("model", "optimizer", "rng", "trainer") if streaming else None,
+    )
+    kill = config.get("kill_in_save")
+    checkpoints = (
+        DyingCheckpointManager(
+            checkpoint_config, step=kill["step"], marker=f"{kill['marker']}{rank}"
+        )
+        if kill is not None and attempt == 1
+        else CheckpointManager(checkpoint_config)
     )
     evaluator = RecordingEvaluator(run_dir / "evals.jsonl", rank)
     trainer = Trainer(
         consumer,
         step_fn=step_fn,
         optimizer_fn=optimizer_fn,
-        checkpoints=CheckpointManager(
-            CheckpointConfig(
-                root=config["checkpoint_root"],
-                # No "data" (the rank's position in its queue): refs come in arrival order,
-                # a batch holds what has arrived, so a position is no batch boundary to line
-                # up with; the ledger alone says what is trained and what comes next.
-                components=("model", "optimizer", "rng", "trainer"),
-            )
-        ),
+        checkpoints=checkpoints,
         state_fn=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},
         load_fn=load_fn,
         regenerate_fn=regenerate_fn,
@@ -168,12 +204,25 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
         warnings.filterwarnings("ignore", message=r"run '.*' has no events")
         trainer.resume("latest")  # from scratch, or where the killed ranks left off
     step = trainer.run()
+    # A sample reported lost and regenerated after the ranks settled how many micro-batches
+    # they take (the store lost features near the end) waits for the next run(): run again
+    # until no rank holds work, or the run ends with it leased and never trained.
+    while _any_rank(not consumer.finished):
+        step = trainer.run()
     if rank == 0:
         final = {"step": step, "metrics": trainer.metrics, "attempt": attempt}
         (run_dir / "final.json").write_text(json.dumps(final))
+        torch.save(model.state_dict(), run_dir / "weights.pt")
     dist.barrier()  # neither rank tears its group down while the other still talks to it
     dist.destroy_process_group()
     consumer.close()
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (every rank calls it: a collective)."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def main(config: dict, rank: int, attempt: int, port: int) -> None:

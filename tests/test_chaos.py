@@ -1,0 +1,126 @@
+"""`dataflow chaos` as a user runs it: real producer and rank processes, real SIGKILLs of
+each target, restarts, and the checks (verify, each sample once, weights, orphans)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dataflow import Ledger, replay
+from dataflow.demo._chaos import _same_weights, clean, format_table, summarize
+
+
+def _chaos(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dataflow.cli", "chaos", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_three_trials_kill_each_target_and_lose_nothing(tmp_path: Path) -> None:
+    # Seed 7: a producer killed between its puts and their commit, one rank killed in an
+    # offline trial (weights compared with the uninterrupted run), both ranks killed in
+    # the middle of a checkpoint save.
+    out = tmp_path / "chaos.json"
+    workdir = tmp_path / "chaos"
+    args = ("--quick", "--trials", "3", "--seed", "7", "--workdir", str(workdir))
+    result = _chaos(*args, "--json", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["trials"] == 3
+    assert summary["kills"] == {"producer": 1, "rank": 1, "ranks": 1}
+    for key in ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"):
+        assert summary[key] == 0, (key, summary)
+    assert 0 < summary["recovery_s_p50"] <= summary["recovery_s_p99"]
+    assert "verdict: clean" in result.stdout and "recovery p99" in result.stdout
+
+    trials = summary["results"]
+    assert [t["mode"] for t in trials] == ["streaming", "offline", "streaming"]
+    assert trials[0]["kill"]["victims"] == ["producer-0"]
+    assert "before its batch's commit" in trials[0]["plan"]
+    assert trials[1]["mismatch"] is False  # torch.equal to the uninterrupted run
+    assert trials[2]["kill"]["victims"] == ["rank0-attempt1", "rank1-attempt1"]
+    assert "checkpoint save" in trials[2]["plan"]
+    for n, trial in enumerate(trials):
+        # The ledger says the same, folded again here: each committed sample trained once.
+        with Ledger.open(f"sqlite:///{workdir}/trial-{n:03d}/ledger.db") as ledger:
+            state = replay(ledger, trial["run_id"])
+        assert state.verify() == []
+        assert set(state.trained) == set(state.committed) and len(state.committed) == 128
+        # A rank's kill ended an epoch and the restart resumed a new one; a producer's did not.
+        assert len(state.plans) == (1 if trial["target"] == "producer" else 2)
+        # The restarted processes wrote to the ledger after the kill.
+        assert trial["recovery_s"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+def test_a_killed_mooncake_master_loses_no_sample(tmp_path: Path, mooncake_installed: None) -> None:
+    # Trial 3 kills the master (targets take turns: producer, rank, ranks, master): the
+    # fresh master holds nothing, the ranks report what they miss as lost and regenerate it.
+    out = tmp_path / "chaos.json"
+    args = ("--quick", "--trials", "4", "--mode", "streaming", "--store", "mooncake://")
+    result = _chaos(*args, "--workdir", str(tmp_path / "w"), "--json", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["kills"] == {"producer": 1, "rank": 1, "ranks": 1, "mooncake_master": 1}
+    for key in ("lost", "duplicated", "orphans", "verify_failures", "failures"):
+        assert summary[key] == 0, (key, summary)
+    master = summary["results"][3]
+    assert master["kill"]["victims"] == ["mooncake_master"]
+    with Ledger.open(f"sqlite:///{tmp_path}/w/trial-003/ledger.db") as ledger:
+        state = replay(ledger, master["run_id"])
+        regenerated = [
+            e for e in ledger.events(master["run_id"]) if e.actor == "trainer-regenerate"
+        ]
+    assert state.verify() == [] and set(state.trained) == set(state.committed)
+    assert regenerated  # what the master took with it was put back and trained once
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--trials", "0"], "--trials: must be from 1"),
+        (["--trials", "x"], "--trials: expected an int"),
+        (["--seed", "-1"], "--seed: must be from 0"),
+        (["--store", "mem://x"], "pass dir:///PATH or mooncake://"),
+        (["--json", "no/such/dir/out.json"], "does not exist"),
+        (["--mode", "sometimes"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    result = _chaos(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert not (tmp_path / "dataflow-chaos").exists()  # nothing was started
+
+
+def test_weights_that_differ_in_one_bit_are_a_mismatch(tmp_path: Path) -> None:
+    weights = {"w": torch.arange(4, dtype=torch.float32)}
+    torch.save(weights, tmp_path / "a.pt")
+    torch.save({"w": weights["w"].clone()}, tmp_path / "b.pt")
+    nudged = weights["w"].clone()
+    nudged[3] = torch.nextafter(nudged[3], torch.tensor(10.0))
+    torch.save({"w": nudged}, tmp_path / "c.pt")
+    assert _same_weights(str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    assert not _same_weights(str(tmp_path / "a.pt"), str(tmp_path / "c.pt"))
+
+
+def test_any_lost_duplicated_mismatch_or_orphan_fails_the_run() -> None:
+    ok = {"mode": "streaming", "target": "rank", "kill": {"victims": ["rank0"]}, "lost": 0}
+    assert clean(summarize([ok], 1.0))
+    for bad in ({"lost": 2}, {"duplicated": 1}, {"mismatch": True}, {"orphans": 3}):
+        summary = summarize([ok, {**ok, **bad}], 1.0)
+        assert not clean(summary)
+        assert "verdict: FAILED" in format_table(summary)
