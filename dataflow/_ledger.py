@@ -210,14 +210,50 @@ class WriteTransaction:
             (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, now)
             for e in new_events
         ]
+        if rows:
+            self._insert(rows, skip_held_commits=False)
+
+    def append_first_commits(
+        self, actor: str, payloads: Mapping[str, str]
+    ) -> dict[str, tuple[int, str]]:
+        """Commit revision 0 of each ``sample_id: ref JSON`` that the run does not hold yet.
+
+        Returns (newest revision, its ref JSON) of every id the run held, for
+        which nothing was appended. One statement when it held none, the
+        common case: the commit index itself answers, with no read first.
+        """
+        run_id, kind, now = self.run_id, Kind.COMMIT, time.time()
+        rows = [(run_id, kind, sid, 0, 0, None, actor, p, now) for sid, p in payloads.items()]
         if not rows:
-            return
-        sql, positional = _insert_sql(self.conn.dialect)
+            return {}
+        inserted = self._insert(rows, skip_held_commits=True)
+        if inserted == len(rows):
+            return {}
+        # Under the run's lock nobody else appends to the run, and seq grows
+        # with every insert (SQLite's rowid, PostgreSQL's sequence), so the
+        # run's newest `inserted` events are exactly the ones just inserted.
+        ours = set(
+            self.conn.execute(
+                select(events.c.sample_id)
+                .where(events.c.run_id == run_id)
+                .order_by(events.c.seq.desc())
+                .limit(inserted)
+            ).scalars()
+        )
+        return _newest_commits(self.conn, run_id, [s for s in payloads if s not in ours])
+
+    def _insert(self, rows: list[tuple[Any, ...]], *, skip_held_commits: bool) -> int:
+        """Insert ``rows``; the number inserted (short when commits were skipped)."""
+        sql, positional = _insert_sql(self.conn.dialect, skip_held_commits)
+        params: list[Any] = rows
         if not positional:
-            rows = [dict(zip(_INSERT_KEYS, row, strict=True)) for row in rows]
+            params = [dict(zip(_INSERT_KEYS, row, strict=True)) for row in rows]
         # The driver's executemany, not insert(events): SQLAlchemy's per-row
         # parameter processing costs as much as SQLite's own insert.
-        self.conn.exec_driver_sql(sql, rows)
+        inserted = self.conn.exec_driver_sql(sql, params).rowcount
+        if inserted < 0:
+            raise AssertionError(f"the {self.conn.dialect.name} driver did not count inserted rows")
+        return inserted
 
 
 _INSERT_KEYS = (
@@ -226,8 +262,29 @@ _INSERT_KEYS = (
 
 
 @functools.cache
-def _insert_sql(dialect: Any) -> tuple[str, bool]:
-    compiled = insert(events).compile(dialect=dialect, column_keys=list(_INSERT_KEYS))
+def _insert_sql(dialect: Any, skip_held_commits: bool) -> tuple[str, bool]:
+    """The INSERT of an event row for ``dialect``, and whether its parameters are positional.
+
+    ``skip_held_commits``: a commit whose (run, sample, revision) is held already
+    is left out (``ON CONFLICT ... DO NOTHING`` on the commit index) instead of
+    failing the transaction. On PostgreSQL a row left out still takes a seq from
+    the sequence; nothing reads seq as contiguous (it is global to the ledger, so
+    a run's seqs skip the other runs' events anyway, and a rolled-back
+    transaction leaves gaps too): folds, snapshots, ``follow`` and ``--upto``
+    only compare seqs.
+    """
+    stmt: Any = insert(events)
+    if skip_held_commits:
+        if dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        stmt = dialect_insert(events).on_conflict_do_nothing(
+            index_elements=[events.c.run_id, events.c.sample_id, events.c.revision],
+            index_where=events.c.revision.isnot(None),
+        )
+    # inline(): no RETURNING seq on PostgreSQL, which executemany would only discard.
+    compiled = stmt.inline().compile(dialect=dialect, column_keys=list(_INSERT_KEYS))
     if compiled.positional:
         assert tuple(compiled.positiontup) == _INSERT_KEYS, compiled.positiontup
     return str(compiled), bool(compiled.positional)

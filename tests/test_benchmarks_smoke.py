@@ -54,3 +54,16 @@ def test_markdown_table_right_aligns_numbers():
         "| a    |    1,000 |",
         "| bb   |       20 |",
     ]
+
+
+def test_ledger_rows_for_the_runner(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATAFLOW_BENCH_TINY", "1")  # below --quick: only that it runs
+    rows = bench_ledger.rows(tmp_path, quick=True)
+    assert [(r.name, r.target) for r in rows] == [
+        ("ledger append (SQLite): Producer.commit", ">= 0.7"),
+        ("ledger append (SQLite): Producer.commit vs eventsourcing", None),
+        ("replay of 10^4 events", ">= 0.4"),
+    ]
+    assert all(r.value > 0 and r.baseline_value and r.ratio > 0 for r in rows)
+    assert [r.met is None for r in rows] == [False, True, False]
+    assert list(tmp_path.iterdir()) == []  # the databases are cleaned up

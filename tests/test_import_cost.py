@@ -25,9 +25,9 @@ def test_a_ref_decoded_without_torch_imports_it_when_its_dtype_is_needed() -> No
     code = (
         "import sys\n"
         "from dataflow import SampleRef\n"
-        "ref = SampleRef.from_json('{\"sample_id\": \"s\", \"store\": \"local://\", "
-        "\"generation\": 0, \"metadata\": {}, "
-        "\"specs\": {\"x\": {\"shape\": [2, 3], \"dtype\": \"bfloat16\"}}}')\n"
+        'ref = SampleRef.from_json(\'{"sample_id": "s", "store": "local://", '
+        '"generation": 0, "metadata": {}, '
+        '"specs": {"x": {"shape": [2, 3], "dtype": "bfloat16"}}}\')\n'
         "print(ref.specs['x'].nbytes, ref.specs['x'].dtype, 'torch' in sys.modules)"
     )
     out = subprocess.run(
