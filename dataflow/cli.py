@@ -639,6 +639,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         quick=args.quick,
         mode=args.mode,
         json_path=args.json,
+        start_postgres=args.start_postgres,
     )
     return 0 if clean(run_chaos(options)) else 1
 
@@ -842,7 +843,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_chaos,
         help="the demo pipeline SIGKILLed at random, trial after trial, and checked",
         description="Run the demo pipeline (2 producers, 2 gloo ranks, ZeroMQ) again and "
-        "again; each trial SIGKILLs a producer, one rank or both ranks at a random moment, "
+        "again; each trial SIGKILLs a producer, one rank or both ranks (or a mooncake_master "
+        "or PostgreSQL server it started) at a random moment, "
         "restarts them, and checks verify, lost/duplicated samples, the weights against an "
         "uninterrupted run (offline trials) and orphans after gc. Exit 1 if any check fails.",
     )
@@ -865,7 +867,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ledger_url,
         default=None,
         metavar="URL",
-        help="one ledger for every trial (default: a SQLite file per trial under WORKDIR)",
+        help="one ledger for every trial (default: a SQLite file per trial under WORKDIR); "
+        "chaos never kills a server it did not start (see --start-postgres)",
+    )
+    p.add_argument(
+        "--start-postgres",
+        action="store_true",
+        help="start a throw-away PostgreSQL server (fsync, synchronous_commit and "
+        "full_page_writes on) under WORKDIR for the ledger, stop it at the end, and add it "
+        "to the targets: its postmaster SIGKILLed, then started again (crash recovery)",
     )
     p.add_argument(
         "--store",

@@ -13,6 +13,8 @@ import torch
 
 from dataflow import Ledger, replay
 from dataflow.demo._chaos import _same_weights, clean, format_table, summarize
+from dataflow.testing._postgres import find_bin_dir
+from tests.conftest import unavailable
 
 
 def _chaos(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -86,6 +88,32 @@ def test_a_killed_mooncake_master_loses_no_sample(tmp_path: Path, mooncake_insta
     assert regenerated  # what the master took with it was put back and trained once
 
 
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
+    # --start-postgres: a durable server of chaos's own holds the ledger, and its postmaster
+    # comes first in the rotation: trial 0 SIGKILLs it (offline: the weights must still be
+    # torch.equal to the uninterrupted run's), starts it again (crash recovery), and
+    # restarts what failed on the outage; trial 1 kills a producer.
+    try:
+        find_bin_dir()
+    except RuntimeError as exc:
+        unavailable(f"no PostgreSQL server binaries for --start-postgres: {exc}")
+    out, workdir = tmp_path / "chaos.json", tmp_path / "w"
+    args = ("--quick", "--trials", "2", "--seed", "0", "--mode", "offline", "--start-postgres")
+    result = _chaos(*args, "--workdir", str(workdir), "--json", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["kills"]["postgres"] >= 1, summary
+    for key in ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"):
+        assert summary[key] == 0, (key, summary)
+    killed = summary["results"][0]
+    assert killed["kill"]["victims"] == ["postgres"] and killed["mismatch"] is False
+    assert killed["recovery_s"] is not None and killed["kill"]["down_s"] > 0
+    log = (workdir / "postgres.log").read_text()
+    assert "automatic recovery in progress" in log  # the restart replayed the WAL
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -95,6 +123,7 @@ def test_a_killed_mooncake_master_loses_no_sample(tmp_path: Path, mooncake_insta
         (["--store", "mem://x"], "pass dir:///PATH or mooncake://"),
         (["--json", "no/such/dir/out.json"], "does not exist"),
         (["--mode", "sometimes"], "invalid choice"),
+        (["--start-postgres", "--ledger", "sqlite:///x.db"], "leave out --ledger"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -11,7 +11,11 @@ emits everything once more (the ledger answers what it holds, so only the rest i
 and committed); when one rank dies its peer fails on its next gloo
 collective (or is killed after ``SURVIVOR_WAIT_S``), and both are restarted, resuming
 through the ledger; a killed master is started afresh on its ports, holding nothing, and
-whatever failed on its outage is restarted.
+whatever failed on its outage is restarted. With ``--start-postgres`` the ledger is a
+PostgreSQL server chaos starts (durable: fsync, synchronous_commit and full_page_writes
+on), and its postmaster is a target too: SIGKILLed, then started again on its port and
+data directory (crash recovery replays the WAL), and whatever failed on its outage is
+restarted the same way.
 
 Every other trial is *offline*: the producers commit a dataset, which the ranks train in
 the seeded order (no stream), and the final weights must be ``torch.equal`` to those of
@@ -29,8 +33,10 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,6 +61,12 @@ from dataflow.demo._run import (
 TARGETS = ("producer", "rank", "ranks")
 #: With a ``mooncake://`` store, the master chaos starts for each trial is a target too.
 MASTER = "mooncake_master"
+#: With ``--start-postgres``, the PostgreSQL server chaos starts is a target too.
+POSTGRES = "postgres"
+#: The server's settings that make a commit durable: all must be on.
+DURABLE = ("fsync", "synchronous_commit", "full_page_writes")
+#: How long the killed postmaster's processes get to exit before the restart.
+POSTGRES_DOWN_S = 30.0
 MODES = ("alternate", "streaming", "offline")
 #: (samples, checkpoint_every, eval_every): optimizer steps of 16 samples.
 SIZE = (256, 4, 4)
@@ -81,8 +93,14 @@ class ChaosOptions:
     mode: str = "alternate"
     """``alternate`` (odd trials offline), ``streaming`` or ``offline`` for every trial."""
     json_path: str | None = None
+    start_postgres: bool = False
+    """Start a durable PostgreSQL server for the ledger, and kill it as a target too."""
 
     def __post_init__(self) -> None:
+        if self.start_postgres and self.ledger is not None:
+            raise ValueError(
+                "--start-postgres starts the ledger's server itself; leave out --ledger"
+            )
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
             raise ValueError(f"--trials must be an int >= 1, got {self.trials!r}")
         if self.mode not in MODES:
@@ -122,6 +140,7 @@ class KillPlan:
             "producer": f"producer-{self.index}",
             "rank": f"rank {self.index}",
             MASTER: "the mooncake_master",
+            POSTGRES: "the PostgreSQL postmaster",
         }.get(self.target, "both ranks")
         if self.how == "in-commit":
             return f"{who} after put {self.after_puts}, before its batch's commit"
@@ -146,7 +165,8 @@ def plan_kill(
     return KillPlan(
         target=target,
         how=how,
-        at=rng.uniform(0.1, 0.6) if target == "producer" else rng.uniform(0.15, 0.75),
+        # postgres: a share of the whole run's progress (commits and training together).
+        at=rng.uniform(0.1, 0.6) if target in ("producer", POSTGRES) else rng.uniform(0.15, 0.75),
         index=rng.randrange(PRODUCERS if target == "producer" else RANKS),
         after_puts=rng.randrange(CHUNK + 1, share - 1),
         step=rng.choice(saves),
@@ -157,9 +177,16 @@ class ChaosTrial(Demo):
     """One run of the demo pipeline with one planned SIGKILL (none for a reference run)."""
 
     def __init__(
-        self, options: DemoOptions, *, plan: KillPlan | None, streaming: bool, size: tuple
+        self,
+        options: DemoOptions,
+        *,
+        plan: KillPlan | None,
+        streaming: bool,
+        size: tuple,
+        postgres: Any = None,
     ) -> None:
         super().__init__(options)
+        self.postgres = postgres  # the PostgresServer of the ledger, when chaos started it
         self.samples, self.checkpoint_every, self.eval_every = size
         self.plan, self.streaming = plan, streaming
         self.kill: dict[str, Any] | None = None  # what was killed, when, and what restarted
@@ -202,7 +229,7 @@ class ChaosTrial(Demo):
         if self._survivors:
             return self._restart_ranks_when_down(now)
         if self.kill is not None:
-            return plan.target == MASTER and self._restart_casualties(now)
+            return plan.target in (MASTER, POSTGRES) and self._restart_casualties(now)
         if plan.how == "moment":
             return self._kill_at_moment(state, plan)
         return self._notice_self_kill(plan, now)
@@ -210,6 +237,8 @@ class ChaosTrial(Demo):
     def _kill_at_moment(self, state: RunState, plan: KillPlan) -> bool:
         if plan.target == MASTER:
             return self._kill_master(state, plan)
+        if plan.target == POSTGRES:
+            return self._kill_postgres(state, plan)
         if plan.target == "producer":
             if len(state.committed) < plan.at * self.samples:
                 return False
@@ -278,7 +307,7 @@ class ChaosTrial(Demo):
             rank.process.join()
         self._survivors = []
         self._start_ranks()
-        if self.kill.get("target") != MASTER:
+        if self.kill.get("target") not in (MASTER, POSTGRES):
             self.kill["restarted"] = [f"rank{r}-attempt{self.attempt}" for r in range(RANKS)]
         self._say(f"restarted both ranks (attempt {self.attempt})")
         return True
@@ -300,8 +329,55 @@ class ChaosTrial(Demo):
         self._say(f"SIGKILL {MASTER}, started a fresh one on its ports")
         return True
 
+    def _kill_postgres(self, state: RunState, plan: KillPlan) -> bool:
+        """SIGKILL the ledger server's postmaster and start it again on its port and data
+        directory, as an operator would (crash recovery replays the WAL); what failed on
+        the outage is restarted by ``_restart_casualties``."""
+        progress = len(state.committed) + len(state.trained)
+        if progress < plan.at * 2 * self.samples:
+            return False
+        if not self._alive():
+            self.kill = {"missed": True}
+            return False
+        server = self.postgres
+        data = server.directory / "data"
+        after_seq = self._head()
+        pid = int((data / "postmaster.pid").read_text().split()[0])
+        processes = [pid, *_children_of(pid)]
+        wall = time.time()
+        os.kill(pid, signal.SIGKILL)
+        self.kill = {"target": POSTGRES, "victims": [POSTGRES], "wall": wall}
+        self.kill["after_seq"] = after_seq
+        self.kill["restarted"] = None  # no ledger actor of its own (see _recovery)
+        # Its backends and workers notice the postmaster's death and exit; a process that
+        # no one reaps stays a zombie (in a container without an init), holding nothing.
+        deadline = time.monotonic() + POSTGRES_DOWN_S
+        while any(_running(p) for p in processes):
+            if time.monotonic() > deadline:
+                raise DemoError(f"the killed postmaster's processes {processes} did not exit")
+            time.sleep(0.05)
+        # The postmaster is dead (maybe an unreaped zombie, which the server's own check
+        # of its lock files takes for a running server): remove the stale lock files.
+        (data / "postmaster.pid").unlink(missing_ok=True)
+        (server.directory / f".s.PGSQL.{server.port}.lock").unlink(missing_ok=True)
+        from dataflow.testing._postgres import _run_tool
+
+        log = server.directory / "server.log"
+        try:
+            _run_tool(server.bin_dir, "pg_ctl", "start", "-D", str(data), "-l", str(log),
+                      "-o", server.server_options(server.port),
+                      "-w", "-t", str(round(server.startup_timeout)))  # fmt: skip
+            server._wait_ready()
+        except RuntimeError as exc:
+            raise DemoError(f"the killed PostgreSQL server did not start again: {exc}") from exc
+        self.kill["down_s"] = round(time.time() - wall, 3)
+        self._say(f"SIGKILL postmaster {pid}, started it again in {self.kill['down_s']} s")
+        self._restart_casualties(time.monotonic())
+        return True
+
     def _restart_casualties(self, now: float) -> bool:
-        """After the master's kill, restart a producer or the ranks that failed on it."""
+        """After the master's (or the ledger server's) kill, restart a producer or the
+        ranks that failed on it."""
         failed = [
             c
             for c in self.children
@@ -311,12 +387,16 @@ class ChaosTrial(Demo):
         for child in failed:
             child.killed = True
             self.kill.setdefault("casualties", []).append(child.name)
-            if child in self.ranks:
-                self._survivors = [r for r in self.ranks if not r.killed]
-                self._survivors_due = now + SURVIVOR_WAIT_S
-            else:
+            if child not in self.ranks:
                 index = int(child.name.split("-")[1])
                 self._start(f"producer-{index}-restarted-{len(self.children)}", "producer", index)
+        if any(child in self.ranks for child in failed):
+            # Its peer fails on its next collective (or is killed after SURVIVOR_WAIT_S);
+            # when both failed at once, both are restarted now.
+            self._survivors = [r for r in self.ranks if not r.killed]
+            self._survivors_due = now + SURVIVOR_WAIT_S
+            if not self._survivors:
+                self._restart_ranks_when_down(now)
         return bool(failed)
 
     def _alive(self) -> list[_Child]:
@@ -354,9 +434,14 @@ class ChaosTrial(Demo):
             return None
         # The master writes to no ledger: its recovery is the first commit after the kill
         # (features the fresh master took: a producer's, or a lost sample's regeneration).
+        # The ledger server's recovery: the first event after the kill (the server was down
+        # until it was started again, so whoever wrote it wrote to the restarted server).
         actors = kill["restarted"]
         for event in self.ledger.events(self.run_id, after_seq=kill["after_seq"]):
-            back = event.kind == Kind.COMMIT if actors is None else event.actor in actors
+            if kill["target"] == POSTGRES:
+                back = event.ts >= kill["wall"]
+            else:
+                back = event.kind == Kind.COMMIT if actors is None else event.actor in actors
             if back:
                 return max(event.ts - kill["wall"], 0.0)
         return None
@@ -377,6 +462,28 @@ class ChaosTrial(Demo):
         finally:
             store.close()
         return {"gc_removed": report.removed, "orphans": orphans}
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -406,6 +513,10 @@ class Chaos:
         self._reference: str | None = None
         self.mooncake = (options.store or "").startswith("mooncake://")
         self.targets = (*TARGETS, MASTER) if self.mooncake else TARGETS
+        if options.start_postgres:  # first: two trials already kill it once
+            self.targets = (POSTGRES, *self.targets)
+        self.ledger_url = options.ledger
+        self.postgres: Any = None  # the PostgresServer chaos started (--start-postgres)
 
     def _demo_options(self, name: str) -> DemoOptions:
         store = self.options.store
@@ -420,7 +531,7 @@ class Chaos:
             quick=True,
             seed=self.options.seed,
             samples=self.size[0],
-            ledger=self.options.ledger,
+            ledger=self.ledger_url,
             **own,
         )
 
@@ -454,7 +565,11 @@ class Chaos:
             reference = self.reference() if offline else None
             name = f"trial-{trial:03d}"
             run = ChaosTrial(
-                self._demo_options(name), plan=plan, streaming=not offline, size=self.size
+                self._demo_options(name),
+                plan=plan,
+                streaming=not offline,
+                size=self.size,
+                postgres=self.postgres,
             )
             out.update(run.run())
             if reference is not None:
@@ -471,10 +586,47 @@ class Chaos:
         return out
 
     def run(self) -> dict[str, Any]:
-        from tqdm import tqdm
-
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        if self.options.start_postgres:
+            self._start_postgres()
+        try:
+            return self._run(started)
+        finally:
+            if self.postgres is not None:
+                log = self.postgres.directory / "server.log"
+                if log.exists():
+                    shutil.copyfile(log, self.workdir / "postgres.log")
+                self.postgres.stop()
+
+    def _start_postgres(self) -> None:
+        """A throw-away PostgreSQL server with durable settings (checked with SHOW), its
+        files under the workdir (as root: where the ``postgres`` user can reach them)."""
+        import psycopg
+
+        from dataflow.testing._postgres import PostgresServer, _conninfo
+
+        where = self.workdir
+        if os.geteuid() == 0 and not all(p.stat().st_mode & 0o001 for p in (where, *where.parents)):
+            where = None  # the postgres user cannot enter it: tempfile's directory instead
+        server = PostgresServer(durable=True)
+        saved, tempfile.tempdir = tempfile.tempdir, where and str(where)
+        try:
+            server.start()
+        except RuntimeError as exc:
+            raise DemoError(f"--start-postgres: {exc}") from exc
+        finally:
+            tempfile.tempdir = saved
+        self.postgres = server
+        with psycopg.connect(_conninfo(server.url)) as conn:
+            settings = {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABLE}
+        if set(settings.values()) != {"on"}:
+            raise DemoError(f"--start-postgres: the server runs with {settings}")
+        self.ledger_url = server.create_database("dataflow_chaos")
+
+    def _run(self, started: float) -> dict[str, Any]:
+        from tqdm import tqdm
+
         results = []
         bar = tqdm(range(self.options.trials), desc="chaos", unit="trial", file=sys.stderr)
         for trial in bar:

@@ -123,15 +123,21 @@ class PostgresServer:
 
     ``start()`` (or entering the context) runs ``initdb`` with trust
     authentication for the ``postgres`` superuser, starts the server with
-    fsync off, and waits until it accepts connections (``startup_timeout``
-    seconds). ``stop()`` (or leaving the context) stops it immediately and
-    deletes the directory; a server still running when the interpreter exits
-    is stopped then. Running as root, the server runs as the ``postgres``
-    system user, which must exist (PostgreSQL refuses to run as root).
+    fsync off (``durable=True``: with PostgreSQL's durable defaults, fsync,
+    synchronous_commit and full_page_writes on), and waits until it accepts
+    connections (``startup_timeout`` seconds). ``stop()`` (or leaving the
+    context) stops it immediately and deletes the directory; a server still
+    running when the interpreter exits is stopped then. Running as root, the
+    server runs as the ``postgres`` system user, which must exist (PostgreSQL
+    refuses to run as root).
     """
 
     def __init__(
-        self, *, bin_dir: str | os.PathLike[str] | None = None, startup_timeout: float = 60.0
+        self,
+        *,
+        bin_dir: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 60.0,
+        durable: bool = False,
     ) -> None:
         if not isinstance(startup_timeout, (int, float)) or startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be positive seconds, got {startup_timeout!r}")
@@ -142,6 +148,7 @@ class PostgresServer:
                 f"{INSTALL_HINT}"
             )
         self.startup_timeout = float(startup_timeout)
+        self.durable = bool(durable)
         self.port: int | None = None
         self.directory: Path | None = None
         self._shutdown: weakref.finalize | None = None
@@ -213,11 +220,7 @@ class PostgresServer:
         # server's bind; a few fresh ports make that race harmless.
         for attempt in range(3):
             port = _free_port()
-            options = (
-                f"-p {port} -c listen_addresses=127.0.0.1 "
-                f"-c unix_socket_directories='{self.directory}' "
-                "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-            )
+            options = self.server_options(port)
             result = _run_tool(
                 self.bin_dir,
                 "pg_ctl",
@@ -241,6 +244,16 @@ class PostgresServer:
                     f"pg_ctl start failed ({result.returncode}): {result.stderr.strip()}\n{tail}"
                 )
         raise AssertionError("unreachable")
+
+    def server_options(self, port: int) -> str:
+        """The server's command line (``pg_ctl -o``) on ``port``: to start it again."""
+        assert self.directory is not None
+        options = (
+            f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='{self.directory}'"
+        )
+        if not self.durable:
+            options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        return options
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
