@@ -30,7 +30,7 @@ def test_state_machine_on_sqlite(sqlite_url: str) -> None:
 def test_state_machine_on_postgres(postgres_url: str) -> None:
     ledger = Ledger.open(postgres_url, durability="normal")
     try:
-        overrides = {} if PROFILE == "thorough" else {"max_examples": 100}
+        overrides = {} if PROFILE == "thorough" else {"max_examples": 60}
         run_ledger_machine(ledger, LocalFeatureStore, profile=PROFILE, **overrides)
     finally:
         ledger.close()

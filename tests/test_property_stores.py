@@ -18,7 +18,7 @@ def test_state_machine_with_shared_dir_store(sqlite_url, tmp_path) -> None:
         run_ledger_machine(
             ledger,
             lambda: SharedDirFeatureStore(tmp_path / f"store-{next(counter)}"),
-            max_examples=100,
+            max_examples=50,  # the suite's time: the ledger's own property tests run 200
             check_snapshots=False,  # the ledger's own property tests check snapshots
         )
     finally:
@@ -35,6 +35,6 @@ def test_state_machine_with_mooncake_store(sqlite_url, mooncake_master) -> None:
 
     ledger = Ledger.open(sqlite_url, durability="normal")
     try:
-        run_ledger_machine(ledger, make_store, max_examples=60, check_snapshots=False)
+        run_ledger_machine(ledger, make_store, max_examples=30, check_snapshots=False)
     finally:
         ledger.close()
