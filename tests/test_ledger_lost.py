@@ -92,6 +92,30 @@ def test_regenerate_refuses_a_sample_whose_features_are_neither_released_nor_los
         Producer(ledger, store, run_id=run_id).regenerate("a", _features("a"))
 
 
+def test_a_sample_lost_after_the_checkpoint_that_trained_it_waits_for_the_next_data_epoch(
+    ledger, emit, make_consumer, producer, run_id, tmp_path
+):
+    emit("a", "b")
+    producer.close()
+    cons = make_consumer(release_policy="never")
+    cons.resume()
+    cons.ack(cons.lease(2), step=1)
+    cons.checkpoint(1, tmp_path)
+    cons.resume(None)  # a branch from scratch, in which "a" is found lost
+    a, b = cons.lease(2)
+    cons.lost([a], reason="features gone")
+    cons.nack([b])
+    plan = cons.resume(1)  # back to the lineage that trained both
+    state = replay(ledger, run_id)
+    assert set(state.trained) == {"a", "b"} and "a" in state.lost
+    assert plan.regenerate == () and list(state.regenerate) == []  # not needed this pass
+    assert state.verify() == []
+    cons.start_data_epoch(seed=0)
+    state = replay(ledger, run_id)
+    assert list(state.regenerate) == ["a"] and list(state.pending_for(0)) == ["b"]
+    assert state.verify() == []
+
+
 class _RacingStore(SharedDirFeatureStore):
     """A real shared-directory store that runs ``race()`` once, at the start of a put."""
 
