@@ -41,6 +41,35 @@ def _enable_wal(cur: Any, timeout_s: float) -> None:
             time.sleep(0.01)
 
 
+def _begin_immediate(dbapi_conn: sqlite3.Connection, timeout_s: float) -> None:
+    """BEGIN IMMEDIATE, polling for the write lock every 50 us .. 1 ms until ``timeout_s``.
+
+    SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between tries: a
+    writer that finds the lock held for 2 ms gets it after 8, and on a busy ledger
+    (producers committing, every rank leasing and acking) those sleeps were most of a
+    lease's or an ack's time. The last try runs with the busy timeout restored, so
+    running out of time raises SQLite's own "database is locked".
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 50e-6
+    dbapi_conn.execute("PRAGMA busy_timeout=0")
+    try:
+        while time.monotonic() + delay < deadline:
+            try:
+                dbapi_conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorname", None) != "SQLITE_BUSY":
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        dbapi_conn.execute(f"PRAGMA busy_timeout={remaining_ms}")
+        dbapi_conn.execute("BEGIN IMMEDIATE")
+    finally:
+        dbapi_conn.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+
+
 def _database_path(url: str) -> str:
     parsed = make_url(url)
     database = parsed.database
@@ -195,8 +224,10 @@ class SQLiteBackend(Backend):
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
-            write = conn.get_execution_options().get(WRITE_OPTION, False)
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+            if conn.get_execution_options().get(WRITE_OPTION, False):
+                _begin_immediate(conn.connection.driver_connection, busy_timeout_s)
+            else:
+                conn.exec_driver_sql("BEGIN")
 
         return engine
 

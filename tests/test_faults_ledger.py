@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +72,37 @@ def test_a_sqlite_ledger_locked_by_another_process_fails_the_emit_and_writes_not
         assert producer.emit("during", {"x": torch.ones(4)}) is not None
         assert _commits(ledger) == ["before", "during"]
         assert replay(ledger, RUN).verify() == []
+
+
+def test_a_writer_waits_for_the_lock_another_process_releases_within_busy_timeout(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    with (
+        Ledger.open(f"sqlite:///{path}", busy_timeout=30) as ledger,
+        SharedDirFeatureStore(tmp_path / "store") as store,
+    ):
+        producer = Producer(ledger, store, run_id=RUN)
+        producer.emit("before", {"x": torch.ones(4)})
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_EXCLUSIVE, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        # The holder lets go (its stdin closes, it exits) while the emit below polls.
+        releaser = threading.Timer(0.3, holder.communicate)
+        releaser.start()
+        try:
+            assert producer.emit("during", {"x": torch.ones(4)}) is not None
+        finally:
+            releaser.join()
+            holder.wait()
+        assert holder.returncode == 0  # it held the lock to the end: the emit waited for it
+        assert _commits(ledger) == ["before", "during"]
+        with ledger._engine.connect() as conn:  # the polling left the busy timeout as set
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
 
 
 PRODUCE = textwrap.dedent(
