@@ -18,11 +18,12 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _quote
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dataflow._backpressure import ProducerGate, Watermarks, check_wait, tensors_nbytes
 from dataflow._contracts import (
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("dataflow")
+_T = TypeVar("_T")
 
 _POLL_S = 0.02
 _MAX_INT64 = 2**63 - 1
@@ -519,6 +521,17 @@ class Producer:
                     self.metrics.close()
 
 
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a Consumer method under the consumer's lock (one thread at a time)."""
+
+    @functools.wraps(method)
+    def locked(self: Consumer, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Consumer:
     """A trainer rank's side of a run: resume, lease, ack, nack, checkpoint.
 
@@ -540,6 +553,11 @@ class Consumer:
     ``metrics_port``: serve this run's Prometheus metrics on that port (127.0.0.1
     unless ``metrics_host`` says otherwise; docs/operations.md, "Metrics");
     :meth:`close` stops the endpoint.
+
+    Its methods may be called from several threads (a loader leasing ahead in one,
+    the training loop acking in another): they run one at a time under the
+    consumer's lock, which a lease waiting for refs holds while it waits. Read
+    ``state`` from the thread that calls the methods.
     """
 
     def __init__(
@@ -589,6 +607,7 @@ class Consumer:
         self.max_attempts = max_attempts
         #: The live fold of the run, brought up to date on every write.
         self.state = RunState(run_id, ref_source=ledger)
+        self._lock = threading.RLock()
         self.epoch: int | None = None
         self._from_stream: set[str] = set()
         self._marked_closed: set[str] = set()
@@ -694,6 +713,7 @@ class Consumer:
     #: unfinished leases): the next lease() calls hand them out first. Set on joining.
     _reclaimed: tuple[str, ...] = ()
 
+    @_locked
     def resume(self, checkpoint: object = "latest") -> ReconcilePlan:
         """Start a new epoch from ``checkpoint`` and reconcile; return the plan.
 
@@ -836,6 +856,7 @@ class Consumer:
                 "join it with the epoch's world size, or resume the whole run on the new one"
             )
 
+    @_locked
     def rejoin(self) -> tuple[str, ...]:
         """Join the run's current epoch alone, after this rank's process restarted.
 
@@ -884,6 +905,7 @@ class Consumer:
 
     # -- leasing -------------------------------------------------------------
     @property
+    @_locked
     def drained(self) -> bool:
         """True when no more leases can come to this rank: producers done, its queue empty.
 
@@ -903,11 +925,29 @@ class Consumer:
         return next(self.state.pending_for(self.rank), None) is None
 
     @property
+    @_locked
     def finished(self) -> bool:
         """True when this rank is drained and has acked or nacked everything it leased."""
         mine = any(owner == self.consumer_id for owner in self.state.leased.values())
         return self.drained and not mine
 
+    @_locked
+    def remaining(self) -> int | None:
+        """Samples this rank will still lease, once that number is fixed; else None.
+
+        It is fixed when no more work can come to this rank: every producer closed
+        (a stream: every producer's stream ended and was drained) and, in a seeded
+        order, nothing is waiting for regeneration. A nack (features gone, a failed
+        step) can still put a sample back after that. Folds new events first.
+        """
+        self.refresh()
+        state = self.state
+        ended = state.producers_done if self.stream is None else self.stream.exhausted
+        if not ended or (state.order_seed is not None and state.regenerate):
+            return None
+        return sum(1 for _ in state.pending_for(self.rank))
+
+    @_locked
     def refresh(self) -> None:
         """Fold new events; raise StaleEpochError if a newer consumer fenced this one off."""
         self._require_epoch()
@@ -921,6 +961,7 @@ class Consumer:
                 f"run moved to epoch {self.state.epoch}: a newer consumer resumed; stop this one"
             )
 
+    @_locked
     def lease(self, max_refs: int, *, timeout: float | None = 0.0) -> list[SampleRef]:
         """Take up to ``max_refs`` samples: requeued work first, then new commits.
 
@@ -1070,6 +1111,7 @@ class Consumer:
         if streamed:
             self.stream.credit(len(streamed))
 
+    @_locked
     def ack(self, refs: Iterable[SampleRef | str], *, step: int) -> None:
         """Record that ``refs`` were trained into optimizer step ``step`` (one transaction).
 
@@ -1105,6 +1147,7 @@ class Consumer:
         self._delete_features(release)
         self._credit(ids)
 
+    @_locked
     def nack(
         self, refs: Iterable[SampleRef | str], *, retryable: bool = True, reason: str = ""
     ) -> None:
@@ -1131,6 +1174,7 @@ class Consumer:
             self._sync(tx)
         self._credit(ids)
 
+    @_locked
     def lost(self, refs: Iterable[SampleRef | str], *, reason: str) -> None:
         """Report leased samples whose features are gone or corrupt on a load.
 
@@ -1160,6 +1204,7 @@ class Consumer:
         self._credit(ids)
         self._delete_features(s for s in ids if s in self.state.lost)
 
+    @_locked
     def checkpoint(
         self, step: int, path: str | os.PathLike[str], *, digest: str | None = None
     ) -> Checkpoint | None:
@@ -1220,6 +1265,7 @@ class Consumer:
         self._maybe_snapshot()
         return self.state.checkpoints[-1]
 
+    @_locked
     def remove_checkpoints(self, checkpoints: Iterable[Checkpoint], *, reason: str) -> None:
         """Record that these checkpoints' files are being deleted (rank 0, before deleting).
 
@@ -1255,6 +1301,7 @@ class Consumer:
             tx.append(events)
             self._sync(tx)
 
+    @_locked
     def start_data_epoch(self, *, seed: int | None = None) -> int:
         """Make every live committed sample pending again, in a seeded order (rank 0).
 
@@ -1286,6 +1333,7 @@ class Consumer:
             self._sync(tx)
         return number
 
+    @_locked
     def close(self) -> None:
         """Close the stream and stop the metrics endpoint, if any; the ledger stays open."""
         try:

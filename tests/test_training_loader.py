@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dataflow import Consumer, Ledger, Producer, replay
+from dataflow import Consumer, Ledger, LedgerStateError, Producer, replay
 from stores import LocalFeatureStore
 from training import Batch, FeatureLoader, LoaderConfig, collate
 
@@ -174,3 +174,92 @@ def test_loader_rejects_bad_arguments(led, store) -> None:
         FeatureLoader(consumer, config={"batch_size": 2})
     with pytest.raises(ValueError, match="collate_fn must be callable"):
         FeatureLoader(consumer, collate_fn="stack")
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_loader_acks_reach_the_ledger_by_flush_and_count_what_is_left(
+    led, store, prefetch: int
+) -> None:
+    _emit(led, store, 10)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=4, prefetch=prefetch))
+    seen = []
+    with loader:
+        step = 0
+        while (batch := loader.next_batch()) is not None:
+            left = loader.remaining_batches()
+            step += 1
+            seen.append((len(batch), left))
+            loader.ack(batch.refs, step=step)
+        loader.flush()
+        assert set(replay(led, RUN).trained) == {f"s{i:02d}" for i in range(10)}
+    assert seen == [(4, 2), (4, 1), (2, 0)]  # every count made by a lease ahead is exact
+    assert consumer.finished and replay(led, RUN).verify() == []
+
+
+def test_a_failed_background_ack_is_raised_by_flush_and_writes_nothing(led, store) -> None:
+    _emit(led, store, 6)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=1))
+    with loader:
+        first = loader.next_batch()
+        assert first is not None
+        loader.ack(first.refs, step=2)
+        loader.ack(first.refs, step=3)  # acked already: refused in the background thread
+        with pytest.raises(LedgerStateError, match=r"cannot ack 's00': it is not leased"):
+            loader.flush()
+        loader.flush()  # raised once; nothing left to wait for
+    state = replay(led, RUN)
+    assert {sid: state.trained[sid] for sid in first.sample_ids} == {"s00": 2, "s01": 2}
+    assert state.verify() == []
+
+
+def test_a_failed_background_ack_is_raised_by_the_next_batch(led, store) -> None:
+    _emit(led, store, 6)
+    consumer = _consumer(led, store)
+    with FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=1)) as loader:
+        first = loader.next_batch()
+        assert first is not None
+        loader.ack(first.refs, step=0)  # not a step: refused in the background thread
+        with pytest.raises(ValueError, match="step"):
+            while loader.next_batch() is not None:
+                pass
+
+
+def test_consumer_remaining_is_none_until_every_producer_closed(led, store) -> None:
+    producer = _emit(led, store, 5, close=False)
+    consumer = _consumer(led, store)
+    assert consumer.remaining() is None
+    producer.close()
+    assert consumer.remaining() == 5
+    consumer.lease(2)
+    assert consumer.remaining() == 3
+
+
+def test_a_consumer_serves_threads_leasing_and_acking_at_once(led, store) -> None:
+    import threading
+
+    _emit(led, store, 60)
+    consumer = _consumer(led, store)
+    leased: list = []
+    errors: list[BaseException] = []
+
+    def lease_all() -> None:
+        try:
+            while refs := consumer.lease(3):
+                leased.append(refs)
+        except BaseException as exc:  # asserted empty below
+            errors.append(exc)
+
+    thread = threading.Thread(target=lease_all)
+    thread.start()
+    step = 0
+    while thread.is_alive() or leased:
+        if leased:
+            step += 1
+            consumer.ack(leased.pop(0), step=step)
+    thread.join()
+    assert errors == []
+    state = replay(led, RUN)
+    assert len(state.trained) == 60 and state.verify() == []
+    assert consumer.state.snapshot() == state.snapshot()

@@ -115,6 +115,8 @@ def test_bad_input(consumer: Consumer) -> None:
             StepHelper(consumer, grad_accum=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"modules must be torch\.nn\.Modules, got str"):
         StepHelper(consumer, modules=["model"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="ack must be callable, got str"):
+        StepHelper(consumer, ack="consumer.ack")  # type: ignore[arg-type]
     helper = StepHelper(consumer, grad_accum=1)
     with pytest.raises(ValueError, match=r"batch must be a training\.Batch, got list"):  # noqa: SIM117
         with helper.micro_step([1, 2]):  # type: ignore[arg-type]

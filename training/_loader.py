@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +19,7 @@ Features = dict[str, torch.Tensor]
 CollateFn = Callable[[list[Features]], Any]
 
 _POLL_S = 0.5
+log = logging.getLogger("training")
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,10 @@ class _Read:
     refs: list[SampleRef]
     features: Any
     lost: list[tuple[SampleRef, str]]
+    #: Batches still to come after this one, counted right after it was leased ahead
+    #: (None: the number is not fixed yet).
+    remaining: int | None = None
+    counted: bool = False
 
 
 class FeatureLoader:
@@ -96,12 +102,13 @@ class FeatureLoader:
     to ``on_lost`` (the Trainer regenerates it there when it has a
     ``regenerate_fn``).
 
-    With ``prefetch=1`` the next batch is leased (only if refs are ready now)
-    right after the current one is handed out, and its features are read in a
-    background thread while the current one trains. Leasing, nacking and acking
-    stay on the caller's thread, since a Consumer is not thread-safe. Refs leased
-    ahead and not yet handed out stay leased when the loader stops; the next
-    resume requeues them.
+    With ``prefetch=1``, right after a batch is handed out, a background thread
+    leases the next one (only refs ready now), reads its features and counts what
+    is left, while the current one trains: the ledger write of a lease is off the
+    training thread. Acks given to :meth:`ack` run in that thread too, in order
+    with the leases, so an ack's ledger write is off it as well; :meth:`flush`
+    waits for them (before a checkpoint). Refs leased ahead and not yet handed
+    out stay leased when the loader stops; the next resume requeues them.
     """
 
     def __init__(
@@ -126,7 +133,11 @@ class FeatureLoader:
         self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
         self.on_lost = on_lost
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: Future[_Read] | None = None
+        self._ahead: Future[_Read | None] | None = None
+        self._acks: list[Future[None]] = []
+        #: The count of batches left that the lease ahead made for the batch just handed
+        #: out (remaining_batches answers it once, right after next_batch).
+        self._counted: _Read | None = None
         #: Samples handed out in batches so far (this rank's position in its queue).
         self.position = 0
 
@@ -151,20 +162,43 @@ class FeatureLoader:
             raise ValueError(
                 f"consumer {self.consumer.consumer_id!r} has not resumed; call resume() first"
             )
+        self._counted = None
         while True:
+            read = None
             if self._ahead is not None:
-                read, self._ahead = self._ahead.result(), None
-            else:
+                ahead, self._ahead = self._ahead, None
+                read = ahead.result()  # None: nothing was ready when it leased
+            self._raise_failed_acks()
+            if read is None:
                 refs = self._lease(timeout=self.config.lease_timeout)
                 if not refs:
                     return None
                 read = self._read(refs)
             self._settle_lost(read.lost)
             if self.config.prefetch:
-                self._lease_ahead()
+                self._ahead = self._executor().submit(self._lease_and_read)
             if read.refs:
                 self.position += len(read.refs)
+                self._counted = read if read.counted else None
                 return Batch(tuple(read.refs), read.features)
+
+    def ack(self, refs: Sequence[SampleRef], *, step: int) -> None:
+        """``consumer.ack(refs, step=step)``: with ``prefetch=1`` in the background thread,
+        after the leases before it (a failure is raised by the next :meth:`next_batch`
+        or :meth:`flush`); else now."""
+        if not self.config.prefetch:
+            self.consumer.ack(refs, step=step)
+            return
+        self._raise_failed_acks()
+        self._acks.append(self._executor().submit(self.consumer.ack, list(refs), step=step))
+
+    def flush(self) -> None:
+        """Wait until every ack given to :meth:`ack` is in the ledger; raise the first that
+        failed. Call it before a checkpoint records what was trained."""
+        acks, self._acks = self._acks, []
+        failed = [exc for future in acks if (exc := future.exception()) is not None]
+        if failed:
+            raise failed[0]
 
     def remaining_batches(self) -> int | None:
         """Batches this loader will still hand out, once that number is fixed; else None.
@@ -174,15 +208,21 @@ class FeatureLoader:
         order, nothing is waiting for regeneration. Then it counts the batch leased
         ahead and this rank's pending samples in ``batch_size`` batches. A nack
         (features gone, a failed step) can still put a sample back after that.
+
+        Right after :meth:`next_batch` handed out a batch leased ahead, it answers
+        with the count the lease ahead made (that lease took the batch it counts
+        off the pending ones: the number is the same), without waiting for the
+        next lease ahead.
         """
-        consumer = self.consumer
-        consumer.refresh()
-        state = consumer.state
-        ended = state.producers_done if consumer.stream is None else consumer.stream.exhausted
-        if not ended or (state.order_seed is not None and state.regenerate):
-            return None
-        pending = sum(1 for _ in state.pending_for(consumer.rank))
-        return int(self._ahead is not None) + -(-pending // self.config.batch_size)
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            return counted.remaining
+        ahead = self._ahead.result() if self._ahead is not None else None
+        return self._batches_after(int(ahead is not None))
+
+    def _batches_after(self, ahead: int) -> int | None:
+        pending = self.consumer.remaining()
+        return None if pending is None else ahead + -(-pending // self.config.batch_size)
 
     def state_dict(self) -> dict[str, int]:
         """The position in samples (and the batch size), for a checkpoint's per-rank state."""
@@ -206,12 +246,18 @@ class FeatureLoader:
         return self.consumer.order_seed is not None
 
     def close(self) -> None:
-        """Stop the prefetch thread (refs it leased ahead stay leased until a resume)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        if self._ahead is not None and self._ahead.cancelled():
+        """Stop the prefetch thread once the acks given to it are written (refs it leased
+        ahead stay leased until a resume); a failed ack is logged (call :meth:`flush`
+        first to have it raised)."""
+        if self._ahead is not None and self._ahead.cancel():
             self._ahead = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        acks, self._acks = self._acks, []
+        for future in acks:
+            if (exc := future.exception()) is not None:
+                log.warning("an ack of consumer %r failed: %s", self.consumer.consumer_id, exc)
 
     # -- internals ----------------------------------------------------------------
     def _lease(self, *, timeout: float | None) -> list[SampleRef]:
@@ -244,13 +290,27 @@ class FeatureLoader:
         )
         return done and next(consumer.state.pending_for(consumer.rank), None) is None
 
-    def _lease_ahead(self) -> None:
-        # Only what is ready now: waiting here would hold back the batch being handed out.
+    def _executor(self) -> ThreadPoolExecutor:
+        # One thread: leases and acks run in the order they were given.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="feature-prefetch")
+        return self._pool
+
+    def _lease_and_read(self) -> _Read | None:
+        # Only what is ready now: the training thread takes a batch it has to wait for
+        # itself, through _lease.
         refs = self.consumer.lease(self.config.batch_size, timeout=0)
-        if refs:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="feature-prefetch")
-            self._ahead = self._pool.submit(self._read, refs)
+        if not refs:
+            return None
+        read = self._read(refs)
+        read.remaining, read.counted = self._batches_after(0), True
+        return read
+
+    def _raise_failed_acks(self) -> None:
+        failed = next((f for f in self._acks if f.done() and f.exception() is not None), None)
+        if failed is not None:
+            self._acks = [f for f in self._acks if not f.done()]
+            raise failed.exception()  # type: ignore[misc]
 
     def _read(self, refs: Sequence[SampleRef]) -> _Read:
         loaded: list[SampleRef] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,9 @@ class StepHelper:
     ``grad_accum``-th micro-batch, or the one the caller marks ``last=True`` (the
     data ends: a short last step). ``micro_step`` yields whether this micro-batch
     ends the step. At the boundary, after the optimizer step, ``finish(step)`` acks
-    the refs of every micro-batch of the step in one ledger transaction.
+    the refs of every micro-batch of the step in one ledger transaction, through
+    ``ack`` when given (the Trainer passes its loader's :meth:`FeatureLoader.ack`,
+    which writes it in the loader's background thread), else ``consumer.ack``.
     """
 
     def __init__(
@@ -40,12 +42,16 @@ class StepHelper:
         *,
         grad_accum: int = 1,
         modules: Iterable[torch.nn.Module] = (),
+        ack: Callable[..., object] | None = None,
     ) -> None:
         if not isinstance(consumer, Consumer):
             raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
             raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+        if ack is not None and not callable(ack):
+            raise ValueError(f"ack must be callable, got {type(ack).__name__}")
         self.consumer = consumer
+        self._ack: Callable[..., object] = consumer.ack if ack is None else ack
         self.grad_accum = grad_accum
         self.modules = _check_modules(modules)
         #: Micro-batches of the optimizer step in progress.
@@ -98,7 +104,7 @@ class StepHelper:
             )
         refs, self._refs = self._refs, []
         if refs:
-            self.consumer.ack(refs, step=step)
+            self._ack(refs, step=step)
         self.micro_batches = 0
         self._boundary = False
         return refs

@@ -199,7 +199,9 @@ class Trainer:
             consumer, config=loader_config, collate_fn=collate_fn, on_lost=self._on_lost
         )
         #: Accumulates micro-batches: no_sync() for ``modules`` off the boundary, one ack.
-        self.helper = StepHelper(consumer, grad_accum=config.grad_accum, modules=modules)
+        self.helper = StepHelper(
+            consumer, grad_accum=config.grad_accum, modules=modules, ack=self.loader.ack
+        )
         #: The last optimizer step taken (or resumed from).
         self.step = 0
         #: The plan of the resume, None before it.
@@ -298,6 +300,7 @@ class Trainer:
                 if boundary:
                     self._optimizer_step()
                 batch = upcoming
+            self.loader.flush()
             if self._batches_left == 0 and not self.consumer.finished:
                 # A nack (features gone, a failed step) put work back after the ranks
                 # settled their count; it waits for the next run or resume.
@@ -553,6 +556,7 @@ class Trainer:
             log.warning("eval at step %d saw no batch: no metrics", self.step)
 
     def _save(self) -> None:
+        self.loader.flush()  # the checkpoint records what was acked up to this step
         # Only metrics of this very step describe the state being saved.
         metrics = self.metrics if self.metrics_step == self.step else None
         rank_state = {} if self.rank_state_fn is None else dict(self.rank_state_fn())
