@@ -18,7 +18,10 @@ def test_state_machine_with_shared_dir_store(sqlite_url, tmp_path) -> None:
         run_ledger_machine(
             ledger,
             lambda: SharedDirFeatureStore(tmp_path / f"store-{next(counter)}"),
-            max_examples=50,  # the suite's time: the ledger's own property tests run 200
+            # The suite's time: the ledger's own property tests run 200; here each example
+            # makes a store of real files, and 25 of up to 40 steps each exercise its puts,
+            # gets, deletes and releases.
+            max_examples=25,
             check_snapshots=False,  # the ledger's own property tests check snapshots
         )
     finally:
@@ -35,6 +38,8 @@ def test_state_machine_with_mooncake_store(sqlite_url, mooncake_master) -> None:
 
     ledger = Ledger.open(sqlite_url, durability="normal")
     try:
-        run_ledger_machine(ledger, make_store, max_examples=30, check_snapshots=False)
+        # The suite's time: examples against the real master are the suite's slowest;
+        # 20 of up to 40 steps each exercise its puts, gets and deletes.
+        run_ledger_machine(ledger, make_store, max_examples=20, check_snapshots=False)
     finally:
         ledger.close()

@@ -1,6 +1,6 @@
-"""The ZeroMQ stream between real processes (spawn): exactly-once delivery, kill -9, restarts.
+"""The ZeroMQ stream between real processes: exactly-once delivery, kill -9, restarts.
 
-The workers live at module level so that spawned children can import them.
+The workers live at module level so that the children can import them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ from stores import LocalFeatureStore
 
 pytestmark = pytest.mark.slow
 
-SPAWN = mp.get_context("spawn")
+# Each child is a process of its own, forked from a server that imported torch, ZeroMQ
+# and the libraries once (as the demo's processes are): a spawned one imports them again,
+# seconds of CPU a child on a busy machine, a dozen children a test. The kills are as real.
+CONTEXT = mp.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "zmq", "dataflow", "dataflow.streams", "stores", __name__])
 WAIT = 120.0  # seconds before a stuck child fails the test instead of hanging it
 log = logging.getLogger(__name__)
 
@@ -142,11 +146,11 @@ class Children:
 
     def __init__(self) -> None:
         self.procs: list[mp.process.BaseProcess] = []
-        self.events = SPAWN.Queue()
+        self.events = CONTEXT.Queue()
         self.backlog: list[tuple] = []
 
     def start(self, target: Any, *args: Any) -> mp.process.BaseProcess:
-        proc = SPAWN.Process(target=target, args=args, daemon=True)
+        proc = CONTEXT.Process(target=target, args=args, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -240,7 +244,7 @@ def test_silent_producer_death_raises_producer_lost(children: Children) -> None:
 
 def test_producers_and_consumers_through_the_ledger(children: Children, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
-    acked, progress = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
+    acked, progress = CONTEXT.Value("q", 0), CONTEXT.Value("q", 0)
     endpoints = start_consumers(children, url, ["tcp://127.0.0.1:0"] * 2, acked)
     for name in ("p0", "p1"):  # 100 credit windows each: the stream, not the start, dominates
         children.start(ledger_producer, url, name, tuple(endpoints), 3_000, progress)
@@ -253,7 +257,7 @@ def test_producers_and_consumers_through_the_ledger(children: Children, tmp_path
 
 def test_consumer_kill_and_restart(children: Children, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
-    acked, progress = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
+    acked, progress = CONTEXT.Value("q", 0), CONTEXT.Value("q", 0)
     endpoints = start_consumers(children, url, ["tcp://127.0.0.1:0"] * 2, acked)
     first_generation = list(children.procs)
     for name in ("p0", "p1"):
@@ -263,7 +267,7 @@ def test_consumer_kill_and_restart(children: Children, tmp_path: Path) -> None:
     children.kill(first_generation[1])  # mid-stream, with refs leased and in flight
     children.kill(first_generation[0])  # the job restarts as a whole (as torchrun does)
     # A fresh counter: a consumer SIGKILLed inside acked's lock leaves it held forever.
-    start_consumers(children, url, endpoints, SPAWN.Value("q", 0))  # producers reconnect
+    start_consumers(children, url, endpoints, CONTEXT.Value("q", 0))  # producers reconnect
     done = children.expect("done", 2)
     children.join_all()
     check_final_lineage(url, 2000)
@@ -272,7 +276,7 @@ def test_consumer_kill_and_restart(children: Children, tmp_path: Path) -> None:
 
 def test_consumers_restarted_after_the_producers_closed(children: Children, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
-    acked, progress = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
+    acked, progress = CONTEXT.Value("q", 0), CONTEXT.Value("q", 0)
     endpoints = start_consumers(children, url, ["tcp://127.0.0.1:0"] * 2, acked)
     consumers = list(children.procs)
     producers = [
@@ -286,7 +290,7 @@ def test_consumers_restarted_after_the_producers_closed(children: Children, tmp_
         proc.join(WAIT)
         assert proc.exitcode == 0
     # A fresh counter: a consumer SIGKILLed inside acked's lock leaves it held forever.
-    start_consumers(children, url, endpoints, SPAWN.Value("q", 0))
+    start_consumers(children, url, endpoints, CONTEXT.Value("q", 0))
     children.expect("done", 2)
     children.join_all()
     check_final_lineage(url, 2000)
@@ -294,16 +298,16 @@ def test_consumers_restarted_after_the_producers_closed(children: Children, tmp_
 
 def test_producer_kill_and_restart(children: Children, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/ledger.db"
-    acked = SPAWN.Value("q", 0)
+    acked = CONTEXT.Value("q", 0)
     # A counter per producer: one SIGKILLed inside its counter's lock holds it forever.
-    survivor, progress = SPAWN.Value("q", 0), SPAWN.Value("q", 0)
+    survivor, progress = CONTEXT.Value("q", 0), CONTEXT.Value("q", 0)
     endpoints = tuple(start_consumers(children, url, ["tcp://127.0.0.1:0"] * 2, acked))
     children.start(ledger_producer, url, "p0", endpoints, 1000, survivor, 0.05)
     doomed = children.start(ledger_producer, url, "p1", endpoints, 1000, progress, 0.05)
     wait_for(progress, 300)
     assert progress.value < 1000, "the kill must land mid-stream"
     children.kill(doomed)  # mid-stream, maybe between a commit and its send
-    restarted = SPAWN.Value("q", 0)  # referenced until the child has unpickled it
+    restarted = CONTEXT.Value("q", 0)  # referenced until the child has unpickled it
     children.start(ledger_producer, url, "p1", endpoints, 1000, restarted)
     children.expect("done", 2)
     children.join_all()

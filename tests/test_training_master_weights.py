@@ -9,14 +9,17 @@ fp32 master weights end ``torch.equal`` to an uninterrupted run's.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _gloo import join, start
+from _gloo import join
 
 from dataflow import Consumer, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -32,6 +35,20 @@ from training import (
 RUN = "run"
 SAMPLES = 48  # 4 per micro-batch, 2 micro-batches per step: 6 steps
 DIM = 8
+
+
+# Each process is one of its own, forked from a server that imported torch and the
+# libraries once (as the demo's ranks are): a spawned one imports them again, seconds of
+# CPU a process on a busy machine. The SIGKILLs are as real either way.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "dataflow", "stores", "training", __name__])
+
+
+def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
+    """Start ``target(*args)`` in a forked process (a module-level function)."""
+    process = CONTEXT.Process(target=target, args=args)
+    process.start()
+    return process
 
 
 def _sample_id(i: int) -> str:
@@ -165,13 +182,33 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return result
 
 
+@pytest.fixture(scope="module")
+def killed_at_5(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict[str, Any]]:
+    """``killed_at_5()``: a fresh copy of a run whose trainer was SIGKILLed at step 5.
+
+    The trainer is killed once per module and the directory kept aside; each call puts an
+    exact copy back at the same path (the ledger records absolute paths) for a resume.
+    """
+    where = tmp_path_factory.mktemp("killed") / "run"
+    args = _setup(where)
+    assert _attempt(args, "killed", kill_at=5) == -signal.SIGKILL
+    pristine = where.with_name("pristine")
+    shutil.copytree(where, pristine, symlinks=True)
+
+    def fresh() -> dict[str, Any]:
+        shutil.rmtree(where)
+        shutil.copytree(pristine, where, symlinks=True)
+        return dict(args)
+
+    return fresh
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["latest", 2])
 def test_sigkill_then_resume_restores_the_fp32_master_weights(
-    tmp_path: Path, reference: dict[str, Any], checkpoint: int | str
+    killed_at_5: Callable[[], dict[str, Any]], reference: dict[str, Any], checkpoint: int | str
 ) -> None:
-    args = _setup(tmp_path / "run")
-    assert _attempt(args, "killed", kill_at=5) == -signal.SIGKILL
+    args = killed_at_5()
     assert _attempt(args, "resumed", checkpoint=checkpoint) == 0
     assert _equal(_result(args, "resumed"), reference)
     with Ledger.open(args["ledger"]) as led:

@@ -1,6 +1,6 @@
 """Resizing a run on resume: two gloo ranks SIGKILLed mid-run, resumed on three, or on one.
 
-Every rank is a real spawned process in a real gloo group, training a committed,
+Every rank is a real process in a real gloo group, training a committed,
 seeded dataset under DDP with ``no_sync`` accumulation; the first pair kills itself
 with SIGKILL at optimizer step 3 (after the checkpoint at step 2). A new world
 resumes with ``TrainerConfig(allow_resize=True)``: the ledger re-splits what
@@ -15,16 +15,19 @@ not. Without the opt-in, the resize is refused before the resume event.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
+import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import free_port, init_gloo, join
 
 import training
 from dataflow import Consumer, Kind, Ledger, Producer, replay, seeded_order
@@ -44,6 +47,22 @@ SAMPLES = 42  # 2 ranks: 8 a step, so 16 trained at the step-2 checkpoint; 26 le
 SEED = 11
 KILLED_AT = 3
 IDS = [f"s{i:03d}" for i in range(SAMPLES)]
+
+
+# Each process is one of its own, forked from a server that imported torch and the
+# libraries once (as the demo's ranks are): a spawned one imports them again, seconds of
+# CPU a process on a busy machine. The SIGKILLs and the gloo groups are as real either way.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(
+    ["torch", "torch.distributed", "torch.nn.parallel", "dataflow", "stores", "training", __name__]
+)
+
+
+def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
+    """Start ``target(*args)`` in a forked process (a module-level function)."""
+    process = CONTEXT.Process(target=target, args=args)
+    process.start()
+    return process
 
 
 def _features(sample_id: str) -> dict[str, torch.Tensor]:
@@ -148,6 +167,27 @@ def _setup(where: Path) -> dict[str, Any]:
     return args
 
 
+@pytest.fixture(scope="module")
+def killed_pair(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict[str, Any]]:
+    """``killed_pair()``: a fresh copy of ``_setup``'s run, the two ranks just SIGKILLed.
+
+    The pair is killed once per module and its directory kept aside; each call puts an
+    exact copy back at the same path (the ledger records absolute paths) and returns its
+    args. The tests resume and kill on it again; a call after that starts from the copy.
+    """
+    where = tmp_path_factory.mktemp("resize") / "run"
+    args = _setup(where)
+    pristine = where.with_name("pristine")
+    shutil.copytree(where, pristine, symlinks=True)
+
+    def fresh() -> dict[str, Any]:
+        shutil.rmtree(where)
+        shutil.copytree(pristine, where, symlinks=True)
+        return dict(args)
+
+    return fresh
+
+
 def _ranks(
     args: dict[str, Any], attempt: str, *, world_size: int, kill_at: int = 0, resize: bool = False
 ) -> list[int | None]:
@@ -209,8 +249,10 @@ def _draws_after(rng: dict[str, Any] | None, seed: int | None = None) -> dict[st
 
 
 @pytest.mark.slow
-def test_two_killed_ranks_resumed_on_three_train_each_sample_once(tmp_path: Path) -> None:
-    args = _setup(tmp_path / "run")
+def test_two_killed_ranks_resumed_on_three_train_each_sample_once(
+    killed_pair: Callable[[], dict[str, Any]],
+) -> None:
+    args = killed_pair()
     manager = CheckpointManager(CheckpointConfig(root=args["ckpt"], run_id=RUN))
     [at_2] = manager.saved()
     old = [manager.load_rank_state(2, rank=r) for r in range(2)]
@@ -254,10 +296,13 @@ def _weights(args: dict[str, Any], attempt: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_two_killed_ranks_resumed_on_one_train_each_sample_once(tmp_path: Path) -> None:
-    reference = _setup(tmp_path / "reference")  # resized once, never killed after
+def test_two_killed_ranks_resumed_on_one_train_each_sample_once(
+    killed_pair: Callable[[], dict[str, Any]],
+) -> None:
+    reference = killed_pair()  # resized once, never killed after
     assert _ranks(reference, "one", world_size=1, resize=True) == [0]
-    args = _setup(tmp_path / "run")
+    expected = _weights(reference, "one")  # read now: the next killed_pair() replaces it
+    args = killed_pair()
     # The one rank is killed too, at step 7: the resized lineage's checkpoint at step 6
     # resumes like any other (same world size: no opt-in needed, the position checked).
     assert _ranks(args, "one", world_size=1, resize=True, kill_at=7) == [-signal.SIGKILL]
@@ -277,14 +322,15 @@ def test_two_killed_ranks_resumed_on_one_train_each_sample_once(tmp_path: Path) 
     assert sorted(_rank_files(args)) == [2, 4, 6, 8, 9]
     # From the resize on, a crash and resume changes nothing: the weights of the resized
     # run that was not killed again, bit for bit.
-    expected = _weights(reference, "one")
     for name, tensor in _weights(args, "again").items():
         assert torch.equal(tensor, expected[name]), name
 
 
 @pytest.mark.slow
-def test_without_the_opt_in_a_resize_is_refused_before_the_resume_event(tmp_path: Path) -> None:
-    args = _setup(tmp_path / "run")
+def test_without_the_opt_in_a_resize_is_refused_before_the_resume_event(
+    killed_pair: Callable[[], dict[str, Any]],
+) -> None:
+    args = killed_pair()
     led = Ledger.open(args["ledger"])
     store = SharedDirFeatureStore(args["features"])
     events = len(list(led.events(RUN)))

@@ -11,16 +11,19 @@ In streaming mode (no seed) it must train every committed sample exactly once.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
+import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import free_port, init_gloo, join
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -39,6 +42,22 @@ RUN = "run"
 SAMPLES = 48  # 2 ranks x 2 per micro-batch x 2 micro-batches: 8 per step, 6 steps
 SEED = 11
 CHILD_TIMEOUT_S = 120
+
+
+# Each process is one of its own, forked from a server that imported torch and the
+# libraries once (as the demo's ranks are): a spawned one imports them again, seconds of
+# CPU a process on a busy machine. The SIGKILLs and the gloo groups are as real either way.
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(
+    ["torch", "torch.distributed", "torch.nn.parallel", "dataflow", "stores", "training", __name__]
+)
+
+
+def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
+    """Start ``target(*args)`` in a forked process (a module-level function)."""
+    process = CONTEXT.Process(target=target, args=args)
+    process.start()
+    return process
 
 
 def _sample_id(i: int) -> str:
@@ -126,7 +145,7 @@ def _train(rank: int, args: dict[str, Any]) -> None:
     )
     dist.barrier()  # neither rank tears its group down while the other still talks to it
     dist.destroy_process_group()
-    # A spawned process tears the interpreter down on exit, and torch's DDP reducer can
+    # A child process tears the interpreter down on exit, and torch's DDP reducer can
     # abort that teardown ("terminate called without an active exception"): the results
     # are written, so leave without it (fork children, as in the docs, exit this way).
     os._exit(0)
@@ -189,6 +208,27 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return first
 
 
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict[str, Any]]:
+    """``committed()``: a fresh copy of a dataset the two producer processes committed.
+
+    The producers race once per module and the directory is kept aside; each call puts an
+    exact copy back at the same path (the ledger records absolute paths). The
+    uninterrupted test below races them again for itself: another interleaving is its point.
+    """
+    where = tmp_path_factory.mktemp("committed") / "run"
+    args = _setup(where)
+    pristine = where.with_name("pristine")
+    shutil.copytree(where, pristine, symlinks=True)
+
+    def fresh() -> dict[str, Any]:
+        shutil.rmtree(where)
+        shutil.copytree(pristine, where, symlinks=True)
+        return dict(args)
+
+    return fresh
+
+
 @pytest.mark.slow
 def test_two_uninterrupted_seeded_runs_end_with_equal_weights(
     tmp_path: Path, reference: dict[str, torch.Tensor]
@@ -202,11 +242,13 @@ def test_two_uninterrupted_seeded_runs_end_with_equal_weights(
 @pytest.mark.slow
 @pytest.mark.parametrize("resume_from", ["latest", "older"])
 def test_sigkill_both_ranks_then_resume_ends_with_the_uninterrupted_weights(
-    tmp_path: Path, reference: dict[str, torch.Tensor], resume_from: str
+    committed: Callable[[], dict[str, Any]],
+    reference: dict[str, torch.Tensor],
+    resume_from: str,
 ) -> None:
     # A random optimizer step; resuming from step 2 regenerates what later checkpoints released.
     kill_at = random.choice([3, 4, 5, 6] if resume_from == "latest" else [5, 6])
-    args = _setup(tmp_path / "run")
+    args = committed()
     assert _ranks(args, "killed", kill_at=kill_at) == [-signal.SIGKILL, -signal.SIGKILL]
     with Ledger.open(args["ledger"]) as led:
         recorded = [c.step for c in replay(led, RUN).checkpoints]
@@ -246,9 +288,9 @@ def test_streaming_sigkill_then_resume_trains_every_sample_once(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_after_a_lineage_re_saved_a_step_the_resume_ends_with_the_uninterrupted_weights(
-    tmp_path: Path, reference: dict[str, torch.Tensor]
+    committed: Callable[[], dict[str, Any]], reference: dict[str, torch.Tensor]
 ) -> None:
-    args = _setup(tmp_path / "run")
+    args = committed()
     assert _ranks(args, "first", kill_at=5) == [-signal.SIGKILL] * 2  # saved steps 2 and 4
     # Back to step 2; this lineage saves step 4 again, then dies at step 5 too.
     assert _ranks(args, "second", checkpoint=2, kill_at=5) == [-signal.SIGKILL] * 2
