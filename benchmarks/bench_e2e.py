@@ -10,6 +10,13 @@ fixed compute (a 1024x1024 linear layer over a batch of 4 samples of 64x1024,
 forward and backward, about 30 ms on one idle core), gradients all-reduced by
 hand, acks at every optimizer step.
 
+A second run measures the trainer's side alone: the same two producer processes
+commit every sample first (no stream), as producers on machines of their own would
+have, and the ranks, started after them, lease the committed dataset from the
+ledger through the same Trainer and loader. On a machine with as many cores as
+ranks, the streaming run's producers take their CPU from the steps; this run shows
+what the data plane costs the training loop itself.
+
 The peer is the same two ranks, in the same processes, running the same step
 and optimizer functions over a pre-made batch in memory: no ledger, store,
 stream or loader. It runs once before and once after the data plane (their
@@ -151,10 +158,14 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
         clocks.clear()
         compute = clocks["compute"] = _Clock()
         reduce = clocks["optimizer"] = _Clock()
-        receiver = ZmqRefReceiver(
-            ReceiverConfig(
-                endpoint=cfg["endpoints"][rank], window=WINDOW, expected_producers=PRODUCERS
+        receiver = (
+            ZmqRefReceiver(
+                ReceiverConfig(
+                    endpoint=cfg["endpoints"][rank], window=WINDOW, expected_producers=PRODUCERS
+                )
             )
+            if cfg["streaming"]
+            else None
         )
         consumer = Consumer(
             Ledger.open(cfg["ledger"], durability=cfg["durability"]),
@@ -237,21 +248,26 @@ def _producer_main(index: int, cfg: dict[str, Any], go: Any) -> None:
     ledger = Ledger.open(cfg["ledger"])
     store = SharedDirFeatureStore(cfg["store"])
     producer_id = f"producer-{index}"
-    sender = ZmqRefSender(
-        SenderConfig(
-            endpoints=tuple(cfg["endpoints"]), producer_id=producer_id, send_timeout=WAIT_S
+    sender = (
+        ZmqRefSender(
+            SenderConfig(
+                endpoints=tuple(cfg["endpoints"]), producer_id=producer_id, send_timeout=WAIT_S
+            )
         )
+        if cfg["streaming"]
+        else None
     )
     producer = Producer(ledger, store, run_id=RUN_ID, producer_id=producer_id, stream=sender)
     mine = [f"s{i:07d}" for i in range(index, cfg["samples"], PRODUCERS)]
-    if not go.wait(WAIT_S):
+    if sender is not None and not go.wait(WAIT_S):
         raise TimeoutError("the ranks never started the data-plane run")
     start, cpu = time.monotonic(), time.process_time()
     for at in range(0, len(mine), CHUNK):
         producer.emit_many([(sid, {"x": x}) for sid in mine[at : at + CHUNK]])
     # The stream ends before the ledger records the close (as in dataflow.demo): once the
     # ranks acknowledged the EOF, every ref sent before it has reached them.
-    sender.close()
+    if sender is not None:
+        sender.close()
     producer.close()
     cpu, wall = time.process_time() - cpu, time.monotonic() - start
     result = {"samples": len(mine), "cpu": cpu, "wall": wall}
@@ -262,14 +278,23 @@ def _producer_main(index: int, cfg: dict[str, Any], go: Any) -> None:
 
 # -- the parent --------------------------------------------------------------------------------
 def measure(
-    workdir: Path, samples: int, *, durability: str = "full", profile: Path | None = None
+    workdir: Path,
+    samples: int,
+    *,
+    streaming: bool = True,
+    durability: str = "full",
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """Run the ranks and producers once; what each process reported.
 
+    ``streaming``: the producers stream refs to the ranks while they train (on the
+    ranks' cores); else they commit every sample first and the ranks, started after
+    them, lease the committed dataset from the ledger (producers on other machines).
     ``durability``: the ranks' ledger handle's (``"normal"``, leases and acks not
-    fsynced, shows what the fsyncs on the training thread cost); ``profile``: where
-    rank 0 writes a cProfile of its data-plane run (its main thread only).
+    fsynced, shows what the fsyncs cost); ``profile``: where rank 0 writes a cProfile
+    of its data-plane run (its main thread only).
     """
+    workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "out"
     out.mkdir()
     cfg = {
@@ -280,6 +305,7 @@ def measure(
         "checkpoints": str(workdir / "ckpt"),
         "out": str(out),
         "samples": samples,
+        "streaming": streaming,
         "durability": durability,
         "profile": None if profile is None else str(profile),
     }
@@ -288,11 +314,17 @@ def measure(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     go = ctx.Event()
-    processes = [ctx.Process(target=_rank_main, args=(r, cfg, go)) for r in range(RANKS)]
-    processes += [ctx.Process(target=_producer_main, args=(p, cfg, go)) for p in range(PRODUCERS)]
-    for process in processes:
-        process.start()
+    ranks = [ctx.Process(target=_rank_main, args=(r, cfg, go)) for r in range(RANKS)]
+    producers = [ctx.Process(target=_producer_main, args=(p, cfg, go)) for p in range(PRODUCERS)]
+    processes = ranks + producers
     try:
+        for process in producers:
+            process.start()
+        if not streaming:  # the dataset is committed before the ranks start
+            for process in producers:
+                process.join(WAIT_S)
+        for process in ranks:
+            process.start()
         for process in processes:
             process.join(WAIT_S)
     finally:
@@ -321,7 +353,11 @@ def _per_step_ms(ranks: list[dict[str, Any]], phase: str, key: str) -> float:
     return statistics.fmean(1000 * r[phase][key] / max(1, r[phase]["steps"]) for r in ranks)
 
 
-def to_rows(got: dict[str, Any], samples: int) -> list[Row]:
+STREAMING_ROW = "end to end: 2 producers, store, ledger, streams, loader, 2 gloo ranks"
+COMMITTED_ROW = "end to end, trainer side: committed dataset, store, ledger, loader, 2 gloo ranks"
+
+
+def to_rows(got: dict[str, Any], samples: int, *, streaming: bool = True) -> list[Row]:
     ranks, producers = got["ranks"], got["producers"]
     ours = _rate(ranks, "data_plane")
     before, after = _rate(ranks, "memory_before"), _rate(ranks, "memory_after")
@@ -350,11 +386,15 @@ def to_rows(got: dict[str, Any], samples: int) -> list[Row]:
         f"{_per_step_ms(ranks, 'data_plane', 'cpu'):.1f} ms (from memory: "
         f"{_per_step_ms(ranks, 'memory_before', 'cpu'):.1f}). Producers: "
         f"{producer_cpu:.2f} CPU ms per sample, {producer_rate:,.0f} samples/s "
-        f"while throttled by the credit window"
+        + (
+            "while throttled by the credit window, on the ranks' cores"
+            if streaming
+            else "before the ranks started (as on machines of their own)"
+        )
     )
     return [
         row(
-            "end to end: 2 producers, store, ledger, streams, loader, 2 gloo ranks",
+            STREAMING_ROW if streaming else COMMITTED_ROW,
             ours,
             "samples/s",
             "the same 2 ranks fed from memory",
@@ -367,7 +407,12 @@ def to_rows(got: dict[str, Any], samples: int) -> list[Row]:
 
 def rows(workdir: Path, *, quick: bool) -> list[Row]:
     samples = sample_count(quick=quick)
-    return to_rows(measure(workdir, samples), samples)
+    committed = measure(workdir / "committed", samples, streaming=False)
+    streaming = measure(workdir / "streaming", samples)
+    return [
+        *to_rows(committed, samples, streaming=False),
+        *to_rows(streaming, samples),
+    ]
 
 
 if __name__ == "__main__":
