@@ -8,12 +8,15 @@ until a producer regenerates them.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from _gloo import free_port, init_gloo, join, start
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -124,3 +127,39 @@ def test_without_a_regenerate_fn_lost_samples_wait_for_a_producer(damaged, tmp_p
     state = replay(led, RUN)
     assert state.verify() == [] and state.lost == {}
     assert sorted(state.trained) == [f"s{i:03d}" for i in range(SAMPLES)]
+
+
+# -- two ranks: lost after the ranks settled their count -----------------------------------------
+def _rank(rank: int, port: int, where: str) -> None:
+    torch.set_num_threads(1)
+    init_gloo(rank, port)
+    led = Ledger.open(f"sqlite:///{where}/ledger.db")
+    store = SharedDirFeatureStore(Path(where) / "features")
+    trainer = Trainer(
+        Consumer(led, store, run_id=RUN, consumer_id=f"rank{rank}", rank=rank, world_size=2),
+        step_fn=lambda batch: None,
+        checkpoints=CheckpointManager(CheckpointConfig(root=Path(where) / "ckpt")),
+        state_fn=lambda: {"step": torch.tensor(0)},
+        regenerate_fn=_regenerate,
+        loader_config=LoaderConfig(batch_size=2, prefetch=1),
+    )
+    trainer.run()  # once: what comes back after the count was settled is trained in it
+    Path(where, f"rank{rank}.json").write_text(json.dumps(trainer.consumer.finished))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_was_lost_after_their_count_was_settled_in_one_run(
+    damaged, tmp_path
+) -> None:
+    led, _ = damaged  # a committed dataset: the ranks settle their count at the first batch
+    port = free_port()
+    ranks = [start(_rank, r, port, str(tmp_path)) for r in range(2)]
+    assert [join(p) for p in ranks] == [0, 0]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)] == [True] * 2
+    state = replay(led, RUN)
+    assert state.verify() == [] and state.leased == {} and state.regenerate == {}
+    assert sorted(state.trained) == [f"s{i:03d}" for i in range(SAMPLES)]
+    regenerated = [e for e in led.events(RUN) if e.kind == Kind.COMMIT and e.revision]
+    assert sorted(e.sample_id for e in regenerated) == sorted((*GONE, ROTTEN))

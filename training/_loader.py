@@ -200,7 +200,7 @@ class FeatureLoader:
         if failed:
             raise failed[0]
 
-    def remaining_batches(self) -> int | None:
+    def remaining_batches(self, *, fresh: bool = False) -> int | None:
         """Batches this loader will still hand out, once that number is fixed; else None.
 
         It is fixed when no more work can come to this rank: every producer closed
@@ -212,10 +212,10 @@ class FeatureLoader:
         Right after :meth:`next_batch` handed out a batch leased ahead, it answers
         with the count the lease ahead made (that lease took the batch it counts
         off the pending ones: the number is the same), without waiting for the
-        next lease ahead.
+        next lease ahead. ``fresh=True`` counts now instead (waiting for that lease).
         """
         counted, self._counted = self._counted, None
-        if counted is not None:
+        if counted is not None and not fresh:
             return counted.remaining
         ahead = self._ahead.result() if self._ahead is not None else None
         return self._batches_after(int(ahead is not None))

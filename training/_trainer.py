@@ -215,7 +215,8 @@ class Trainer:
         #: (counted from the resize when the lineage was resized: a new queue starts there).
         self.position = 0
         #: Collectives the ranks ran to agree on who still has data (one, once every
-        #: rank's share is fixed: a committed dataset needs no more than that).
+        #: rank's share is fixed: a committed dataset needs no more than that; the one
+        #: asking whether work came back once that count ran out is not counted).
         self.agreements = 0
         self._batches_left: int | None = None
         self._saved_step = 0
@@ -300,14 +301,15 @@ class Trainer:
                 if boundary:
                     self._optimizer_step()
                 batch = upcoming
+                if batch is None and self._work_came_back(distributed):
+                    batch = self._next_batch(distributed)
             self.loader.flush()
             if self._batches_left == 0 and not self.consumer.finished:
-                # A nack (features gone, a failed step) put work back after the ranks
-                # settled their count; it waits for the next run or resume.
+                # Work came back that no rank can lease yet (a sample waiting for a
+                # producer to regenerate it); it waits for the next run or resume.
                 log.warning(
-                    "rank %d of run %r stops with work left that came back after the ranks "
-                    "agreed on their number of micro-batches; the next run() or resume "
-                    "trains it",
+                    "rank %d of run %r stops with work left that no rank can lease yet "
+                    "(waiting for regeneration); the next run() or resume trains it",
                     self.consumer.rank,
                     self.consumer.run_id,
                 )
@@ -536,6 +538,27 @@ class Trainer:
         elif not any_has:
             return None
         return Batch() if batch is None else batch
+
+    def _work_came_back(self, distributed: bool) -> bool:
+        """Once the ranks' settled count of micro-batches ran out: whether work came back
+        meanwhile (a lost sample regenerated, a nack) that a rank can lease now. Every
+        rank reaches this together and they agree; the count is settled anew."""
+        if not distributed or self._batches_left != 0:
+            return False
+        max_steps = self.config.max_steps
+        if max_steps is not None and self.step >= max_steps:
+            return False
+        self.loader.flush()
+        left = torch.tensor(
+            [int(bool(self.loader.remaining_batches(fresh=True)))],
+            dtype=torch.int64,
+            device=flag_device(),
+        )
+        dist.all_reduce(left, op=dist.ReduceOp.MAX)  # not counted in self.agreements
+        if not int(left.item()):
+            return False
+        self._batches_left = None
+        return True
 
     def _optimizer_step(self) -> None:
         self.step += 1
