@@ -7,7 +7,7 @@ and push the refs over ZeroMQ streams to two trainer ranks. Each rank is a real
 process in a gloo group running ``training.Trainer``: a ``FeatureLoader``
 leasing from its stream and prefetching the next batch in a thread, a step of
 fixed compute (a 1024x1024 linear layer over a batch of 4 samples of 64x1024,
-forward and backward, about 30 ms on one idle core), gradients all-reduced by
+forward and backward, about 25 ms on one idle core), gradients all-reduced by
 hand, acks at every optimizer step.
 
 A second run measures the trainer's side alone: the same two producer processes
