@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import socket
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,3 +52,36 @@ def join(process: multiprocessing.Process) -> int | None:
         process.join()
         pytest.fail("a child process hung")
     return process.exitcode
+
+
+def forkserver_start(*preload: str) -> Callable[..., multiprocessing.Process]:
+    """A ``start(target, *args)`` whose processes fork from a server that imported torch and
+    ``preload`` once (as the demo's ranks do): a spawned process imports them again,
+    seconds of CPU each on a busy machine. The processes, their SIGKILLs and their gloo
+    groups are as real either way. One fork server serves the whole test session, so the
+    first module to start one decides what it preloads; a later one imports the rest.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "dataflow", "stores", "training", *preload])
+
+    def start_forked(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
+        process = context.Process(target=target, args=args)
+        process.start()
+        return process
+
+    return start_forked
+
+
+def kept_aside(where: Path, args: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """Keep the run directory ``where`` aside; each call of the result puts an exact copy
+    back at the same path (a ledger records absolute paths) and returns ``args``. For a
+    module-scoped fixture whose tests each resume (and kill) a run set up once."""
+    pristine = where.with_name(f"{where.name}-pristine")
+    shutil.copytree(where, pristine, symlinks=True)
+
+    def fresh() -> dict[str, Any]:
+        shutil.rmtree(where)
+        shutil.copytree(pristine, where, symlinks=True)
+        return dict(args)
+
+    return fresh

@@ -9,9 +9,7 @@ fp32 master weights end ``torch.equal`` to an uninterrupted run's.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _gloo import join
+from _gloo import forkserver_start, join, kept_aside
 
 from dataflow import Consumer, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -37,18 +35,7 @@ SAMPLES = 48  # 4 per micro-batch, 2 micro-batches per step: 6 steps
 DIM = 8
 
 
-# Each process is one of its own, forked from a server that imported torch and the
-# libraries once (as the demo's ranks are): a spawned one imports them again, seconds of
-# CPU a process on a busy machine. The SIGKILLs are as real either way.
-CONTEXT = multiprocessing.get_context("forkserver")
-CONTEXT.set_forkserver_preload(["torch", "dataflow", "stores", "training", __name__])
-
-
-def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
-    """Start ``target(*args)`` in a forked process (a module-level function)."""
-    process = CONTEXT.Process(target=target, args=args)
-    process.start()
-    return process
+start = forkserver_start(__name__)
 
 
 def _sample_id(i: int) -> str:
@@ -192,15 +179,7 @@ def killed_at_5(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict[s
     where = tmp_path_factory.mktemp("killed") / "run"
     args = _setup(where)
     assert _attempt(args, "killed", kill_at=5) == -signal.SIGKILL
-    pristine = where.with_name("pristine")
-    shutil.copytree(where, pristine, symlinks=True)
-
-    def fresh() -> dict[str, Any]:
-        shutil.rmtree(where)
-        shutil.copytree(pristine, where, symlinks=True)
-        return dict(args)
-
-    return fresh
+    return kept_aside(where, args)
 
 
 @pytest.mark.slow

@@ -15,10 +15,8 @@ not. Without the opt-in, the resize is refused before the resume event.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
-import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join
+from _gloo import forkserver_start, free_port, init_gloo, join, kept_aside
 
 import training
 from dataflow import Consumer, Kind, Ledger, Producer, replay, seeded_order
@@ -49,20 +47,7 @@ KILLED_AT = 3
 IDS = [f"s{i:03d}" for i in range(SAMPLES)]
 
 
-# Each process is one of its own, forked from a server that imported torch and the
-# libraries once (as the demo's ranks are): a spawned one imports them again, seconds of
-# CPU a process on a busy machine. The SIGKILLs and the gloo groups are as real either way.
-CONTEXT = multiprocessing.get_context("forkserver")
-CONTEXT.set_forkserver_preload(
-    ["torch", "torch.distributed", "torch.nn.parallel", "dataflow", "stores", "training", __name__]
-)
-
-
-def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
-    """Start ``target(*args)`` in a forked process (a module-level function)."""
-    process = CONTEXT.Process(target=target, args=args)
-    process.start()
-    return process
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
 
 
 def _features(sample_id: str) -> dict[str, torch.Tensor]:
@@ -177,15 +162,7 @@ def killed_pair(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict[s
     """
     where = tmp_path_factory.mktemp("resize") / "run"
     args = _setup(where)
-    pristine = where.with_name("pristine")
-    shutil.copytree(where, pristine, symlinks=True)
-
-    def fresh() -> dict[str, Any]:
-        shutil.rmtree(where)
-        shutil.copytree(pristine, where, symlinks=True)
-        return dict(args)
-
-    return fresh
+    return kept_aside(where, args)
 
 
 def _ranks(

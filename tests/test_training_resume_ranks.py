@@ -11,10 +11,8 @@ In streaming mode (no seed) it must train every committed sample exactly once.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
-import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join
+from _gloo import forkserver_start, free_port, init_gloo, join, kept_aside
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -44,20 +42,7 @@ SEED = 11
 CHILD_TIMEOUT_S = 120
 
 
-# Each process is one of its own, forked from a server that imported torch and the
-# libraries once (as the demo's ranks are): a spawned one imports them again, seconds of
-# CPU a process on a busy machine. The SIGKILLs and the gloo groups are as real either way.
-CONTEXT = multiprocessing.get_context("forkserver")
-CONTEXT.set_forkserver_preload(
-    ["torch", "torch.distributed", "torch.nn.parallel", "dataflow", "stores", "training", __name__]
-)
-
-
-def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
-    """Start ``target(*args)`` in a forked process (a module-level function)."""
-    process = CONTEXT.Process(target=target, args=args)
-    process.start()
-    return process
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
 
 
 def _sample_id(i: int) -> str:
@@ -218,15 +203,7 @@ def committed(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], dict[str
     """
     where = tmp_path_factory.mktemp("committed") / "run"
     args = _setup(where)
-    pristine = where.with_name("pristine")
-    shutil.copytree(where, pristine, symlinks=True)
-
-    def fresh() -> dict[str, Any]:
-        shutil.rmtree(where)
-        shutil.copytree(pristine, where, symlinks=True)
-        return dict(args)
-
-    return fresh
+    return kept_aside(where, args)
 
 
 @pytest.mark.slow
