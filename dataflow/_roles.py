@@ -914,15 +914,17 @@ class Consumer:
         last micro-batches. Leases a restarted rank reclaimed (:meth:`rejoin`) and
         has not handed out again do: they are still to come.
         """
-        if self._still_reclaimed():
+        if self._still_reclaimed() or not self._share_fixed():
             return False
-        if self.stream is not None and not self.stream.exhausted:
-            return False
-        if self.stream is None and not self.state.producers_done:
-            return False
-        if self.state.order_seed is not None and self.state.regenerate:
-            return False  # seeded order: the regenerated samples come back to their places
         return next(self.state.pending_for(self.rank), None) is None
+
+    def _share_fixed(self) -> bool:
+        """No more work can come to this rank's queue (a nack aside)."""
+        state = self.state
+        if not (state.producers_done if self.stream is None else self.stream.exhausted):
+            return False
+        # Seeded order: the regenerated samples come back to their places.
+        return not (state.order_seed is not None and state.regenerate)
 
     @property
     @_locked
@@ -941,11 +943,9 @@ class Consumer:
         step) can still put a sample back after that. Folds new events first.
         """
         self.refresh()
-        state = self.state
-        ended = state.producers_done if self.stream is None else self.stream.exhausted
-        if not ended or (state.order_seed is not None and state.regenerate):
+        if not self._share_fixed():
             return None
-        return sum(1 for _ in state.pending_for(self.rank))
+        return sum(1 for _ in self.state.pending_for(self.rank))
 
     @_locked
     def refresh(self) -> None:
