@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dataflow import Ledger, replay
-from dataflow.demo._chaos import _same_weights, clean, format_table, summarize
+from dataflow.demo import DemoOptions
+from dataflow.demo._chaos import ChaosTrial, KillPlan, _same_weights, clean, format_table, summarize
+from dataflow.demo._run import _Child
 from dataflow.testing._postgres import find_bin_dir
 from tests.conftest import unavailable
 
@@ -153,3 +157,42 @@ def test_any_lost_duplicated_mismatch_or_orphan_fails_the_run() -> None:
         summary = summarize([ok, {**ok, **bad}], 1.0)
         assert not clean(summary)
         assert "verdict: FAILED" in format_table(summary)
+
+
+@pytest.mark.parametrize("how", ["in-save", "moment"])
+def test_a_peer_dying_right_after_the_watch_noticed_the_kill_is_no_failure(
+    tmp_path: Path, how: str
+) -> None:
+    # The conductor's race (unit test of its logic; the children are stand-ins): rank 1 is
+    # dead and noticed while rank 0 still runs; rank 0 dies (in its own save, or on its
+    # next collective) before the same round of the watch looks for failed children.
+    plan = KillPlan(
+        target="ranks" if how == "in-save" else "rank",
+        how=how,
+        at=0.0,
+        index=1,
+        after_puts=0,
+        step=2,
+    )
+    trial = ChaosTrial(
+        DemoOptions(workdir=str(tmp_path)), plan=plan, streaming=True, size=(128, 2, 4)
+    )
+    trial.run_dir.mkdir(parents=True)
+    log = tmp_path / "rank.log"
+    log.write_text("rank: in the gloo group\n")
+    ranks = [
+        _Child(f"rank{r}-attempt1", SimpleNamespace(exitcode=None, pid=0), log)  # type: ignore[arg-type]
+        for r in range(2)
+    ]
+    trial.children, trial.ranks, trial.attempt = list(ranks), list(ranks), 1
+    trial._head = lambda: 0  # type: ignore[method-assign]
+    ranks[1].process.exitcode = -9
+    if how == "in-save":
+        Path(f"{trial._markers}-rank1").write_text(repr(time.time()))
+        assert trial._tick(SimpleNamespace(), time.monotonic()) is False  # noticed; waits
+    else:
+        ranks[1].killed = True  # the conductor's own kill
+        assert trial._after_kill([ranks[1]], time.time(), time.monotonic()) is False
+    assert trial.kill is not None and trial.kill["victims"] == ["rank1-attempt1"]
+    ranks[0].process.exitcode = -9 if how == "in-save" else 1
+    assert [c.failure() for c in trial.children] == [None, None]

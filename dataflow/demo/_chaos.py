@@ -281,14 +281,23 @@ class ChaosTrial(Demo):
         self._say(f"SIGKILL {', '.join(self.kill['victims'])} ({self.plan.describe()})")
         if any(c in self.ranks for c in victims):
             # A rank's peer fails on its next gloo collective; the operator restarts both.
-            self._survivors = [r for r in self.ranks if not r.killed]
-            self._survivors_due = now + SURVIVOR_WAIT_S
+            self._await_survivors(now)
             return self._restart_ranks_when_down(now)
         for child in victims:
             index = int(child.name.split("-")[1])
             self._start(f"producer-{index}-restarted", "producer", index)
             self.kill["restarted"] = [f"producer-{index}"]
         return True
+
+    def _await_survivors(self, now: float) -> None:
+        """After a rank's death: its peers fail on their next collective (or are killed
+        after SURVIVOR_WAIT_S), then both ranks restart."""
+        self._survivors = [r for r in self.ranks if not r.killed]
+        self._survivors_due = now + SURVIVOR_WAIT_S
+        for rank in self._survivors:
+            # Its death is expected from now on, also between two rounds of the watch
+            # (which would otherwise call it a failure): on its collective, or in its save.
+            rank.doomed = True
 
     def _restart_ranks_when_down(self, now: float) -> bool:
         alive = [r for r in self._survivors if r.process.exitcode is None]
@@ -393,8 +402,7 @@ class ChaosTrial(Demo):
         if any(child in self.ranks for child in failed):
             # Its peer fails on its next collective (or is killed after SURVIVOR_WAIT_S);
             # when both failed at once, both are restarted now.
-            self._survivors = [r for r in self.ranks if not r.killed]
-            self._survivors_due = now + SURVIVOR_WAIT_S
+            self._await_survivors(now)
             if not self._survivors:
                 self._restart_ranks_when_down(now)
         return bool(failed)

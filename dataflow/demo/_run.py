@@ -56,11 +56,12 @@ class _Child:
     log: Path
     killed: bool = False
     service: bool = False  # runs until the demo ends it (the store keeper)
+    doomed: bool = False  # expected to die (a killed rank's peer), not killed yet
 
     def failure(self) -> str | None:
         """A line saying how this child failed, None while it runs or when it exited 0."""
         code = self.process.exitcode
-        if code is None or code == 0 or self.killed:
+        if code is None or code == 0 or self.killed or self.doomed:
             return None
         status = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         with contextlib.suppress(OSError):
