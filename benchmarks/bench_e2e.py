@@ -5,7 +5,8 @@ pre-made tensor every time, so producing costs only the data plane) into a
 ``SharedDirFeatureStore`` on a real disk, commit them to a SQLite ledger file
 and push the refs over ZeroMQ streams to two trainer ranks. Each rank is a real
 process in a gloo group running ``training.Trainer``: a ``FeatureLoader``
-leasing from its stream and prefetching the next batch in a thread, a step of
+leasing from its stream four batches at a time in a thread (one ledger write for
+the lease of four batches, one for the acks of four steps), a step of
 fixed compute (a 1024x1024 linear layer over a batch of 4 samples of 64x1024,
 forward and backward, about 25 ms on one idle core), gradients all-reduced by
 hand, acks at every optimizer step.
@@ -53,6 +54,7 @@ SEQ, HIDDEN = 64, 1024
 BATCH = 4
 WINDOW = 64
 CHUNK = 8  # samples per emit_many: one ledger transaction
+PREFETCH = 4  # batches per lease ahead: one lease and one ack transaction per 4 steps
 RANKS = PRODUCERS = 2
 RUN_ID = "e2e"
 WAIT_S = 600.0
@@ -189,13 +191,13 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
             optimizer_fn=reduce.wrap(optimizer_step),
             checkpoints=CheckpointManager(CheckpointConfig(root=cfg["checkpoints"])),
             state_fn=lambda: {"model": model.state_dict()},
-            loader_config=LoaderConfig(batch_size=BATCH, prefetch=1),
+            loader_config=LoaderConfig(batch_size=BATCH, prefetch=PREFETCH),
         )
         trainer.resume()  # from scratch; not timed
         loader = clocks["batches"] = _Clock()
         trainer.loader.next_batch = loader.wrap(trainer.loader.next_batch)  # type: ignore[method-assign]
         acks = clocks["acks"] = _Clock()
-        consumer.ack = acks.wrap(consumer.ack)  # type: ignore[method-assign]
+        consumer.ack_many = acks.wrap(consumer.ack_many)  # type: ignore[method-assign]
         leases = clocks["leases"] = _Clock()
         consumer.lease = leases.wrap(consumer.lease)  # type: ignore[method-assign]
         dist.barrier()

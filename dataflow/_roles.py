@@ -1111,7 +1111,6 @@ class Consumer:
         if streamed:
             self.stream.credit(len(streamed))
 
-    @_locked
     def ack(self, refs: Iterable[SampleRef | str], *, step: int) -> None:
         """Record that ``refs`` were trained into optimizer step ``step`` (one transaction).
 
@@ -1121,25 +1120,52 @@ class Consumer:
         checkpoint starts a new epoch, which goes on after that checkpoint's
         step). LedgerStateError otherwise, before anything is written.
         """
-        ids = _sample_ids(refs, "ack")
-        _check_step("ack", step, minimum=1)
+        self.ack_many([(refs, step)])
+
+    @_locked
+    def ack_many(self, acks: Iterable[tuple[Iterable[SampleRef | str], int]]) -> None:
+        """The acks of several optimizer steps, ``[(refs, step), ...]``, in one transaction.
+
+        The same as :meth:`ack` of each in turn (steps in order, none lower than the
+        one before), but all or nothing and one ledger write: a loader that acks a
+        few steps at once pays one transaction for them. A sample may appear once.
+        """
+        if isinstance(acks, (str, bytes)) or not isinstance(acks, Iterable):
+            raise TypeError(f"ack_many takes a list of (refs, step) pairs, got {acks!r:.100}")
+        steps: list[tuple[list[str], int]] = []
+        for pair in acks:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise TypeError(f"ack_many takes (refs, step) pairs, got {pair!r:.100}")
+            refs, step = pair
+            steps.append((_sample_ids(refs, "ack"), _check_step("ack", step, minimum=1)))
+        ids = _sample_ids([s for batch, _ in steps for s in batch], "ack_many")
+        for (_, earlier), (_, later) in itertools.pairwise(steps):
+            if later < earlier:
+                raise LedgerStateError(
+                    f"ack_many got step {later} after step {earlier}: give the steps in order"
+                )
+        if not steps:
+            return
+        first = steps[0][1]
         with self._write("ack") as tx:
             self._check_leased(ids, "ack")
             floor = self.state.last_checkpoint_step
-            if step <= floor:
+            if first <= floor:
                 raise LedgerStateError(
-                    f"ack at step {step} in run {self.run_id!r}, but a checkpoint at step {floor} "
-                    "already exists in this lineage: acks must name a later step"
+                    f"ack at step {first} in run {self.run_id!r}, but a checkpoint at step "
+                    f"{floor} already exists in this lineage: acks must name a later step"
                 )
             newest = self.state.last_ack_step(self.consumer_id)
-            if step < newest:
+            if first < newest:
                 raise LedgerStateError(
-                    f"ack at step {step} in run {self.run_id!r}, but {self.consumer_id!r} already "
-                    f"acked step {newest} in epoch {self.epoch}: steps must not go backwards; "
-                    "ack with the number of the optimizer step just taken"
+                    f"ack at step {first} in run {self.run_id!r}, but {self.consumer_id!r} "
+                    f"already acked step {newest} in epoch {self.epoch}: steps must not go "
+                    "backwards; ack with the number of the optimizer step just taken"
                 )
             tx.append(
-                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step) for s in ids
+                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
+                for batch, step in steps
+                for s in batch
             )
             release = ids if self.release_policy == "on_ack" else []
             tx.append(self._release_events(release))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -158,7 +159,8 @@ def test_next_batch_needs_a_resumed_consumer(led, store) -> None:
         ({"names": "x"}, "got the str 'x'"),
         ({"names": []}, "names must hold non-empty strs"),
         ({"names": ["x", ""]}, "names must hold non-empty strs"),
-        ({"prefetch": 2}, "prefetch must be 0 or 1, got 2"),
+        ({"prefetch": -1}, "prefetch must be >= 0, got -1"),
+        ({"prefetch": True}, "prefetch must be an int, got bool"),
     ],
 )
 def test_loader_config_rejects_bad_values(config, match: str) -> None:
@@ -205,6 +207,7 @@ def test_a_failed_background_ack_is_raised_by_flush_and_writes_nothing(led, stor
         first = loader.next_batch()
         assert first is not None
         loader.ack(first.refs, step=2)
+        loader.flush()
         loader.ack(first.refs, step=3)  # acked already: refused in the background thread
         with pytest.raises(LedgerStateError, match=r"cannot ack 's00': it is not leased"):
             loader.flush()
@@ -263,3 +266,108 @@ def test_a_consumer_serves_threads_leasing_and_acking_at_once(led, store) -> Non
     state = replay(led, RUN)
     assert len(state.trained) == 60 and state.verify() == []
     assert consumer.state.snapshot() == state.snapshot()
+
+
+@pytest.mark.parametrize("prefetch", [2, 3])
+def test_a_lease_ahead_of_several_batches_hands_them_out_in_order_with_exact_counts(
+    led, store, prefetch: int
+) -> None:
+    _emit(led, store, 11)
+    consumer = _consumer(led, store)
+    leases: list[int] = []
+    acks: list[list[int]] = []
+    lease, ack_many = consumer.lease, consumer.ack_many
+    consumer.lease = lambda n, **kw: leases.append(n) or lease(n, **kw)  # type: ignore[method-assign]
+    consumer.ack_many = lambda a: acks.append([s for _, s in a]) or ack_many(a)  # type: ignore[method-assign]
+    seen = []
+    with FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=prefetch)) as loader:
+        step = 0
+        while (batch := loader.next_batch()) is not None:
+            step += 1
+            seen.append((batch.sample_ids, loader.remaining_batches()))
+            loader.ack(batch.refs, step=step)
+        loader.flush()
+    # The order of a lease per batch, and every count exact.
+    assert [ids for ids, _ in seen] == [[f"s{i:02d}", f"s{i + 1:02d}"] for i in range(0, 10, 2)] + [
+        ["s10"]
+    ]
+    assert [left for _, left in seen] == [5, 4, 3, 2, 1, 0]
+    # The first batch is leased on the caller's thread, then one lease per `prefetch`
+    # batches; the last lease ahead finds nothing, and the caller's last lease neither.
+    assert leases[0] == leases[-1] == 2 and set(leases[1:-1]) == {2 * prefetch}
+    assert len(leases) == 1 + -(-5 // prefetch) + 2
+    # Acks of several steps go in one transaction, in order, each step once.
+    assert [s for steps in acks for s in steps] == list(range(1, 7))
+    assert len(acks) < 6
+    state = replay(led, RUN)
+    assert state.trained == {f"s{i:02d}": i // 2 + 1 for i in range(11)}
+    assert consumer.finished and state.verify() == []
+
+
+def test_unwritten_acks_are_written_before_the_loader_waits_for_a_stream(led, store) -> None:
+    # A window of one batch: the producer can send the next batch only once the last one
+    # is acked, so a loader holding its acks back while it waits would wait forever.
+    import threading
+
+    from dataflow.streams import MemoryStream
+
+    stream = MemoryStream(window=2, expected_producers=1)
+    consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer", stream=stream.receiver())
+    consumer.resume()
+    producer = Producer(led, store, run_id=RUN, stream=stream.sender("p"))
+
+    def produce() -> None:
+        for i in range(8):
+            producer.emit(f"s{i:02d}", {"x": torch.tensor(float(i))})
+        producer.close()
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while consumer.stream.stats().in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the window is full before the loader starts: the producer waits
+    config = LoaderConfig(batch_size=2, prefetch=2, lease_timeout=20)
+    with FeatureLoader(consumer, config=config) as loader:
+        step = 0
+        while (batch := loader.next_batch()) is not None:
+            step += 1
+            loader.ack(batch.refs, step=step)
+        loader.flush()
+    thread.join(20)
+    state = replay(led, RUN)
+    assert sorted(state.trained) == [f"s{i:02d}" for i in range(8)]
+    assert state.verify() == []
+
+
+def test_ack_many_writes_several_steps_in_one_transaction_or_nothing(led, store) -> None:
+    _emit(led, store, 6)
+    consumer = _consumer(led, store)
+    first, second, third = (consumer.lease(2) for _ in range(3))
+    head = consumer.state.head_seq
+    consumer.ack_many([(first, 1), (second, 1), (third, 3)])
+    state = replay(led, RUN)
+    assert state.trained == {"s00": 1, "s01": 1, "s02": 1, "s03": 1, "s04": 3, "s05": 3}
+    assert state.head_seq == head + 6 and state.verify() == []
+    assert consumer.finished
+
+
+@pytest.mark.parametrize(
+    ("acks", "error", "match"),
+    [
+        ("s00", TypeError, "ack_many takes a list of \\(refs, step\\) pairs"),
+        ([("s00", 1, 2)], TypeError, "ack_many takes \\(refs, step\\) pairs"),
+        ([["s00"]], TypeError, "ack_many takes \\(refs, step\\) pairs"),
+        ([(["s00"], 2), (["s01"], 1)], LedgerStateError, "got step 1 after step 2"),
+        ([(["s00"], 1), (["s00"], 2)], ValueError, "the same sample more than once: \\['s00'\\]"),
+        ([(["s00"], 0)], LedgerStateError, "ack step must be >= 1, got 0"),
+        ([(["s00"], 1), (["s05"], 2)], LedgerStateError, "cannot ack 's05': it is not leased"),
+    ],
+)
+def test_ack_many_refuses_bad_input_and_writes_nothing(led, store, acks, error, match) -> None:
+    _emit(led, store, 6)
+    consumer = _consumer(led, store)
+    consumer.lease(2)
+    head = replay(led, RUN).head_seq
+    with pytest.raises(error, match=match):
+        consumer.ack_many(acks)
+    assert replay(led, RUN).head_seq == head and replay(led, RUN).trained == {}

@@ -105,8 +105,10 @@ class LoaderConfig:
     """Features to read from the store; ``None`` reads every feature of a ref."""
 
     prefetch: int = 0
-    """1: read the next batch's features in a background thread while the current one
-    trains (leasing and acking stay on the caller's thread); 0: read on demand."""
+    """N >= 1: lease the next N batches in a background thread, in one ledger write,
+    and read their features while the current batch trains; the loader's acks are
+    written in that thread too, those of up to N steps in one transaction (see
+    ``FeatureLoader``). 0: lease, read and ack on the caller's thread, when asked."""
 
     def __post_init__(self) -> None:
         _int_field("batch_size", self.batch_size, minimum=1)
@@ -125,8 +127,7 @@ class LoaderConfig:
             if bad or not names:
                 raise ValueError(f"names must hold non-empty strs, got {self.names!r}")
             object.__setattr__(self, "names", names)
-        if self.prefetch not in (0, 1) or isinstance(self.prefetch, bool):
-            raise ValueError(f"prefetch must be 0 or 1, got {self.prefetch!r}")
+        _int_field("prefetch", self.prefetch, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

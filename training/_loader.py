@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import warnings
@@ -102,13 +103,18 @@ class FeatureLoader:
     to ``on_lost`` (the Trainer regenerates it there when it has a
     ``regenerate_fn``).
 
-    With ``prefetch=1``, right after a batch is handed out, a background thread
-    leases the next one (only refs ready now), reads its features and counts what
-    is left, while the current one trains: the ledger write of a lease is off the
-    training thread. Acks given to :meth:`ack` run in that thread too, in order
-    with the leases, so an ack's ledger write is off it as well; :meth:`flush`
-    waits for them (before a checkpoint). Refs leased ahead and not yet handed
-    out stay leased when the loader stops; the next resume requeues them.
+    With ``prefetch=N`` (N >= 1), once the batches read ahead are handed out, a
+    background thread leases the next N (only refs ready now, in one ledger
+    write), reads their features and counts what is left, while the current batch
+    trains: the ledger write of a lease is off the training thread, and one write
+    serves N batches. Acks given to :meth:`ack` are written in that thread too, all
+    those given since the last lease ahead in one transaction, just before it; so
+    with N batches per lease an ack costs a ledger write every N steps. An ack not
+    written yet is lost with the process, which is safe: its step came after the
+    last checkpoint, which a restart goes back to. :meth:`flush` writes and waits
+    for them (before a checkpoint); they are written before the loader waits for
+    refs (a stream's credits come back with them). Refs leased ahead and not yet
+    handed out stay leased when the loader stops; the next resume requeues them.
     """
 
     def __init__(
@@ -133,7 +139,11 @@ class FeatureLoader:
         self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
         self.on_lost = on_lost
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: Future[_Read | None] | None = None
+        #: The lease ahead in flight, and the batches it read that are not handed out yet.
+        self._ahead: Future[list[_Read]] | None = None
+        self._ready: collections.deque[_Read] = collections.deque()
+        #: Acks given to ack() and not yet passed to the thread, and those passed to it.
+        self._unsent: list[tuple[list[SampleRef], int]] = []
         self._acks: list[Future[None]] = []
         #: The count of batches left that the lease ahead made for the batch just handed
         #: out (remaining_batches answers it once, right after next_batch).
@@ -164,18 +174,18 @@ class FeatureLoader:
             )
         self._counted = None
         while True:
-            read = None
-            if self._ahead is not None:
-                ahead, self._ahead = self._ahead, None
-                read = ahead.result()  # None: nothing was ready when it leased
+            self._take_ahead()
             self._raise_failed_acks()
-            if read is None:
+            if self._ready:
+                read = self._ready.popleft()
+            else:
                 refs = self._lease(timeout=self.config.lease_timeout)
                 if not refs:
                     return None
                 read = self._read(refs)
             self._settle_lost(read.lost)
-            if self.config.prefetch:
+            if self.config.prefetch and not self._ready:
+                self._send_acks()  # in the same thread, just before the lease ahead
                 self._ahead = self._executor().submit(self._lease_and_read)
             if read.refs:
                 self.position += len(read.refs)
@@ -183,18 +193,20 @@ class FeatureLoader:
                 return Batch(tuple(read.refs), read.features)
 
     def ack(self, refs: Sequence[SampleRef], *, step: int) -> None:
-        """``consumer.ack(refs, step=step)``: with ``prefetch=1`` in the background thread,
-        after the leases before it (a failure is raised by the next :meth:`next_batch`
-        or :meth:`flush`); else now."""
+        """``consumer.ack(refs, step=step)``: with ``prefetch`` written in the background
+        thread with the next lease ahead, together with the acks given since the last
+        one (a failure is raised by the next :meth:`next_batch` or :meth:`flush`); else
+        now."""
         if not self.config.prefetch:
             self.consumer.ack(refs, step=step)
             return
         self._raise_failed_acks()
-        self._acks.append(self._executor().submit(self.consumer.ack, list(refs), step=step))
+        self._unsent.append((list(refs), step))
 
     def flush(self) -> None:
-        """Wait until every ack given to :meth:`ack` is in the ledger; raise the first that
-        failed. Call it before a checkpoint records what was trained."""
+        """Write every ack given to :meth:`ack` and wait until they are in the ledger; raise
+        the first that failed. Call it before a checkpoint records what was trained."""
+        self._send_acks()
         acks, self._acks = self._acks, []
         failed = [exc for future in acks if (exc := future.exception()) is not None]
         if failed:
@@ -217,8 +229,8 @@ class FeatureLoader:
         counted, self._counted = self._counted, None
         if counted is not None and not fresh:
             return counted.remaining
-        ahead = self._ahead.result() if self._ahead is not None else None
-        return self._batches_after(int(ahead is not None))
+        self._take_ahead(wait=True)
+        return self._batches_after(len(self._ready))
 
     def _batches_after(self, ahead: int) -> int | None:
         pending = self.consumer.remaining()
@@ -251,6 +263,7 @@ class FeatureLoader:
         first to have it raised)."""
         if self._ahead is not None and self._ahead.cancel():
             self._ahead = None
+        self._send_acks()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -269,6 +282,7 @@ class FeatureLoader:
             refs = self.consumer.lease(self.config.batch_size, timeout=wait)
             if refs or self._drained():
                 return refs
+            self._send_acks()  # before waiting: a stream's credits come back with the acks
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 warnings.warn(
@@ -296,20 +310,38 @@ class FeatureLoader:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="feature-prefetch")
         return self._pool
 
-    def _lease_and_read(self) -> _Read | None:
+    def _lease_and_read(self) -> list[_Read]:
         # Only what is ready now: the training thread takes a batch it has to wait for
-        # itself, through _lease.
-        refs = self.consumer.lease(self.config.batch_size, timeout=0)
-        if not refs:
-            return None
-        read = self._read(refs)
-        read.remaining, read.counted = self._batches_after(0), True
-        return read
+        # itself, through _lease. One lease for the `prefetch` batches, split in order
+        # (the batches a lease per batch would have made).
+        size = self.config.batch_size
+        refs = self.consumer.lease(size * self.config.prefetch, timeout=0)
+        reads = [self._read(refs[at : at + size]) for at in range(0, len(refs), size)]
+        after = self._batches_after(0) if reads else None
+        for left, read in enumerate(reversed(reads)):
+            read.remaining, read.counted = None if after is None else after + left, True
+        return reads
+
+    def _take_ahead(self, *, wait: bool = False) -> None:
+        """Move what the lease ahead read into the ready batches: when none is left, or
+        with ``wait`` (then it waits for the lease ahead to end)."""
+        if self._ahead is not None and (wait or not self._ready):
+            ahead, self._ahead = self._ahead, None
+            self._ready.extend(ahead.result())
+
+    def _send_acks(self) -> None:
+        """Pass the acks not yet written to the thread, as one transaction."""
+        if self._unsent:
+            acks, self._unsent = self._unsent, []
+            self._acks.append(self._executor().submit(self.consumer.ack_many, acks))
 
     def _raise_failed_acks(self) -> None:
-        failed = next((f for f in self._acks if f.done() and f.exception() is not None), None)
+        done = [f for f in self._acks if f.done()]
+        if not done:
+            return
+        self._acks = [f for f in self._acks if f not in done]
+        failed = next((f for f in done if f.exception() is not None), None)
         if failed is not None:
-            self._acks = [f for f in self._acks if not f.done()]
             raise failed.exception()  # type: ignore[misc]
 
     def _read(self, refs: Sequence[SampleRef]) -> _Read:

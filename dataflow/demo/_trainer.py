@@ -194,7 +194,7 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
             checkpoint_every=config["checkpoint_every"],
             eval_every=config["eval_every"],
         ),
-        loader_config=LoaderConfig(batch_size=config["batch_size"], prefetch=1),
+        loader_config=LoaderConfig(batch_size=config["batch_size"], prefetch=4),
         modules=[ddp],
         model=model,
     )
