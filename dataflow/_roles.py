@@ -332,11 +332,14 @@ class Producer:
             payloads = {sid: _ref_json(ref) for sid, ref in newest.items()}
             with self.ledger.write(self.run_id, "commit") as tx:
                 known = tx.append_first_commits(self.producer_id, payloads)
-            fresh = [ref for sid, ref in newest.items() if sid not in known]
         except BaseException:
             for ref in refs:
                 self.store.delete(ref)
             raise
+        if not known and len(newest) == len(refs):  # the common case: every ref is new
+            self._send(refs)
+            return list(refs)
+        fresh = [ref for sid, ref in newest.items() if sid not in known]
         if len(newest) < len(refs):
             for ref in refs:
                 if newest[ref.sample_id] is not ref:
