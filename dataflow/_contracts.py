@@ -753,9 +753,11 @@ class RefReceiver(ABC):
     def mark_producer_closed(self, producer_id: str) -> None:  # noqa: B027 - optional
         """Count ``producer_id`` as closed though its end of stream never arrived here.
 
-        Called by the Consumer for every producer whose ``close`` event is in
-        the ledger, so a consumer restarted after a producer closed still sees
-        the stream end.
+        Called by the Consumer when it joins an epoch (a resume, a rejoin), for
+        every producer whose ``close`` event is then in the ledger, so a consumer
+        restarted after a producer closed still sees the stream end. Not while it
+        runs: a close read from the ledger could overtake refs still on the wire,
+        so a running stream ends with each producer's end of stream.
         """
 
     @abstractmethod

@@ -222,8 +222,9 @@ class ZmqRefReceiver(RefReceiver):
     def mark_producer_closed(self, producer_id: str) -> None:
         """Count ``producer_id`` as closed though its EOF never reached this receiver.
 
-        For a consumer restarted after a producer closed: the ledger's close
-        event is the record, so the stream can still end.
+        For a consumer restarted after a producer closed: the Consumer marks every
+        producer whose close the ledger holds when it joins an epoch, so the stream
+        can still end.
         """
         with self._lock:
             self._window.mark_closed(producer_id)
