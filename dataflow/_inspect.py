@@ -684,9 +684,7 @@ def status(fold: RunFold, now: float) -> dict[str, Any]:
             "leases_per_s": per_s(Kind.LEASE),
             "acks_per_s": per_s(Kind.ACK),
         },
-        "pending_per_rank": [
-            sum(1 for _ in state.pending_for(rank)) for rank in range(state.world_size)
-        ],
+        "pending_per_rank": [state.pending_count(rank) for rank in range(state.world_size)],
         "producers": {
             pid: {
                 "committed": sum(

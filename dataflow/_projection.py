@@ -319,6 +319,10 @@ class RunState:
             if not requeued_only or sid in self._requeued:
                 yield sid
 
+    def pending_count(self, rank: int) -> int:
+        """How many samples wait in ``rank``'s queue: ``pending_for(rank)``'s length."""
+        return len(self._pending.get(rank, ()))
+
     def is_pending(self, sample_id: str) -> bool:
         return sample_id in self._queue_pos
 

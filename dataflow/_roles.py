@@ -948,7 +948,7 @@ class Consumer:
         self.refresh()
         if not self._share_fixed():
             return None
-        return sum(1 for _ in self.state.pending_for(self.rank))
+        return self.state.pending_count(self.rank)
 
     @_locked
     def refresh(self) -> None:

@@ -347,6 +347,8 @@ class LedgerMachine(RuleBasedStateMachine):
             full = replay(self.ledger, self.run_id, snapshots=False)
             assert _snapshot._dump(state) == _snapshot._dump(full), "snapshot + tail != full"
             assert full.plans == state.plans, "reconcile not deterministic"
+        for rank in range(state.world_size):
+            assert state.pending_count(rank) == len(list(state.pending_for(rank)))
         for consumer in self.consumers:
             consumer._catch_up()
             assert consumer.state.snapshot() == state.snapshot(), "live state != replay"
