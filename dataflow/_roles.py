@@ -200,14 +200,28 @@ def _ref_json(ref: SampleRef) -> str:
     """
     if ref.metadata or type(ref.generation) is not int:
         return ref.to_json()
+    specs = ref.specs
     try:
-        specs = _specs_json(tuple([(n, s.shape, s.dtype) for n, s in ref.specs.items()]))
+        if len(specs) == 1:  # most refs: no list to build
+            for name, spec in specs.items():
+                key: tuple[Any, ...] = ((name, spec.shape, spec.dtype),)
+        else:
+            key = tuple([(name, spec.shape, spec.dtype) for name, spec in specs.items()])
+        specs_json = _specs_json(key)
     except (TypeError, AttributeError):  # not a FeatureSpec after all: let to_json say so
         return ref.to_json()
+    store = _STORE_JSON.get(ref.store)
+    if store is None:
+        store = _STORE_JSON[ref.store] = _quote(ref.store)
+        if len(_STORE_JSON) > 64:  # a producer writes to one store or a few
+            _STORE_JSON.clear()
     return (
         f'{{"generation":{ref.generation},"metadata":{{}},"sample_id":{_quote(ref.sample_id)},'
-        f'"specs":{specs},"store":{_quote(ref.store)}}}'
+        f'"specs":{specs_json},"store":{store}}}'
     )
+
+
+_STORE_JSON: dict[str, str] = {}
 
 
 class Producer:
