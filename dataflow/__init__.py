@@ -15,6 +15,7 @@ from dataflow._contracts import (
 from dataflow._errors import (
     BackpressureError,
     BadFrameError,
+    CommitOutcomeUnknownError,
     CorruptFeatureError,
     CorruptLedgerError,
     DataflowError,
@@ -53,6 +54,7 @@ __all__ = [
     "BackpressureError",
     "BadFrameError",
     "Checkpoint",
+    "CommitOutcomeUnknownError",
     "Consumer",
     "CorruptFeatureError",
     "CorruptLedgerError",

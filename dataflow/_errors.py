@@ -19,6 +19,7 @@ keeps working around a store lookup::
     │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
     │   ├── IntegrityError                     a database constraint refused a write
     │   └── OperationalError                   the database could not be reached or used
+    │       └── CommitOutcomeUnknownError      it failed while committing: the write may have landed
     ├── StoreError
     │   ├── UnknownStoreError (ValueError)     a URI scheme nobody registered
     │   ├── StoreDependencyError (ImportError) a store's package or binary is missing
@@ -115,6 +116,15 @@ class IntegrityError(LedgerError):
 
 class OperationalError(LedgerError):
     """The database could not be reached, was locked for too long, or failed."""
+
+
+class CommitOutcomeUnknownError(OperationalError):
+    """The database failed while committing a write: it may or may not have landed.
+
+    A connection lost during COMMIT leaves the client unable to tell whether the
+    server committed. Read the ledger back before acting as if it did not;
+    ``Producer.commit`` does so itself and keeps the features meanwhile.
+    """
 
 
 class StoreError(DataflowError):

@@ -35,7 +35,14 @@ from dataflow._db import (
     translate_errors,
     write_options,
 )
-from dataflow._errors import InvalidIdError, NotALedgerError, SchemaVersionError, StaleEpochError
+from dataflow._errors import (
+    CommitOutcomeUnknownError,
+    InvalidIdError,
+    LedgerError,
+    NotALedgerError,
+    SchemaVersionError,
+    StaleEpochError,
+)
 from dataflow._events import Event, Kind, load_payload
 from dataflow._schema import SCHEMA_VERSION, events, schema_info, snapshots
 
@@ -448,18 +455,33 @@ class Ledger:
     # -- writing (used by Producer and Consumer) -----------------------------
     @contextlib.contextmanager
     def write(self, run_id: str, what: str) -> Iterator[WriteTransaction]:
-        """An append transaction holding ``run_id``'s write lock; commits on success."""
+        """An append transaction holding ``run_id``'s write lock; commits on success.
+
+        A failure while committing raises CommitOutcomeUnknownError: the database
+        may have committed before the connection failed, so the caller cannot
+        take the write as undone.
+        """
         from dataflow._metrics import observe_append  # cached after the first; no prometheus
 
         _check_run_id(run_id)
         started = time.perf_counter()
-        with (
-            translate_errors(f"{what} in run {run_id!r}"),
-            self._engine.connect().execution_options(**write_options()) as conn,
-            conn.begin(),
-        ):
-            epoch = self._backend.lock_run(conn, run_id)
-            yield WriteTransaction(conn, run_id, epoch)
+        committing = False
+        try:
+            with (
+                translate_errors(f"{what} in run {run_id!r}"),
+                self._engine.connect().execution_options(**write_options()) as conn,
+                conn.begin(),
+            ):
+                epoch = self._backend.lock_run(conn, run_id)
+                yield WriteTransaction(conn, run_id, epoch)
+                committing = True  # leaving the block commits
+        except LedgerError as exc:
+            if not committing:
+                raise
+            raise CommitOutcomeUnknownError(
+                f"{exc} (while committing: the write may or may not be in the ledger; read it "
+                "back before writing it again)"
+            ) from exc
         # Committed: what a writer waited, lock included (RunMetrics' dataflow_append_seconds).
         observe_append(self.url, run_id, what, time.perf_counter() - started)
 

@@ -37,6 +37,7 @@ from dataflow._contracts import (
 )
 from dataflow._errors import (
     BackpressureError,
+    CommitOutcomeUnknownError,
     CorruptLedgerError,
     DataflowError,
     InvalidCheckpointPathError,
@@ -279,7 +280,9 @@ class Producer:
         store, so re-emitting after a restart costs one read and leaks nothing.
         An emit that returns was committed; one that raises was not (a ref
         the stream would refuse, e.g. with too much metadata for a frame,
-        raises BadFrameError before the commit).
+        raises BadFrameError before the commit), except with
+        CommitOutcomeUnknownError (see ``commit``): emitting the id again
+        then answers None if it was.
 
         With ``backpressure``, an emit at the high mark waits until the
         backlog is below the low marks, at most ``timeout`` seconds (None: as
@@ -334,6 +337,14 @@ class Producer:
         would refuse a ref (``RefSender.check``), every ref's features are
         deleted and the error propagates: a call that raises committed
         nothing, one that returns committed everything it returned.
+
+        One exception: when the database fails while committing, it may have
+        committed all the same. The commit is then tried once more, and the
+        ids found holding these very refs count as committed by this call. If
+        that fails too, CommitOutcomeUnknownError propagates and the features
+        stay: commit the same refs again once the ledger answers (it returns
+        None for those already in), or let ``dataflow gc`` remove them if they
+        never were.
         """
         refs = list(refs)
         for ref in refs:
@@ -344,8 +355,9 @@ class Producer:
         try:
             self._check_sendable(newest.values())
             payloads = {sid: _ref_json(ref) for sid, ref in newest.items()}
-            with self.ledger.write(self.run_id, "commit") as tx:
-                known = tx.append_first_commits(self.producer_id, payloads)
+            known = self._append_commits(payloads)
+        except CommitOutcomeUnknownError:
+            raise  # the refs may be committed: their features must stay
         except BaseException:
             for ref in refs:
                 self.store.delete(ref)
@@ -366,6 +378,37 @@ class Producer:
         ]
         self._send(fresh)
         return results
+
+    def _append_commits(self, payloads: dict[str, str]) -> dict[str, tuple[int, str]]:
+        """Commit revision 0 of each id the run lacks; what the others hold (see ``commit``).
+
+        After a COMMIT whose outcome is unknown, once more: an id that then holds
+        its very payload (the ref's store and generation) and that the first try
+        found free was committed by the first try, and counts as new.
+        """
+        held_before: dict[str, tuple[int, str]] = {}
+        try:
+            with self.ledger.write(self.run_id, "commit") as tx:
+                held_before = tx.append_first_commits(self.producer_id, payloads)
+            return held_before
+        except CommitOutcomeUnknownError as exc:  # raised after the body: held_before is set
+            log.warning("%s; committing %d refs once more", exc, len(payloads))
+            first = exc
+        try:
+            with self.ledger.write(self.run_id, "commit") as tx:
+                known = tx.append_first_commits(self.producer_id, payloads)
+        except Exception as exc:
+            raise CommitOutcomeUnknownError(
+                f"{first}; trying again failed too ({exc}): the features of the "
+                f"{len(payloads)} refs are kept. Commit the same refs again once the ledger "
+                "answers (None for those already committed); `dataflow gc` removes them if "
+                "they never were"
+            ) from exc
+        return {
+            sid: held
+            for sid, held in known.items()
+            if held[1] != payloads[sid] or sid in held_before
+        }
 
     def _check_sendable(self, refs: Iterable[SampleRef]) -> None:
         """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).

@@ -1,0 +1,125 @@
+"""A failed COMMIT may have landed: Producer.commit never deletes features it may have committed.
+
+The database is real (a SQLite file, a throw-away PostgreSQL server); the fault is
+injected at the driver's commit, the one place where a lost connection leaves the
+outcome unknown: either after the database committed (it landed, the client got an
+error anyway) or before (nothing landed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dataflow import (
+    CommitOutcomeUnknownError,
+    Kind,
+    OperationalError,
+    SampleRef,
+    replay,
+)
+
+
+def commits(ledger, run_id) -> list[tuple[str, int]]:
+    return [(e.sample_id, e.revision) for e in ledger.events(run_id) if e.kind == Kind.COMMIT]
+
+
+def put(store, *sample_ids: str) -> list[SampleRef]:
+    return [store.put(s, {"x": torch.full((3,), float(i))}) for i, s in enumerate(sample_ids)]
+
+
+@pytest.fixture
+def failing_commits(ledger, monkeypatch):
+    """``fail(n, landed=...)``: the next ``n`` COMMITs raise the driver's OperationalError,
+    after the database committed (``landed``) or instead of committing."""
+    dialect = ledger._engine.dialect
+    real = type(dialect).do_commit
+    plan = {"left": 0, "landed": True}
+
+    def do_commit(dbapi_connection) -> None:
+        if plan["left"] <= 0:
+            return real(dialect, dbapi_connection)
+        plan["left"] -= 1
+        if plan["landed"]:
+            real(dialect, dbapi_connection)
+        raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(dialect, "do_commit", do_commit)
+
+    def fail(times: int, *, landed: bool) -> None:
+        plan["left"], plan["landed"] = times, landed
+
+    return fail
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_one_failed_commit_is_retried_and_the_refs_are_committed_once(
+    ledger, store, producer, run_id, failing_commits, landed, caplog
+):
+    refs = put(store, "a", "b", "c")
+    failing_commits(1, landed=landed)
+    assert producer.commit(refs) == refs
+    assert commits(ledger, run_id) == [("a", 0), ("b", 0), ("c", 0)]
+    for ref in refs:
+        assert torch.equal(store.get(ref)["x"], torch.full((3,), float(refs.index(ref))))
+    assert "committing 3 refs once more" in caplog.text
+    assert replay(ledger, run_id).committed == {r.sample_id: r for r in refs}
+
+
+def test_a_retry_that_finds_some_ids_held_by_others_settles_only_those(
+    ledger, store, producer, run_id, failing_commits
+):
+    (theirs,) = put(store, "held")
+    assert producer.commit([theirs]) == [theirs]
+    other = put(store, "new")
+    failing_commits(1, landed=True)
+    # "held" was committed before this call: a duplicate (None), "new" this call's own.
+    assert producer.commit([*other, theirs]) == [*other, None]
+    assert commits(ledger, run_id) == [("held", 0), ("new", 0)]
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_when_the_retry_fails_too_the_features_stay_and_a_later_commit_settles(
+    ledger, store, producer, run_id, failing_commits, landed
+):
+    refs = put(store, "a", "b")
+    failing_commits(2, landed=landed)
+    with pytest.raises(CommitOutcomeUnknownError, match="features of the 2 refs are kept") as got:
+        producer.commit(refs)
+    assert isinstance(got.value, OperationalError)
+    for ref in refs:  # committed or not, nothing was deleted
+        assert store.exists(ref)
+    assert commits(ledger, run_id) == ([("a", 0), ("b", 0)] if landed else [])
+    # Once the ledger answers, the same refs again: None for those already in.
+    assert producer.commit(refs) == ([None, None] if landed else refs)
+    assert commits(ledger, run_id) == [("a", 0), ("b", 0)]
+    for ref in refs:
+        assert store.exists(ref)
+    assert replay(ledger, run_id).committed == {r.sample_id: r for r in refs}
+
+
+def test_an_emit_whose_commit_stays_unknown_is_answered_by_the_ledger_on_the_next_emit(
+    ledger, store, producer, run_id, failing_commits
+):
+    x = torch.arange(4.0)
+    failing_commits(2, landed=True)
+    with pytest.raises(CommitOutcomeUnknownError):
+        producer.emit("s", {"x": x})
+    assert producer.emit("s", {"x": x}) is None  # it had landed: not put or committed again
+    (committed,) = replay(ledger, run_id).committed.values()
+    assert torch.equal(store.get(committed)["x"], x)
+    assert commits(ledger, run_id) == [("s", 0)]
+
+
+def test_ledger_write_calls_a_failed_commit_unknown_and_a_failed_body_not(
+    ledger, run_id, failing_commits
+):
+    failing_commits(1, landed=False)
+    with (
+        pytest.raises(CommitOutcomeUnknownError, match="while committing"),
+        ledger.write(run_id, "test"),
+    ):
+        pass
+    with pytest.raises(OperationalError) as got, ledger.write(run_id, "test"):
+        raise OperationalError("the body failed")
+    assert not isinstance(got.value, CommitOutcomeUnknownError)
