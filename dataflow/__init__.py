@@ -13,6 +13,7 @@ from dataflow._contracts import (
     validate_sample_id,
 )
 from dataflow._errors import (
+    ArgumentTypeError,
     BackpressureError,
     BadFrameError,
     CommitOutcomeUnknownError,
@@ -20,6 +21,7 @@ from dataflow._errors import (
     CorruptLedgerError,
     DataflowError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidCheckpointPathError,
     InvalidIdError,
     InvalidRefError,
@@ -51,6 +53,7 @@ from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay, se
 from dataflow._roles import Consumer, Producer
 
 __all__ = [
+    "ArgumentTypeError",
     "BackpressureError",
     "BadFrameError",
     "Checkpoint",
@@ -64,6 +67,7 @@ __all__ = [
     "FeatureStore",
     "GcReport",
     "IntegrityError",
+    "InvalidArgumentError",
     "InvalidCheckpointPathError",
     "InvalidIdError",
     "InvalidRefError",

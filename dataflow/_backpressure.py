@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from dataflow._errors import BackpressureError
+from dataflow._errors import ArgumentTypeError, BackpressureError, InvalidArgumentError
 from dataflow._events import Kind
 from dataflow._projection import RunState
 
@@ -69,12 +69,12 @@ class Watermarks:
             if value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"Watermarks.{f.name} must be an int or None, got {type(value).__name__} "
                     f"{value!r}"
                 )
             if value < 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Watermarks.{f.name} must be >= 1, got {value}: a producer waits until the "
                     "backlog is below the low mark, and no backlog is below 0"
                 )
@@ -82,7 +82,7 @@ class Watermarks:
         for unit in ("refs", "bytes"):
             high, low = getattr(self, f"high_{unit}"), getattr(self, f"low_{unit}")
             if (high is None) != (low is None):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Watermarks needs high_{unit} and low_{unit} together, got "
                     f"high_{unit}={high!r} and low_{unit}={low!r}: a producer waits at the high "
                     "mark until the backlog is below the low mark"
@@ -91,12 +91,12 @@ class Watermarks:
                 continue
             pairs += 1
             if low >= high:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Watermarks.low_{unit} ({low}) must be below high_{unit} ({high}), e.g. "
                     f"Watermarks(high_{unit}={high}, low_{unit}={max(1, high // 2)})"
                 )
         if not pairs:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "Watermarks needs a pair of marks: high_refs and low_refs, or high_bytes and "
                 "low_bytes (or both), e.g. Watermarks(high_refs=1024, low_refs=512)"
             )
@@ -127,7 +127,7 @@ class Gate:
 
     def __init__(self, marks: Watermarks) -> None:
         if not isinstance(marks, Watermarks):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"backpressure must be a dataflow.Watermarks or None, got {type(marks).__name__}"
             )
         self.marks = marks
@@ -317,14 +317,14 @@ def tensors_nbytes(tensors: object) -> int:
 def check_wait(block: object, timeout: object) -> None:
     """Refuse bad ``block`` / ``timeout`` arguments of an emit, naming them."""
     if not isinstance(block, bool):
-        raise TypeError(f"block must be a bool, got {type(block).__name__} {block!r}")
+        raise ArgumentTypeError(f"block must be a bool, got {type(block).__name__} {block!r}")
     if timeout is not None and (
         not isinstance(timeout, (int, float))
         or isinstance(timeout, bool)
         or not math.isfinite(timeout)
         or timeout < 0
     ):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"timeout must be a non-negative number of seconds or None (wait as long as it "
             f"takes), got {timeout!r}"
         )

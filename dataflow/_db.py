@@ -13,6 +13,7 @@ from sqlalchemy.engine import make_url
 from dataflow._errors import (
     DataflowError,
     IntegrityError,
+    InvalidArgumentError,
     LedgerError,
     NotALedgerError,
     OperationalError,
@@ -120,7 +121,7 @@ def backend_for(url: str) -> Backend:
     try:
         backend = make_url(url).get_backend_name()
     except sa_exc.ArgumentError as exc:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"cannot parse ledger URL {url!r}: use sqlite:///PATH or "
             "postgresql+psycopg://USER@HOST/DB"
         ) from exc
@@ -132,14 +133,14 @@ def backend_for(url: str) -> Backend:
         from dataflow._postgres import PostgresBackend
 
         return PostgresBackend()
-    raise ValueError(
+    raise InvalidArgumentError(
         f"unsupported ledger URL {url!r}: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
     )
 
 
 def check_durability(durability: str) -> None:
     if durability not in DURABILITY:
-        raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        raise InvalidArgumentError(f"durability must be one of {DURABILITY}, got {durability!r}")
 
 
 def write_options() -> dict[str, bool]:

@@ -9,6 +9,8 @@ keeps working around a store lookup::
     ├── InvalidRefError (ValueError)
     ├── InvalidIdError (ValueError)            a bad run, producer or consumer id
     ├── TensorInRefError (TypeError)
+    ├── InvalidArgumentError (ValueError)      an argument of a call has a bad value
+    ├── ArgumentTypeError (TypeError)          an argument of a call has the wrong type
     ├── LedgerError
     │   ├── NotALedgerError                    nothing at the URL, or it is not a ledger
     │   ├── InvalidCheckpointPathError (ValueError)  missing, or not a file or directory
@@ -65,6 +67,14 @@ class InvalidIdError(DataflowError, ValueError):
 
 class TensorInRefError(DataflowError, TypeError):
     """A tensor was found inside a ref or its metadata; refs must stay tensor-free."""
+
+
+class InvalidArgumentError(DataflowError, ValueError):
+    """An argument of a dataflow call has a value it cannot take; the message names it."""
+
+
+class ArgumentTypeError(DataflowError, TypeError):
+    """An argument of a dataflow call has the wrong type; the message names it."""
 
 
 class LedgerError(DataflowError):

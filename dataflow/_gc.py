@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dataflow._contracts import FeatureStore
+from dataflow._errors import ArgumentTypeError, InvalidArgumentError
 from dataflow._projection import replay
 
 if TYPE_CHECKING:
@@ -57,14 +58,14 @@ def collect_garbage(
     generation put again meanwhile is never freed (``delete_stored``).
     """
     if not isinstance(store, FeatureStore):
-        raise TypeError(f"store must be a FeatureStore, got {type(store).__name__}")
+        raise ArgumentTypeError(f"store must be a FeatureStore, got {type(store).__name__}")
     if (
         isinstance(grace, bool)
         or not isinstance(grace, (int, float))
         or not math.isfinite(grace)
         or grace < 0
     ):
-        raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+        raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
     live: set[tuple[str, int]] = set()
     for run_id in ledger.runs():
         state = replay(ledger, run_id)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from dataflow._errors import UnknownCheckpointError
+from dataflow._errors import InvalidArgumentError, UnknownCheckpointError
 from dataflow._events import Kind, dump_payload, load_payload
 from dataflow._projection import Checkpoint, RunState, replay
 
@@ -186,12 +186,12 @@ def parse_time(text: str) -> float:
         try:
             value = datetime.fromisoformat(text.strip()).timestamp()
         except ValueError:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"expected an ISO 8601 time (2025-05-01T12:00:00, 2025-05-01T12:00:00+00:00) "
                 f"or unix seconds, got {text!r}"
             ) from None
     if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"expected a time after 1970 (unix seconds >= 0), got {text!r}")
+        raise InvalidArgumentError(f"expected a time after 1970 (unix seconds >= 0), got {text!r}")
     return value
 
 
@@ -239,12 +239,12 @@ def seq_at_step(ledger: Ledger, run_id: str, step: int, *, progress: Progress | 
             progress(seq)
     low, high = min([low, *checkpoints]), max([high, *checkpoints])
     if high < 0:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the current lineage of run {run_id!r} has no acks or checkpoints yet: "
             "no step to go to (use --upto SEQ)"
         )
     if not low <= step <= high:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the current lineage of run {run_id!r} goes from step {low} to step {high}; "
             f"step {step} is outside it"
         )
@@ -266,7 +266,7 @@ def seq_at_time(ledger: Ledger, run_id: str, ts: float, *, progress: Progress | 
         if progress is not None and n % _PROGRESS_EVERY == 0:
             progress(seq)
     if not best:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"run {run_id!r} starts at {iso_time(first or 0)}, after {iso_time(ts)}; "
             "pass a later time"
         )
@@ -436,7 +436,7 @@ class RunFold:
     def rates(self, now: float) -> Counter[tuple[str, str]]:
         """Events per (kind, actor) in the ``window`` seconds before ``now``."""
         if self.window is None:
-            raise ValueError("rates need a RunFold made with a window")
+            raise InvalidArgumentError("rates need a RunFold made with a window")
         while self.recent and self.recent[0][0] < now - self.window:
             self.recent.popleft()
         return Counter((kind, actor) for _ts, kind, actor in self.recent)

@@ -36,7 +36,9 @@ from dataflow._db import (
     write_options,
 )
 from dataflow._errors import (
+    ArgumentTypeError,
     CommitOutcomeUnknownError,
+    InvalidArgumentError,
     InvalidIdError,
     LedgerError,
     NotALedgerError,
@@ -63,6 +65,7 @@ ROW_COLUMNS = (
     events.c.ts,
 )
 _PAGE = 5000
+_MAX_POLL_S = 3600.0
 
 
 @functools.cache
@@ -216,7 +219,9 @@ def _check_seq(name: str, value: object, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEQ:
-        raise ValueError(f"{name} must be an int from 0 to 2**63-1 (a seq), got {value!r}")
+        raise InvalidArgumentError(
+            f"{name} must be an int from 0 to 2**63-1 (a seq), got {value!r}"
+        )
 
 
 class WriteTransaction:
@@ -365,18 +370,18 @@ class Ledger:
         create: bool = True,
     ) -> None:
         if not isinstance(url, str):
-            raise TypeError(f"ledger URL must be a str, got {type(url).__name__}")
+            raise ArgumentTypeError(f"ledger URL must be a str, got {type(url).__name__}")
         check_durability(durability)
         if (
             not isinstance(busy_timeout, (int, float))
             or isinstance(busy_timeout, bool)
             or not 0 < busy_timeout < math.inf
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"busy_timeout must be a positive number of seconds, got {busy_timeout!r}"
             )
         if not isinstance(create, bool):
-            raise TypeError(f"create must be a bool, got {create!r}")
+            raise ArgumentTypeError(f"create must be a bool, got {create!r}")
         self._backend = backend_for(url)
         self.url = url
         self.durability = durability
@@ -547,7 +552,12 @@ class Ledger:
             if value is not None and (
                 not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0
             ):
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+                raise InvalidArgumentError(f"{name} must be a non-negative number, got {value!r}")
+        if poll_interval is None or poll_interval > _MAX_POLL_S:  # time.sleep overflows
+            raise InvalidArgumentError(
+                f"poll_interval must be a number of seconds from 0 to {_MAX_POLL_S:g}, "
+                f"got {poll_interval!r}"
+            )
         last = after_seq
         idle_since = time.monotonic()
         while True:
@@ -567,7 +577,7 @@ class Ledger:
         """(newest revision, its ref JSON) for each of ``sample_ids`` committed in the run."""
         _check_run_id(run_id)
         if isinstance(sample_ids, str):
-            raise TypeError(f"sample_ids must be a list of ids, not the str {sample_ids!r}")
+            raise ArgumentTypeError(f"sample_ids must be a list of ids, not the str {sample_ids!r}")
         with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
             return _newest_commits(conn, run_id, list(sample_ids))
 
@@ -590,7 +600,7 @@ class Ledger:
         """
         _check_run_id(run_id)
         if state.run_id != run_id:
-            raise ValueError(f"the state is of run {state.run_id!r}, not {run_id!r}")
+            raise InvalidArgumentError(f"the state is of run {state.run_id!r}, not {run_id!r}")
         if (self._schema_version or SCHEMA_VERSION) < 2 or state.head_seq == 0:
             return False
         body = _snapshot.encode(state)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow._backpressure import Backlog
 from dataflow._contracts import FeatureStore
-from dataflow._errors import DataflowError
+from dataflow._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
 from dataflow._events import Kind
 
 if TYPE_CHECKING:
@@ -103,10 +103,14 @@ class RunMetrics:
         from dataflow._ledger import Ledger, check_id
 
         if not isinstance(ledger, Ledger):
-            raise TypeError(f"ledger must be a dataflow.Ledger, got {type(ledger).__name__}")
+            raise ArgumentTypeError(
+                f"ledger must be a dataflow.Ledger, got {type(ledger).__name__}"
+            )
         check_id("run_id", run_id)
         if store is not None and not isinstance(store, FeatureStore):
-            raise TypeError(f"store must be a FeatureStore or None, got {type(store).__name__}")
+            raise ArgumentTypeError(
+                f"store must be a FeatureStore or None, got {type(store).__name__}"
+            )
         prometheus = _prometheus()
         self.ledger = ledger
         self.run_id = run_id
@@ -251,9 +255,11 @@ class MetricsServer:
 
 def _check_port(name: str, port: object) -> int:
     if not isinstance(port, int) or isinstance(port, bool):
-        raise TypeError(f"{name} must be an int (0 to 65535), got {type(port).__name__} {port!r}")
+        raise ArgumentTypeError(
+            f"{name} must be an int (0 to 65535), got {type(port).__name__} {port!r}"
+        )
     if not 0 <= port <= 65535:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} must be from 0 to 65535 (0: any free port), got {port}; Prometheus "
             "exporters commonly use 9100 to 9999"
         )
@@ -262,7 +268,7 @@ def _check_port(name: str, port: object) -> int:
 
 def _check_host(name: str, host: object) -> str:
     if not isinstance(host, str) or not host or host != host.strip():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} must be an address or host name to bind, e.g. '127.0.0.1' (loopback, the "
             f"default) or '0.0.0.0' (every interface), got {host!r}"
         )
@@ -326,7 +332,7 @@ def serve_run_metrics(
     """Serve a run's metrics for ``Producer``/``Consumer(metrics_port=, metrics_host=)``."""
     if port is None:
         if host is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"metrics_host={host!r} was given without metrics_port: pass metrics_port to "
                 "serve the run's metrics"
             )

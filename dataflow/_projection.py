@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dataflow._contracts import SampleRef
+from dataflow._errors import ArgumentTypeError, InvalidArgumentError
 from dataflow._events import Kind, load_payload
 
 if TYPE_CHECKING:
@@ -939,13 +940,15 @@ def replay(
     from dataflow._ledger import Ledger
 
     if not isinstance(ledger, Ledger):
-        raise TypeError(f"replay needs a Ledger, got {type(ledger).__name__}")
+        raise ArgumentTypeError(f"replay needs a Ledger, got {type(ledger).__name__}")
     if upto_seq is not None and (
         not isinstance(upto_seq, int) or isinstance(upto_seq, bool) or not 0 <= upto_seq < 2**63
     ):
-        raise ValueError(f"upto_seq must be an int from 0 to 2**63-1 or None, got {upto_seq!r}")
+        raise InvalidArgumentError(
+            f"upto_seq must be an int from 0 to 2**63-1 or None, got {upto_seq!r}"
+        )
     if not isinstance(snapshots, bool):
-        raise TypeError(f"snapshots must be a bool, got {snapshots!r}")
+        raise ArgumentTypeError(f"snapshots must be a bool, got {snapshots!r}")
     state = ledger.load_snapshot(run_id, upto_seq=upto_seq) if snapshots else None
     if state is None:
         state = RunState(run_id, ref_source=ledger)

@@ -36,10 +36,12 @@ from dataflow._contracts import (
     validate_sample_id,
 )
 from dataflow._errors import (
+    ArgumentTypeError,
     BackpressureError,
     CommitOutcomeUnknownError,
     CorruptLedgerError,
     DataflowError,
+    InvalidArgumentError,
     InvalidCheckpointPathError,
     LedgerStateError,
     StaleEpochError,
@@ -68,11 +70,11 @@ _URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 def _check_int(name: str, value: object, *, minimum: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
     if value > _MAX_INT64:
-        raise ValueError(f"{name} must fit in 64 bits (<= {_MAX_INT64}), got {value}")
+        raise InvalidArgumentError(f"{name} must fit in 64 bits (<= {_MAX_INT64}), got {value}")
     return value
 
 
@@ -137,20 +139,20 @@ def _existing_checkpoint(path: str) -> str:
 
 def _check_roles_args(ledger: object, store: object, run_id: object) -> None:
     if not isinstance(ledger, Ledger):
-        raise TypeError(f"ledger must be a dataflow.Ledger, got {type(ledger).__name__}")
+        raise ArgumentTypeError(f"ledger must be a dataflow.Ledger, got {type(ledger).__name__}")
     if not isinstance(store, FeatureStore):
-        raise TypeError(f"store must be a stores.FeatureStore, got {type(store).__name__}")
+        raise ArgumentTypeError(f"store must be a stores.FeatureStore, got {type(store).__name__}")
     _check_run_id(run_id)
 
 
 def _sample_ids(refs: object, what: str) -> list[str]:
     """Ids of ``refs`` (SampleRefs or ids), refusing duplicates and bad types."""
     if isinstance(refs, (str, SampleRef)) or not isinstance(refs, Iterable):
-        raise TypeError(f"{what} takes a list of SampleRefs or sample ids, got {refs!r}")
+        raise ArgumentTypeError(f"{what} takes a list of SampleRefs or sample ids, got {refs!r}")
     ids = [r.sample_id if isinstance(r, SampleRef) else validate_sample_id(r) for r in refs]
     duplicates = sorted(s for s, n in collections.Counter(ids).items() if n > 1)
     if duplicates:
-        raise ValueError(f"{what} got the same sample more than once: {duplicates}")
+        raise InvalidArgumentError(f"{what} got the same sample more than once: {duplicates}")
     return ids
 
 
@@ -253,7 +255,7 @@ class Producer:
     ) -> None:
         _check_roles_args(ledger, store, run_id)
         if stream is not None and not isinstance(stream, RefSender):
-            raise TypeError(f"stream must be a RefSender, got {type(stream).__name__}")
+            raise ArgumentTypeError(f"stream must be a RefSender, got {type(stream).__name__}")
         self.ledger = ledger
         self.store = store
         self.run_id = run_id
@@ -307,7 +309,9 @@ class Producer:
         items = [tuple(item) for item in samples]
         for item in items:
             if len(item) not in (2, 3):
-                raise TypeError(f"emit_many takes (sample_id, tensors[, metadata]), got {item!r}")
+                raise ArgumentTypeError(
+                    f"emit_many takes (sample_id, tensors[, metadata]), got {item!r}"
+                )
             validate_sample_id(item[0])
         known = self.ledger.commits(self.run_id, [item[0] for item in items])
         if self._gate is not None:
@@ -346,10 +350,14 @@ class Producer:
         None for those already in), or let ``dataflow gc`` remove them if they
         never were.
         """
+        if isinstance(refs, SampleRef) or not isinstance(refs, Iterable):
+            raise ArgumentTypeError(
+                f"commit takes a list of SampleRefs, got a {type(refs).__name__}: pass [ref]"
+            )
         refs = list(refs)
         for ref in refs:
             if not isinstance(ref, SampleRef):
-                raise TypeError(f"commit takes SampleRefs, got {type(ref).__name__}")
+                raise ArgumentTypeError(f"commit takes SampleRefs, got {type(ref).__name__}")
         # A later put of the same id supersedes an earlier one: the newest wins.
         newest = {ref.sample_id: ref for ref in refs}
         try:
@@ -641,18 +649,18 @@ class Consumer:
         _check_int("world_size", world_size, minimum=1)
         _check_int("rank", rank)
         if rank >= world_size:
-            raise ValueError(f"rank must be < world_size ({world_size}), got {rank}")
+            raise InvalidArgumentError(f"rank must be < world_size ({world_size}), got {rank}")
         if release_policy not in RELEASE_POLICIES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"release_policy must be one of {RELEASE_POLICIES}, got {release_policy!r}"
             )
         _check_int("max_attempts", max_attempts, minimum=1)
         if stream is not None and not isinstance(stream, RefReceiver):
-            raise TypeError(f"stream must be a RefReceiver, got {type(stream).__name__}")
+            raise ArgumentTypeError(f"stream must be a RefReceiver, got {type(stream).__name__}")
         if order_seed is not None:
             _check_int("order_seed", order_seed)
             if stream is not None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "order_seed orders a committed dataset; a streaming consumer takes refs "
                     "in arrival order: pass one or the other"
                 )
@@ -1041,7 +1049,9 @@ class Consumer:
             or not math.isfinite(timeout)
             or timeout < 0
         ):
-            raise ValueError(f"timeout must be a non-negative number or None, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"timeout must be a non-negative number or None, got {timeout!r}"
+            )
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         warned = False
@@ -1191,11 +1201,13 @@ class Consumer:
         few steps at once pays one transaction for them. A sample may appear once.
         """
         if isinstance(acks, (str, bytes)) or not isinstance(acks, Iterable):
-            raise TypeError(f"ack_many takes a list of (refs, step) pairs, got {acks!r:.100}")
+            raise ArgumentTypeError(
+                f"ack_many takes a list of (refs, step) pairs, got {acks!r:.100}"
+            )
         steps: list[tuple[list[str], int]] = []
         for pair in acks:
             if not isinstance(pair, tuple) or len(pair) != 2:
-                raise TypeError(f"ack_many takes (refs, step) pairs, got {pair!r:.100}")
+                raise ArgumentTypeError(f"ack_many takes (refs, step) pairs, got {pair!r:.100}")
             refs, step = pair
             steps.append((_sample_ids(refs, "ack"), _check_step("ack", step, minimum=1)))
         ids = _sample_ids([s for batch, _ in steps for s in batch], "ack_many")
@@ -1244,9 +1256,11 @@ class Consumer:
         """
         ids = _sample_ids(refs, "nack")
         if not isinstance(retryable, bool):
-            raise TypeError(f"retryable must be a bool, got {retryable!r}")
+            raise ArgumentTypeError(f"retryable must be a bool, got {retryable!r}")
         if not isinstance(reason, str) or len(reason) > 1000:
-            raise ValueError(f"reason must be a str of at most 1000 characters, got {reason!r}")
+            raise InvalidArgumentError(
+                f"reason must be a str of at most 1000 characters, got {reason!r}"
+            )
         with self._write("nack") as tx:
             self._check_leased(ids, "nack")
             fields: dict[str, Any] = {"retryable": retryable, "reason": reason}
@@ -1273,7 +1287,9 @@ class Consumer:
         """
         ids = _sample_ids(refs, "lost")
         if not isinstance(reason, str) or not 0 < len(reason) <= 1000:
-            raise ValueError(f"reason must be a str of 1 to 1000 characters, got {reason!r:.80}")
+            raise InvalidArgumentError(
+                f"reason must be a str of 1 to 1000 characters, got {reason!r:.80}"
+            )
         with self._write("lost") as tx:
             self._check_leased(ids, "report lost")
             tx.append(
@@ -1314,7 +1330,9 @@ class Consumer:
         _check_step("checkpoint", step, minimum=0)
         path = _checkpoint_path(path)
         if digest is not None and (not isinstance(digest, str) or not digest):
-            raise ValueError(f"checkpoint digest must be a non-empty str or None, got {digest!r}")
+            raise InvalidArgumentError(
+                f"checkpoint digest must be a non-empty str or None, got {digest!r}"
+            )
         self._require_epoch()
         if _dist_group_active(self.world_size):
             sys.modules["torch"].distributed.barrier()
@@ -1360,13 +1378,13 @@ class Consumer:
         under ``removed_checkpoints``. Already removed ones are skipped.
         """
         if not isinstance(reason, str) or not reason:
-            raise ValueError(f"reason must be a non-empty str, got {reason!r}")
+            raise InvalidArgumentError(f"reason must be a non-empty str, got {reason!r}")
         if self.rank != 0:
             raise LedgerStateError("only rank 0 records removed checkpoints")
         checkpoints = list(checkpoints)
         for c in checkpoints:
             if not isinstance(c, Checkpoint):
-                raise ValueError(f"expected dataflow.Checkpoint objects, got {c!r}")
+                raise InvalidArgumentError(f"expected dataflow.Checkpoint objects, got {c!r}")
         with self._write("checkpoint removal") as tx:
             events = []
             for c in checkpoints:

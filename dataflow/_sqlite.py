@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from dataflow._db import WRITE_OPTION, Backend, create_schema, write_options
 from dataflow._durable import fsync_path
-from dataflow._errors import NotALedgerError
+from dataflow._errors import InvalidArgumentError, NotALedgerError
 from dataflow._schema import runs, schema_info
 
 #: SQLite's smallest page size: a database file is never shorter.
@@ -74,12 +74,12 @@ def _database_path(url: str) -> str:
     parsed = make_url(url)
     database = parsed.database
     if database in (None, "", ":memory:"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"ledger URL {url!r} is an in-memory SQLite database, which no other "
             "connection or process can see; use a file: sqlite:///PATH/ledger.db"
         )
     if parsed.query:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"ledger URL {url!r} has query parameters {sorted(parsed.query)}; dataflow sets "
             "the SQLite options itself (Ledger.open's durability and busy_timeout): use "
             "sqlite:///PATH/ledger.db"

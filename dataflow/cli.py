@@ -26,7 +26,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from dataflow import _inspect
-from dataflow._errors import DataflowError, NotALedgerError
+from dataflow._errors import (
+    ArgumentTypeError,
+    DataflowError,
+    InvalidArgumentError,
+    NotALedgerError,
+)
 from dataflow._inspect import NotInRunError, Progress
 
 _MAX_SEQ = 2**63 - 1
@@ -926,6 +931,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dataflow: interrupted", file=sys.stderr)
         return 130
+    except (InvalidArgumentError, ArgumentTypeError) as exc:  # a value only the library checks
+        return _fail(args, str(exc), 2)
     except (_Failure, DataflowError, NotInRunError) as exc:
         return _fail(args, str(exc), 1)
     except _Usage as exc:

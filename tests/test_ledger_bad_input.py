@@ -17,6 +17,7 @@ from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse f
 from dataflow import (
     Checkpoint,
     Consumer,
+    DataflowError,
     IntegrityError,
     InvalidCheckpointPathError,
     InvalidIdError,
@@ -129,8 +130,10 @@ def unchanged(w):
 
 
 def check(w, call, error, match):
-    with unchanged(w), pytest.raises(error, match=match):
+    with unchanged(w), pytest.raises(error, match=match) as got:
         call(w)
+    # Whatever builtin category it also has, every error is one of ours.
+    assert isinstance(got.value, DataflowError), f"{type(got.value).__name__}: {got.value}"
 
 
 # -- sample ids and tensors ---------------------------------------------------------------
@@ -821,6 +824,24 @@ def test_bad_busy_timeouts_are_refused(sqlite_url, busy_timeout):
             (TypeError, ValueError),
             "'3'",
             id="follow-after-str",
+        ),
+        pytest.param(
+            lambda w: next(w.ledger.follow(w.run_id, poll_interval=1e10, timeout=0)),
+            ValueError,
+            "poll_interval must be a number of seconds from 0 to 3600, got 10000000000.0",
+            id="follow-poll-huge",
+        ),
+        pytest.param(
+            lambda w: next(w.ledger.follow(w.run_id, poll_interval=float("nan"), timeout=0)),
+            ValueError,
+            "poll_interval must be a non-negative number, got nan",
+            id="follow-poll-nan",
+        ),
+        pytest.param(
+            lambda w: next(w.ledger.follow(w.run_id, poll_interval=None, timeout=0)),
+            ValueError,
+            "poll_interval must be a number of seconds from 0 to 3600, got None",
+            id="follow-poll-none",
         ),
         pytest.param(lambda w: w.ledger.head_seq(7), ValueError, "got 7", id="head_seq-run"),
         pytest.param(lambda w: w.ledger.commits("", ["a"]), ValueError, "got ''", id="commits-run"),

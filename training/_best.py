@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dataflow import InvalidArgumentError
 from training._layout import SavedCheckpoint, point, unpoint, write_atomic
 
 
@@ -89,7 +90,7 @@ class BestRecord:
             meta = json.loads(file.read_text())
             score = float(meta["score"])
             if not math.isfinite(score) or not isinstance(meta["step"], int):
-                raise ValueError(f"score {score} / step {meta['step']!r}")
+                raise InvalidArgumentError(f"score {score} / step {meta['step']!r}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             warnings.warn(f"ignoring the corrupt best record {file}: {exc}", stacklevel=4)
             return None

@@ -38,7 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import Checkpoint, Consumer, ReconcilePlan, StaleEpochError, UnknownCheckpointError
+from dataflow import (
+    Checkpoint,
+    Consumer,
+    InvalidArgumentError,
+    ReconcilePlan,
+    StaleEpochError,
+    UnknownCheckpointError,
+)
 from dataflow._durable import fsync_path
 from training._best import BestRecord
 from training._config import COMPONENTS, CheckpointConfig
@@ -80,9 +87,9 @@ Which = int | str | os.PathLike[str] | SavedCheckpoint | Checkpoint | None
 
 def _check_step(step: object) -> int:
     if isinstance(step, bool) or not isinstance(step, int):
-        raise ValueError(f"step must be an int, got {type(step).__name__} {step!r}")
+        raise InvalidArgumentError(f"step must be an int, got {type(step).__name__} {step!r}")
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise InvalidArgumentError(f"step must be >= 0, got {step}")
     return step
 
 
@@ -90,36 +97,36 @@ def _check_metrics(metrics: object) -> dict[str, float] | None:
     if metrics is None:
         return None
     if not isinstance(metrics, Mapping):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"metrics must be a dict of name -> number or None, got {type(metrics).__name__}"
         )
     checked = {}
     for name, value in metrics.items():
         if not isinstance(name, str):
-            raise ValueError(f"metric names must be strs, got {name!r}")
+            raise InvalidArgumentError(f"metric names must be strs, got {name!r}")
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(f"metric {name!r} must be a number, got {value!r}")
+            raise InvalidArgumentError(f"metric {name!r} must be a number, got {value!r}")
         checked[name] = float(value)
     return checked
 
 
 def _check_state(name: str, state: object) -> dict[str, Any]:
     if not isinstance(state, Mapping):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} must be a dict (of state dicts, tensors, scalars), got {type(state).__name__}"
         )
     bad = [k for k in state if not isinstance(k, str)]
     if bad:
-        raise ValueError(f"the keys of {name} must be strs, got {bad[:5]}")
+        raise InvalidArgumentError(f"the keys of {name} must be strs, got {bad[:5]}")
     return dict(state)
 
 
 def _check_current(consumer: Consumer) -> None:
     """Refuse before writing anything when ``consumer`` cannot record a checkpoint."""
     if consumer.epoch is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"consumer {consumer.consumer_id!r} has not resumed; call resume() before saving"
         )
     # Catch up with the log, so that a fenced-off trainer learns it before it writes.
@@ -180,7 +187,9 @@ class CheckpointManager:
 
     def __init__(self, config: CheckpointConfig, *, consumer: Consumer | None = None) -> None:
         if not isinstance(config, CheckpointConfig):
-            raise ValueError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+            raise InvalidArgumentError(
+                f"config must be a CheckpointConfig, got {type(config).__name__}"
+            )
         self.config = config
         self.root: Path = Path(config.root)
         self.consumer: Consumer | None = None
@@ -204,7 +213,7 @@ class CheckpointManager:
     def run_dir(self) -> Path:
         """``{root}/{run_id}``: this run's checkpoints."""
         if self.run_id is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "CheckpointConfig.run_id is None and no consumer is attached: pass "
                 "CheckpointConfig(run_id=...) or a consumer"
             )
@@ -250,7 +259,7 @@ class CheckpointManager:
             checked_metrics = _check_metrics(metrics)
             self._check_components(state, rank_state)
             if world_size > 1 and not dist_active(world_size):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"saving with world_size={world_size} needs torch.distributed initialized"
                 )
             if rank == 0:
@@ -349,11 +358,13 @@ class CheckpointManager:
         is ``load_rank_state(plan.checkpoint, rank=...)``.
         """
         if check is not None and not callable(check):
-            raise ValueError(f"check must be callable, got {type(check).__name__}")
+            raise InvalidArgumentError(f"check must be callable, got {type(check).__name__}")
         if not isinstance(allow_resize, bool):
-            raise ValueError(f"allow_resize must be a bool, got {allow_resize!r}")
+            raise InvalidArgumentError(f"allow_resize must be a bool, got {allow_resize!r}")
         if not isinstance(consumer, Consumer):
-            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+            raise InvalidArgumentError(
+                f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}"
+            )
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
             _check_step(checkpoint)
         self._finish_pending()
@@ -414,7 +425,7 @@ class CheckpointManager:
     def load_rank_state(self, which: Which = None, *, rank: int) -> dict:
         """Rank ``rank``'s own state in a checkpoint (``which`` as for ``load``)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+            raise InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}")
         saved = self._find(which, rank=rank)
         return _decode(self._read_checked(saved, rank_file(rank)))
 
@@ -497,7 +508,7 @@ class CheckpointManager:
         # Refuse at save time what weights_only loading would refuse at resume time.
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
         if unsafe:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"the state holds objects that torch.load(weights_only=True) refuses: "
                 f"{sorted(unsafe)[:10]}; keep to state dicts, tensors, containers and scalars"
             )
@@ -525,14 +536,14 @@ class CheckpointManager:
         keys = set(state) | set(rank_state or ())
         missing = [c for c in declared if c not in keys]
         if missing:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"components {missing} are declared in CheckpointConfig.components but missing "
                 f"from state and rank_state (keys: {sorted(keys)}); pass them, or set them to "
                 "None when absent"
             )
         undeclared = sorted(k for k in keys & set(COMPONENTS) if k not in declared)
         if undeclared:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"state holds {undeclared}, which CheckpointConfig.components={declared} "
                 "leaves out; declare them, or drop them from the state"
             )
@@ -563,7 +574,7 @@ class CheckpointManager:
             _check_current(consumer)
             floor = consumer.state.last_checkpoint_step
             if step <= floor:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"cannot save a checkpoint at step {step}: run {consumer.run_id!r} already "
                     f"has one at step {floor} in this lineage; checkpoint steps must increase"
                 )
@@ -650,7 +661,7 @@ class CheckpointManager:
         with_rank_state = [rank_file(r) in files for r in range(world_size)]
         if any(with_rank_state) and not all(with_rank_state):
             missing = [r for r, has in enumerate(with_rank_state) if not has]
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ranks {missing} passed no rank_state while others did: every rank passes "
                 "one, or none does"
             )
@@ -790,13 +801,15 @@ class CheckpointManager:
     # -- load internals -------------------------------------------------------------------
     def _attach(self, consumer: Consumer) -> None:
         if not isinstance(consumer, Consumer):
-            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+            raise InvalidArgumentError(
+                f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}"
+            )
         if self.consumer is not None and self.consumer.run_id != consumer.run_id:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"this manager is attached to run {self.consumer.run_id!r}, not {consumer.run_id!r}"
             )
         if self.run_id is not None and self.run_id != consumer.run_id:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"CheckpointConfig.run_id={self.run_id!r} but the consumer is in run "
                 f"{consumer.run_id!r}: leave run_id out to take the consumer's"
             )

@@ -7,6 +7,8 @@ import os
 import warnings
 from pathlib import Path
 
+from dataflow import InvalidArgumentError
+
 BEST_MODES = ("max", "min")
 #: What a checkpoint may hold, by name (``CheckpointConfig.components``).
 COMPONENTS = ("model", "optimizer", "scheduler", "rng", "data", "trainer")
@@ -14,9 +16,9 @@ COMPONENTS = ("model", "optimizer", "scheduler", "rng", "data", "trainer")
 
 def _int_field(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
@@ -57,37 +59,41 @@ class CheckpointConfig:
         if isinstance(self.root, os.PathLike):
             object.__setattr__(self, "root", os.fspath(self.root))
         if not isinstance(self.root, str) or not self.root.strip():
-            raise ValueError(f"root must be a non-empty path, got {self.root!r}")
+            raise InvalidArgumentError(f"root must be a non-empty path, got {self.root!r}")
         object.__setattr__(self, "root", Path(self.root).expanduser().absolute())
         if self.run_id is not None and (
             not isinstance(self.run_id, str) or not 0 < len(self.run_id) <= 256
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"run_id must be a non-empty str of at most 256 characters or None, "
                 f"got {self.run_id!r}"
             )
         _int_field("keep_latest_k", self.keep_latest_k, minimum=0)
         if not isinstance(self.best_metric, str) or not self.best_metric:
-            raise ValueError(f"best_metric must be a non-empty str, got {self.best_metric!r}")
+            raise InvalidArgumentError(
+                f"best_metric must be a non-empty str, got {self.best_metric!r}"
+            )
         if self.best_mode not in BEST_MODES:
-            raise ValueError(f"best_mode must be one of {BEST_MODES}, got {self.best_mode!r}")
+            raise InvalidArgumentError(
+                f"best_mode must be one of {BEST_MODES}, got {self.best_mode!r}"
+            )
         if not isinstance(self.keep_best, bool):
-            raise ValueError(f"keep_best must be a bool, got {self.keep_best!r}")
+            raise InvalidArgumentError(f"keep_best must be a bool, got {self.keep_best!r}")
         if self.components is not None:
             if isinstance(self.components, str):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"components must be a collection of names, got the str {self.components!r}"
                 )
             names = tuple(self.components)
             unknown = [n for n in names if n not in COMPONENTS]
             if unknown or not names or len(set(names)) != len(names):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"components must be distinct names out of {COMPONENTS}, got {names!r}"
                     + (f" (unknown: {unknown})" if unknown else "")
                 )
             object.__setattr__(self, "components", names)
         if not isinstance(self.async_save, bool):
-            raise ValueError(f"async_save must be a bool, got {self.async_save!r}")
+            raise InvalidArgumentError(f"async_save must be a bool, got {self.async_save!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,16 +122,18 @@ class LoaderConfig:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
         ):
-            raise ValueError(f"lease_timeout must be a number >= 0 or None, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"lease_timeout must be a number >= 0 or None, got {timeout!r}"
+            )
         if self.names is not None:
             if isinstance(self.names, str):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"names must be a collection of feature names, got the str {self.names!r}"
                 )
             names = tuple(self.names)
             bad = [n for n in names if not isinstance(n, str) or not n]
             if bad or not names:
-                raise ValueError(f"names must hold non-empty strs, got {self.names!r}")
+                raise InvalidArgumentError(f"names must hold non-empty strs, got {self.names!r}")
             object.__setattr__(self, "names", names)
         _int_field("prefetch", self.prefetch, minimum=0)
 
@@ -160,7 +168,7 @@ class TrainerConfig:
         _int_field("checkpoint_every", self.checkpoint_every, minimum=0)
         _int_field("eval_every", self.eval_every, minimum=0)
         if not isinstance(self.allow_resize, bool):
-            raise ValueError(f"allow_resize must be a bool, got {self.allow_resize!r}")
+            raise InvalidArgumentError(f"allow_resize must be a bool, got {self.allow_resize!r}")
         if self.checkpoint_every and self.eval_every and self.checkpoint_every % self.eval_every:
             warnings.warn(
                 f"checkpoint_every={self.checkpoint_every} is not a multiple of "

@@ -7,7 +7,8 @@
             ├── CorruptCheckpointError             bytes on disk differ from what was recorded
             └── IncompatibleCheckpointError (ValueError)  saved by a differently set-up run
 
-Bad arguments raise ``ValueError``, as everywhere in dataflow.
+Bad arguments raise ``dataflow.InvalidArgumentError`` (a ``ValueError``) or
+``dataflow.ArgumentTypeError`` (a ``TypeError``), as everywhere in dataflow.
 """
 
 from __future__ import annotations

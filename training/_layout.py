@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dataflow import InvalidArgumentError
 from dataflow._durable import fsync_path
 from training._errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -115,13 +116,13 @@ def read_manifest(path: Path, *, expected_digest: str | None = None) -> SavedChe
     try:
         data = json.loads(raw)
         if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
+            raise InvalidArgumentError("not a JSON object")
         _check_self_digest(data, file)
         if data.get("format") != FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+            raise InvalidArgumentError(f"format {data.get('format')!r}, expected {FORMAT}")
         files = data["files"]
         if not isinstance(files, dict):
-            raise ValueError("files is not an object")
+            raise InvalidArgumentError("files is not an object")
         components = data.get("components")
         return SavedCheckpoint(
             path=path,

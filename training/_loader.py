@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dataflow import Consumer, CorruptFeatureError, SampleRef, StaleRefError
+from dataflow import Consumer, CorruptFeatureError, InvalidArgumentError, SampleRef, StaleRefError
 from training._config import LoaderConfig
 
 Features = dict[str, torch.Tensor]
@@ -51,7 +51,7 @@ def collate(samples: list[Features]) -> dict[str, torch.Tensor | list[torch.Tens
     names = list(samples[0])
     for sample in samples[1:]:
         if set(sample) != set(names):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"samples of one batch have different features: {sorted(names)} and "
                 f"{sorted(sample)}; pass LoaderConfig(names=...) or a collate_fn"
             )
@@ -69,10 +69,10 @@ def collate(samples: list[Features]) -> dict[str, torch.Tensor | list[torch.Tens
 def check_position(position: int, batch_size: int) -> None:
     """A saved position must fall on a batch boundary of the batch size resumed with."""
     if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-        raise ValueError(f"position must be an int >= 0, got {position!r}")
+        raise InvalidArgumentError(f"position must be an int >= 0, got {position!r}")
     if position % batch_size:
         divisors = [d for d in range(1, min(position, 64) + 1) if position % d == 0]
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the saved data position, {position} samples, is not a multiple of "
             f"batch_size={batch_size}: batches would not line up with the saved run; resume "
             f"with a batch size that divides {position} (e.g. {divisors[-6:]})"
@@ -126,14 +126,20 @@ class FeatureLoader:
         on_lost: Callable[[list[str]], object] | None = None,
     ) -> None:
         if not isinstance(consumer, Consumer):
-            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+            raise InvalidArgumentError(
+                f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}"
+            )
         if on_lost is not None and not callable(on_lost):
-            raise ValueError(f"on_lost must be callable, got {type(on_lost).__name__}")
+            raise InvalidArgumentError(f"on_lost must be callable, got {type(on_lost).__name__}")
         config = LoaderConfig() if config is None else config
         if not isinstance(config, LoaderConfig):
-            raise ValueError(f"config must be a LoaderConfig, got {type(config).__name__}")
+            raise InvalidArgumentError(
+                f"config must be a LoaderConfig, got {type(config).__name__}"
+            )
         if collate_fn is not None and not callable(collate_fn):
-            raise ValueError(f"collate_fn must be callable, got {type(collate_fn).__name__}")
+            raise InvalidArgumentError(
+                f"collate_fn must be callable, got {type(collate_fn).__name__}"
+            )
         self.consumer = consumer
         self.config = config
         self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
@@ -169,7 +175,7 @@ class FeatureLoader:
         ``lease_timeout`` ran out). It may be called again after None: work that came
         back meanwhile (a nack, a regeneration) is picked up."""
         if self.consumer.epoch is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"consumer {self.consumer.consumer_id!r} has not resumed; call resume() first"
             )
         self._counted = None
@@ -249,7 +255,7 @@ class FeatureLoader:
         stream's batches may be short); the ledger alone says what is left.
         """
         if not isinstance(state, dict) or not isinstance(state.get("position"), int):
-            raise ValueError(f"not a FeatureLoader state: {state!r:.100}")
+            raise InvalidArgumentError(f"not a FeatureLoader state: {state!r:.100}")
         check_position(state["position"], self.config.batch_size if self._seeded else 1)
         self.position = state["position"]
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from dataflow import InvalidArgumentError
+
 
 def _accelerator() -> torch.device | None:
     if torch.cuda.is_available():
@@ -46,7 +48,7 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` returned; parts this machine lacks are skipped."""
     if not isinstance(state, dict) or "torch" not in state or "python" not in state:
-        raise ValueError(f"not an rng_state() dict: {type(state).__name__}")
+        raise InvalidArgumentError(f"not an rng_state() dict: {type(state).__name__}")
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])

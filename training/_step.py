@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dataflow import Consumer, SampleRef
+from dataflow import Consumer, InvalidArgumentError, SampleRef
 from training._loader import Batch
 
 
@@ -16,7 +16,9 @@ def _check_modules(modules: Iterable[Any]) -> tuple[torch.nn.Module, ...]:
     checked = tuple(modules)
     for module in checked:
         if not isinstance(module, torch.nn.Module):
-            raise ValueError(f"modules must be torch.nn.Modules, got {type(module).__name__}")
+            raise InvalidArgumentError(
+                f"modules must be torch.nn.Modules, got {type(module).__name__}"
+            )
     return checked
 
 
@@ -45,11 +47,13 @@ class StepHelper:
         ack: Callable[..., object] | None = None,
     ) -> None:
         if not isinstance(consumer, Consumer):
-            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+            raise InvalidArgumentError(
+                f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}"
+            )
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-            raise ValueError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
+            raise InvalidArgumentError(f"grad_accum must be an int >= 1, got {grad_accum!r}")
         if ack is not None and not callable(ack):
-            raise ValueError(f"ack must be callable, got {type(ack).__name__}")
+            raise InvalidArgumentError(f"ack must be callable, got {type(ack).__name__}")
         self.consumer = consumer
         self._ack: Callable[..., object] = consumer.ack if ack is None else ack
         self.grad_accum = grad_accum
@@ -74,9 +78,11 @@ class StepHelper:
     def micro_step(self, batch: Batch, *, last: bool = False) -> Iterator[bool]:
         """Run one micro-batch's forward and backward inside; yields True at the boundary."""
         if not isinstance(batch, Batch):
-            raise ValueError(f"batch must be a training.Batch, got {type(batch).__name__}")
+            raise InvalidArgumentError(
+                f"batch must be a training.Batch, got {type(batch).__name__}"
+            )
         if self._boundary:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "the previous micro-batch ended an optimizer step: call finish(step) after "
                 "the optimizer step, before the next micro_step"
             )
@@ -98,7 +104,7 @@ class StepHelper:
         """After the optimizer step ``step``: ack every micro-batch's refs in one transaction
         and start the next step. Returns the acked refs."""
         if not self._boundary:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"finish({step}) before the boundary: {self.micro_batches} of "
                 f"{self.grad_accum} micro-batches ran (pass last=True to end a step early)"
             )

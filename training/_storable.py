@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dataflow import InvalidArgumentError
+
 _LEAVES = frozenset(
     {
         type(None),
@@ -47,7 +49,7 @@ def _check(value: Any, where: str, path: set[int]) -> None:
         return
     if isinstance(value, torch.Tensor):
         if value.is_meta:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where} is a meta tensor: it has no data to save, and would load as "
                 "garbage; materialize it first (e.g. module.to_empty(device='cpu') and "
                 "initialize it, or load real weights)"
@@ -55,12 +57,12 @@ def _check(value: Any, where: str, path: set[int]) -> None:
         return
     if kind in _MAPPINGS or kind in _SEQUENCES:
         if id(value) in path:
-            raise ValueError(f"{where} contains itself; a checkpoint must be a tree")
+            raise InvalidArgumentError(f"{where} contains itself; a checkpoint must be a tree")
         path.add(id(value))
         if kind in _MAPPINGS:
             for key, item in value.items():
                 if type(key) not in _LEAVES:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"{where} has a key of type {_name(type(key))}; use str or int keys"
                     )
                 _check(item, f"{where}[{key!r}]", path)
@@ -70,12 +72,12 @@ def _check(value: Any, where: str, path: set[int]) -> None:
         path.discard(id(value))
         return
     if callable(value):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{where} is {_name(kind)} {getattr(value, '__qualname__', '')!s:.60}, code, not "
             "data: a checkpoint cannot hold it (torch.load(weights_only=True) refuses "
             "code); save its configuration or what it computes, and rebuild it on resume"
         )
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{where} is of type {_name(kind)}, which torch.load(weights_only=True) cannot read "
         f"back; {_HINT} (e.g. save its state_dict() or its fields)"
     )

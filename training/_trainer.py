@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import Checkpoint, Consumer, Producer, ReconcilePlan
+from dataflow import Checkpoint, Consumer, InvalidArgumentError, Producer, ReconcilePlan
 from eval import Evaluator
 from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
@@ -60,7 +60,7 @@ def _seed_generators(seed: int) -> None:
 
 def _check_callable(name: str, fn: object, *, optional: bool = False) -> None:
     if (fn is not None or not optional) and not callable(fn):
-        raise ValueError(f"{name} must be callable, got {type(fn).__name__}")
+        raise InvalidArgumentError(f"{name} must be callable, got {type(fn).__name__}")
 
 
 def _check_eval_fn(eval_fn: object) -> None:
@@ -69,13 +69,13 @@ def _check_eval_fn(eval_fn: object) -> None:
     if isinstance(eval_fn, tuple) and len(eval_fn) == 2 and callable(eval_fn[0]):
         batches = eval_fn[1]
         if isinstance(batches, Iterator):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "the batches of eval_fn=(model_fn, batches) are an iterator, which the first "
                 "eval would exhaust; pass a list, or a function returning the batches"
             )
         if callable(batches) or isinstance(batches, Iterable):
             return
-    raise ValueError(
+    raise InvalidArgumentError(
         "eval_fn must be a function returning the per-batch eval output dicts, or a "
         f"(model_fn, batches) pair; got {eval_fn!r:.80}"
     )
@@ -141,16 +141,22 @@ class Trainer:
         model: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(consumer, Consumer):
-            raise ValueError(f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}")
+            raise InvalidArgumentError(
+                f"consumer must be a dataflow.Consumer, got {type(consumer).__name__}"
+            )
         if not isinstance(checkpoints, CheckpointManager):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"checkpoints must be a CheckpointManager, got {type(checkpoints).__name__}"
             )
         if checkpoints.consumer is not None and checkpoints.consumer is not consumer:
-            raise ValueError("checkpoints is attached to another consumer than this trainer's")
+            raise InvalidArgumentError(
+                "checkpoints is attached to another consumer than this trainer's"
+            )
         config = TrainerConfig() if config is None else config
         if not isinstance(config, TrainerConfig):
-            raise ValueError(f"config must be a TrainerConfig, got {type(config).__name__}")
+            raise InvalidArgumentError(
+                f"config must be a TrainerConfig, got {type(config).__name__}"
+            )
         _check_callable("step_fn", step_fn)
         _check_callable("state_fn", state_fn)
         _check_callable("optimizer_fn", optimizer_fn, optional=True)
@@ -159,20 +165,24 @@ class Trainer:
         _check_callable("load_rank_fn", load_rank_fn, optional=True)
         _check_callable("regenerate_fn", regenerate_fn, optional=True)
         if model is not None and not isinstance(model, torch.nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            raise InvalidArgumentError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}"
+            )
         if (rank_state_fn is None) != (load_rank_fn is None):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "rank_state_fn and load_rank_fn come together: what one saves, the other loads"
             )
         if config.grad_accum > 1 and optimizer_fn is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"grad_accum={config.grad_accum} needs an optimizer_fn: step_fn cannot tell "
                 "which micro-batch ends an optimizer step"
             )
         if evaluator is not None and not isinstance(evaluator, Evaluator):
-            raise ValueError(f"evaluator must be an eval.Evaluator, got {type(evaluator).__name__}")
+            raise InvalidArgumentError(
+                f"evaluator must be an eval.Evaluator, got {type(evaluator).__name__}"
+            )
         if evaluator is not None and eval_fn is None:
-            raise ValueError("an evaluator needs an eval_fn producing what it evaluates")
+            raise InvalidArgumentError("an evaluator needs an eval_fn producing what it evaluates")
         _check_eval_fn(eval_fn)
         if eval_fn is not None and config.eval_every == 0:
             warnings.warn("eval_fn is set but eval_every=0: evaluation never runs", stacklevel=2)
@@ -275,7 +285,7 @@ class Trainer:
         if self.plan is None:
             state = self.resume()
             if state is not None and self.load_fn is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"resumed from the checkpoint at step {self.step}, but there is no load_fn "
                     "to apply its state: pass load_fn, or call resume() and apply what it "
                     "returns before run()"
@@ -325,7 +335,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Run the eval now (every rank must call it together); return and keep the metrics."""
         if self.eval_fn is None or self.evaluator is None:
-            raise ValueError("this trainer has no eval_fn")
+            raise InvalidArgumentError("this trainer has no eval_fn")
         if isinstance(self.eval_fn, tuple):
             model_fn, batches = self.eval_fn
             metrics = self.evaluator.evaluate(model_fn, batches() if callable(batches) else batches)
@@ -465,14 +475,14 @@ class Trainer:
         wanted = set(sample_ids)
         for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
             if sample_id not in wanted:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
                 )
             producer.regenerate(sample_id, tensors)
             wanted.discard(sample_id)
         producer.close()
         if wanted:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"regenerate_fn left out {len(wanted)} samples to regenerate: {sorted(wanted)[:10]}"
             )
 
@@ -498,7 +508,7 @@ class Trainer:
         if self.consumer.world_size == 1:
             return False
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a Trainer with world_size={self.consumer.world_size} needs torch.distributed "
                 "initialized: the ranks agree on steps and checkpoints through it"
             )

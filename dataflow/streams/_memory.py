@@ -7,7 +7,7 @@ import time
 import uuid
 
 from dataflow._contracts import RefReceiver, RefSender, SampleRef
-from dataflow._errors import BackpressureError, StreamError
+from dataflow._errors import BackpressureError, InvalidArgumentError, StreamError
 from dataflow.streams._window import ReceiverStats, Window, check_count, check_timeout
 from dataflow.streams._wire import DEFAULT_MAX_FRAME_BYTES, check_ref, decode, encode_ref, ref_body
 
@@ -59,7 +59,9 @@ class MemoryStream:
         """A producer's end; a second sender with the same id is that producer restarted."""
         producer_id = f"producer-{uuid.uuid4().hex[:12]}" if producer_id is None else producer_id
         if not isinstance(producer_id, str) or not 0 < len(producer_id) <= 256:
-            raise ValueError(f"producer_id must be a str of 1-256 characters: {producer_id!r}")
+            raise InvalidArgumentError(
+                f"producer_id must be a str of 1-256 characters: {producer_id!r}"
+            )
         with self._cond:
             self._closed.discard(producer_id)
             for window in self._windows.values():
@@ -70,7 +72,7 @@ class MemoryStream:
         """Rank ``rank``'s end, with an empty window (a restart forgets the old one's refs)."""
         check_count("rank", rank, minimum=0)
         if rank >= self.ranks:
-            raise ValueError(f"rank must be < ranks ({self.ranks}), got {rank}")
+            raise InvalidArgumentError(f"rank must be < ranks ({self.ranks}), got {rank}")
         window = Window(self.window, self.expected_producers)
         with self._cond:
             for producer_id in self._closed:

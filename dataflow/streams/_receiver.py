@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import zmq
 
 from dataflow._contracts import RefReceiver, SampleRef
-from dataflow._errors import BadFrameError, StreamError
+from dataflow._errors import ArgumentTypeError, BadFrameError, InvalidArgumentError, StreamError
 from dataflow.streams._security import (
     DEFAULT_ENDPOINT,
     CurveServerConfig,
@@ -78,21 +78,25 @@ class ReceiverConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
-            raise ValueError(f"endpoint must look like 'tcp://127.0.0.1:0', got {self.endpoint!r}")
+            raise InvalidArgumentError(
+                f"endpoint must look like 'tcp://127.0.0.1:0', got {self.endpoint!r}"
+            )
         check_count("window", self.window, minimum=1)
         check_count("expected_producers", self.expected_producers, minimum=1)
         check_count("max_frame_bytes", self.max_frame_bytes, minimum=256)
         for name in ("idle_timeout", "heartbeat_interval", "heartbeat_timeout"):
             check_timeout(name, getattr(self, name))
         if self.heartbeat_interval <= 0:
-            raise ValueError("heartbeat_interval must be positive")
+            raise InvalidArgumentError("heartbeat_interval must be positive")
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed two heartbeat "
                 f"intervals ({self.heartbeat_interval}), or a live producer looks lost"
             )
         if self.curve is not None and not isinstance(self.curve, CurveServerConfig):
-            raise ValueError(f"curve must be a CurveServerConfig, got {type(self.curve).__name__}")
+            raise InvalidArgumentError(
+                f"curve must be a CurveServerConfig, got {type(self.curve).__name__}"
+            )
 
 
 _LIVE, _CLOSED, _LOST, _REPLACED = "live", "closed", "lost", "replaced"
@@ -150,7 +154,7 @@ class ZmqRefReceiver(RefReceiver):
     def __init__(self, config: ReceiverConfig | None = None) -> None:
         self.config = cfg = ReceiverConfig() if config is None else config
         if not isinstance(cfg, ReceiverConfig):
-            raise TypeError(f"config must be a ReceiverConfig, got {type(cfg).__name__}")
+            raise ArgumentTypeError(f"config must be a ReceiverConfig, got {type(cfg).__name__}")
         self.session = uuid.uuid4().hex
         self._window = Window(cfg.window, cfg.expected_producers)
         self._sessions: dict[bytes, _Session] = {}

@@ -11,6 +11,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from dataflow._errors import InvalidArgumentError
+
 log = logging.getLogger("dataflow.streams")
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:0"
@@ -34,7 +36,9 @@ class CurveServerConfig:
         object.__setattr__(self, "authorized_keys_dir", Path(self.authorized_keys_dir))
         _load_secret(self.secret_key_file)
         if not self.authorized_keys_dir.is_dir():
-            raise ValueError(f"authorized_keys_dir {self.authorized_keys_dir} is not a directory")
+            raise InvalidArgumentError(
+                f"authorized_keys_dir {self.authorized_keys_dir} is not a directory"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +61,7 @@ def _load_public(path: Path) -> bytes:
     try:
         public, _ = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read a CURVE certificate from {path}: {exc}") from exc
+        raise InvalidArgumentError(f"cannot read a CURVE certificate from {path}: {exc}") from exc
     return public
 
 
@@ -65,9 +69,9 @@ def _load_secret(path: Path) -> tuple[bytes, bytes]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read a CURVE certificate from {path}: {exc}") from exc
+        raise InvalidArgumentError(f"cannot read a CURVE certificate from {path}: {exc}") from exc
     if secret is None:
-        raise ValueError(f"{path} holds no secret key; pass the .key_secret file")
+        raise InvalidArgumentError(f"{path} holds no secret key; pass the .key_secret file")
     return public, secret
 
 

@@ -19,7 +19,13 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from dataflow._contracts import RefSender, SampleRef
-from dataflow._errors import BackpressureError, BadFrameError, StreamError
+from dataflow._errors import (
+    ArgumentTypeError,
+    BackpressureError,
+    BadFrameError,
+    InvalidArgumentError,
+    StreamError,
+)
 from dataflow.streams._security import CurveClientConfig, secure_client
 from dataflow.streams._ticker import Ticker
 from dataflow.streams._window import check_count, check_timeout
@@ -72,25 +78,33 @@ class SenderConfig:
     def __post_init__(self) -> None:
         endpoints = self.endpoints
         if isinstance(endpoints, str):
-            raise ValueError(f"endpoints must be a list of endpoints, got the str {endpoints!r}")
+            raise InvalidArgumentError(
+                f"endpoints must be a list of endpoints, got the str {endpoints!r}"
+            )
         endpoints = tuple(endpoints)
         if not endpoints or not all(isinstance(e, str) and "://" in e for e in endpoints):
-            raise ValueError(f"endpoints must be 'tcp://host:port' strings, got {endpoints!r}")
+            raise InvalidArgumentError(
+                f"endpoints must be 'tcp://host:port' strings, got {endpoints!r}"
+            )
         if len(set(endpoints)) != len(endpoints):
-            raise ValueError(f"endpoints repeat: {endpoints!r}")
+            raise InvalidArgumentError(f"endpoints repeat: {endpoints!r}")
         object.__setattr__(self, "endpoints", endpoints)
         if not isinstance(self.producer_id, str) or not 0 < len(self.producer_id) <= 256:
-            raise ValueError(f"producer_id must be a str of 1-256 characters: {self.producer_id!r}")
+            raise InvalidArgumentError(
+                f"producer_id must be a str of 1-256 characters: {self.producer_id!r}"
+            )
         for name in ("send_timeout", "close_timeout", "heartbeat_interval", "heartbeat_timeout"):
             check_timeout(name, getattr(self, name))
         if self.heartbeat_interval <= 0:
-            raise ValueError("heartbeat_interval must be positive")
+            raise InvalidArgumentError("heartbeat_interval must be positive")
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
-            raise ValueError("heartbeat_timeout must exceed two heartbeat intervals")
+            raise InvalidArgumentError("heartbeat_timeout must exceed two heartbeat intervals")
         check_count("max_frame_bytes", self.max_frame_bytes, minimum=256)
         check_count("send_hwm", self.send_hwm, minimum=1)
         if self.curve is not None and not isinstance(self.curve, CurveClientConfig):
-            raise ValueError(f"curve must be a CurveClientConfig, got {type(self.curve).__name__}")
+            raise InvalidArgumentError(
+                f"curve must be a CurveClientConfig, got {type(self.curve).__name__}"
+            )
 
 
 @dataclass(frozen=True)
@@ -134,7 +148,7 @@ class ZmqRefSender(RefSender):
 
     def __init__(self, config: SenderConfig) -> None:
         if not isinstance(config, SenderConfig):
-            raise TypeError(f"config must be a SenderConfig, got {type(config).__name__}")
+            raise ArgumentTypeError(f"config must be a SenderConfig, got {type(config).__name__}")
         self.config = cfg = config
         self.producer_id = cfg.producer_id
         #: This sender's session id: its ZeroMQ routing id on every connection.

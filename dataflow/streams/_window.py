@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from dataflow._contracts import SampleRef
-from dataflow._errors import ProducerLostError, StreamIdleError
+from dataflow._errors import InvalidArgumentError, ProducerLostError, StreamIdleError
 from dataflow.streams._wire import BAD_FRAME_KINDS
 
 
@@ -49,12 +49,14 @@ def check_timeout(name: str, value: object, *, allow_none: bool = False) -> None
     if value is None and allow_none:
         return
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        raise InvalidArgumentError(
+            f"{name} must be a non-negative number of seconds, got {value!r}"
+        )
 
 
 def check_count(name: str, value: object, *, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class Window:
@@ -112,7 +114,7 @@ class Window:
         check_count("credit count", count, minimum=0)
         handed_out = self.in_flight - len(self.buffer)
         if count > handed_out:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"credit({count}) but only {handed_out} received refs are unfinished; "
                 "credit only refs that receive() handed out, once each"
             )
