@@ -80,7 +80,8 @@ def as_count_vector(value: object, name: str, *, device: torch.device | None) ->
                     f"{name}[{i}] is {item!r} ({type(item).__name__}); "
                     "pass numbers or a 1-D tensor of counts."
                 )
-        tensor = torch.tensor([float(item) for item in value], dtype=torch.float64)
+        floats = [_float(item, f"{name}[{i}]") for i, item in enumerate(value)]
+        tensor = torch.tensor(floats, dtype=torch.float64)
     else:
         raise EvalError(
             f"{name} is a {type(value).__name__} ({_short(value)}); "
@@ -110,7 +111,17 @@ def as_scalar(value: object, name: str, *, device: torch.device | None) -> torch
             "one-element tensor."
         )
     # torch.full passes the number as a kernel argument: no host-to-device copy to wait for.
-    return torch.full((), float(value), dtype=torch.float64, device=device)
+    return torch.full((), _float(value, name), dtype=torch.float64, device=device)
+
+
+def _float(value: numbers.Real, name: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise EvalError(
+            f"{name} is {_short(value)}, beyond a float64 (about 1.8e308); pass counts and "
+            "losses that fit one."
+        ) from None
 
 
 def _to_float64(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -123,6 +134,8 @@ def _to_float64(tensor: torch.Tensor, device: torch.device | None) -> torch.Tens
 
 
 def _check_dtype(tensor: torch.Tensor, name: str) -> None:
+    if tensor.is_meta:
+        raise EvalError(f"{name} is a meta tensor, which holds no values; pass computed ones.")
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise EvalError(f"{name} has dtype {tensor.dtype}; pass integer or floating-point values.")
 

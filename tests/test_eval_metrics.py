@@ -435,6 +435,10 @@ def without(output, key):
         ([GOOD, GOOD, batch([1, -1], [2, 2])], "1 batch.*negative counts.*batch 2 of this rank"),
         ([batch([3, 1], [2, 2]), batch([3], [2])], "2 batch.*greater than acc_denoms.*batch 0"),
         ([batch([float("nan")], [2])], "non-finite counts"),
+        ([batch([1], [2], loss=10**400)], "batch 0 loss is 1000.*beyond a float64"),
+        ([batch([10**400], [2])], r"batch 0 acc_corrects\[0\] is 1000.*beyond a float64"),
+        ([batch([1], [2], loss=torch.ones((), device="meta"))], "batch 0 loss is a meta tensor"),
+        ([batch(torch.ones(1, device="meta"), [2])], "acc_corrects is a meta tensor"),
         ([{**SINGLE, "accuracy_correct": 3}], "greater than"),
         (GOOD, "outputs is a dict"),
         (3, "outputs is a int"),
@@ -448,3 +452,10 @@ def test_evaluator_rejects_malformed_outputs(outputs, match):
 def test_evaluate_rejects_a_model_that_is_not_callable():
     with pytest.raises(EvalError, match="model_fn is a str, not callable"):
         Evaluator().evaluate("model", [1])
+
+
+def test_counts_given_as_python_numbers_keep_float64_precision():
+    # 2**40 + 1 is exact in float64 and not in float32: a list must not pass through float32.
+    out = Evaluator().run([{"loss": 1.0, "num_tokens": 1, "acc_corrects": [2**40 + 1],
+                            "acc_denoms": [2**41]}])  # fmt: skip
+    assert out["eval/avg_acc"] == (2**40 + 1) / 2**41
