@@ -235,6 +235,9 @@ class RunState:
         self.removed_checkpoints: dict[int, str] = {}
         self.producers: set[str] = set()
         self.closed: set[str] = set()
+        #: Producers whose last close says they streamed no refs (``Producer(stream=None)``,
+        #: e.g. a Trainer's regeneration): a consumer's stream does not wait for them.
+        self.unstreamed: set[str] = set()
         self.plans: dict[int, ReconcilePlan] = {}
         self.violations: list[str] = []
         # Pending work: per owner rank, an insertion-ordered dict; `_requeued`
@@ -485,9 +488,14 @@ class RunState:
         _e: int,
         _s: int | None,
         actor: str,
-        _p: str | None,
+        payload: str | None,
     ) -> None:
         self.closed.add(actor)
+        data = load_payload(payload) if isinstance(payload, str) else {}
+        if isinstance(data, dict) and data.get("streamed") is False:
+            self.unstreamed.add(actor)
+        else:
+            self.unstreamed.discard(actor)
         if self.order_seed is not None and self.producers_done:
             self._resort()
 

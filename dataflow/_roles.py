@@ -582,8 +582,11 @@ class Producer:
                 self.stream.close()
         finally:
             try:
+                # Without a stream, the close says so: consumers' streams then do not
+                # count this producer among those they wait for.
+                payload = dump_payload({"streamed": False}) if self.stream is None else None
                 with self.ledger.write(self.run_id, "close") as tx:
-                    tx.append([NewEvent(Kind.CLOSE, self.producer_id)])
+                    tx.append([NewEvent(Kind.CLOSE, self.producer_id, payload=payload)])
             finally:
                 if self.metrics is not None:
                     self.metrics.close()
@@ -709,10 +712,13 @@ class Consumer:
         this consumer runs, a producer's stream ends with its EOF, which follows
         its last ref on the wire. A close read from the ledger meanwhile may
         overtake refs still in flight, and a stream that ended early would let
-        a trainer settle its last batches before they arrive.
+        a trainer settle its last batches before they arrive. A producer that
+        streamed nothing (its close says so: a Trainer's regeneration) is no
+        stream's producer, and is not counted toward ``expected_producers``.
         """
         if self.stream is not None:
-            for producer_id in self.state.closed - self._marked_closed:
+            closed = self.state.closed - self.state.unstreamed
+            for producer_id in closed - self._marked_closed:
                 self.stream.mark_producer_closed(producer_id)
                 self._marked_closed.add(producer_id)
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: The layout of a snapshot body and the fold it was taken with. Bump it whenever
 #: RunState's fields or the meaning of an event change: older snapshots are then
 #: skipped (a full replay), never misread.
-FORMAT = 1
+FORMAT = 2
 
 
 _INT64 = range(-(2**63), 2**63)
@@ -136,6 +136,7 @@ def _dump(state: RunState, columns: _Columns | None = None) -> dict[str, Any]:
         "removed_checkpoints": list(state.removed_checkpoints.items()),
         "producers": sorted(state.producers),
         "closed": sorted(state.closed),
+        "unstreamed": sorted(state.unstreamed),
         "plans": [_plan_row(plan, many, sorted_many) for plan in state.plans.values()],
         "violations": state.violations,
         "pending": [[rank, many(queue)] for rank, queue in state._pending.items()],
@@ -229,6 +230,7 @@ def _load(data: dict[str, Any], columns: _Columns, state: RunState) -> RunState:
     state.removed_checkpoints = {seq: reason for seq, reason in data["removed_checkpoints"]}
     state.producers = set(data["producers"])
     state.closed = set(data["closed"])
+    state.unstreamed = set(data["unstreamed"])
     state.plans = {}
     for row in data["plans"]:
         checkpoint = None if row["checkpoint"] is None else Checkpoint(*row["checkpoint"])

@@ -134,11 +134,17 @@ def test_refs_in_flight_when_the_producer_closes_still_come_before_the_end(ledge
 def test_a_consumer_that_resumes_after_the_close_ends_the_stream_from_the_ledger(
     ledger, store, run_id
 ):
-    # Its receiver never hears from the producer (it closed before the receiver bound):
-    # the ledger's close, read when the consumer joins its epoch, ends the stream.
-    producer = Producer(ledger, store, run_id=run_id, producer_id="p")
+    # The producer streamed to an earlier receiver (a rank's process that is gone) and
+    # closed: the new receiver never hears from it. The ledger's close, read when the
+    # consumer joins its epoch, ends the stream.
+    earlier = ZmqRefReceiver(ReceiverConfig(window=8, expected_producers=1))
+    sender = ZmqRefSender(
+        SenderConfig(endpoints=(earlier.endpoint,), producer_id="p", send_timeout=WAIT)
+    )
+    producer = Producer(ledger, store, run_id=run_id, producer_id="p", stream=sender)
     refs = producer.emit_many([(f"s{i}", features(i)) for i in range(3)])
     producer.close()
+    earlier.close()
     receiver = ZmqRefReceiver(ReceiverConfig(window=8, expected_producers=1))
     consumer = Consumer(ledger, store, run_id=run_id, consumer_id="trainer", stream=receiver)
     try:
@@ -150,6 +156,30 @@ def test_a_consumer_that_resumes_after_the_close_ends_the_stream_from_the_ledger
         assert consumer.finished
     finally:
         consumer.close()
+
+
+def test_a_producer_without_a_stream_is_not_one_of_the_streams_producers(ledger, store, run_id):
+    # A Trainer's regeneration commits without a stream and closes before the ranks
+    # (re)join: the stream still waits for its one streaming producer.
+    offline = Producer(ledger, store, run_id=run_id, producer_id="trainer-regenerate")
+    (first,) = offline.emit_many([("r0", features(0))])
+    offline.close()
+    with streamed_run(ledger, store, run_id) as (producer, consumer, _link):
+        assert consumer.state.unstreamed == {"trainer-regenerate"}
+        assert not consumer.stream.exhausted
+        streamed = producer.emit_many([(f"s{i}", features(i)) for i in range(3)])
+        got: list[SampleRef] = []
+        while len(got) < 4:
+            refs = consumer.lease(4, timeout=WAIT)
+            got += refs
+            consumer.ack(refs, step=len(got))
+        assert sorted(r.sample_id for r in got) == ["r0", "s0", "s1", "s2"]
+        assert not consumer.finished  # the streaming producer has not closed
+        producer.close()
+        assert consumer.lease(4, timeout=WAIT) == []
+        assert consumer.finished and consumer.stream.exhausted
+        assert {first.sample_id, *(r.sample_id for r in streamed)} == {r.sample_id for r in got}
+        assert replay(ledger, run_id).verify() == []
 
 
 class RecordingSender(RefSender):
