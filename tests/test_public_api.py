@@ -59,6 +59,9 @@ def test_every_error_derives_from_the_root() -> None:
     assert issubclass(dataflow.InvalidCheckpointPathError, dataflow.LedgerError)
     assert issubclass(dataflow.InvalidCheckpointPathError, ValueError)
     assert issubclass(dataflow.InvalidIdError, ValueError)
+    assert issubclass(dataflow.InvalidArgumentError, ValueError)
+    assert issubclass(dataflow.ArgumentTypeError, TypeError)
+    assert issubclass(dataflow.CommitOutcomeUnknownError, dataflow.OperationalError)
 
 
 def test_layering() -> None:
