@@ -760,6 +760,20 @@ class RefReceiver(ABC):
         so a running stream ends with each producer's end of stream.
         """
 
+    def mark_producer_closed_if_silent(self, producer_id: str) -> bool:
+        """Count ``producer_id`` as closed unless a live connection speaks for it here.
+
+        Called by a running Consumer for each producer whose ``close`` event is
+        in the ledger and whose end of stream has not arrived. A producer
+        records its close only after its stream ended, so with no live
+        connection here nothing more of it is on the wire (its end of stream
+        went to an earlier receiver on this endpoint, or was lost with its
+        connection). Returns whether the producer now counts as closed. The
+        default marks nothing and returns False: the stream then ends with the
+        producer's end of stream, or at the next epoch.
+        """
+        return False
+
     @abstractmethod
     def close(self) -> None:
         """Release sockets; idempotent."""

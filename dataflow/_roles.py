@@ -722,6 +722,25 @@ class Consumer:
                 self.stream.mark_producer_closed(producer_id)
                 self._marked_closed.add(producer_id)
 
+    def _stream_ended(self) -> bool:
+        """Whether the stream is exhausted, once closed producers that went silent count.
+
+        A producer whose close the ledger holds, whose end of stream did not
+        arrive here and that no live connection speaks for here, has nothing
+        more on the wire for this consumer (its close follows its stream's
+        end): the receiver counts it closed. Its end of stream can miss a
+        running consumer when the consumer's process restarted after the old
+        one acknowledged it and joined before the close was recorded.
+        """
+        stream = self.stream
+        assert stream is not None
+        if not stream.exhausted:
+            closed = self.state.closed - self.state.unstreamed - self._marked_closed
+            for producer_id in sorted(closed):
+                if stream.mark_producer_closed_if_silent(producer_id):
+                    self._marked_closed.add(producer_id)
+        return stream.exhausted
+
     def _start_from_snapshot(self) -> None:
         """Before the first fold: start from the run's newest valid snapshot, if any."""
         if self._snapshot_seq >= 0:
@@ -1105,9 +1124,12 @@ class Consumer:
         )
         if candidates:
             return self._lease_ids(candidates, streamed=False)
-        if self.stream is None or self.stream.exhausted:
+        if self.stream is None or self._stream_ended():
             return []
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self.state.closed - self.state.unstreamed - self._marked_closed:
+            # A closed producer still speaks here: look again once it may have gone silent.
+            wait = _POLL_S if wait is None else min(wait, _POLL_S)
         try:
             received = self.stream.receive(max_refs, timeout=wait)
         except StreamIdleError:

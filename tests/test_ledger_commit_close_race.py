@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import torch
+import zmq
 
 from dataflow import Consumer, Kind, Producer, RefSender, SampleRef, replay
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
+from dataflow.streams._wire import CreditFrame, HeartbeatFrame, decode, encode
 
 WAIT = 30.0  # only ever waited out when something is broken
 
@@ -204,3 +207,69 @@ def test_a_producer_ends_its_stream_before_it_records_its_close(ledger, store, r
     producer.close()
     assert sender.closes_in_ledger_at_eof == [0]
     assert replay(ledger, run_id).closed == {"p"}
+
+
+class SilentSender(RefSender):
+    """A producer's stream whose refs and end of stream went elsewhere (to an earlier
+    receiver on the consumer's endpoint, which acknowledged them and is gone)."""
+
+    def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_closed_producer_whose_end_of_stream_missed_a_running_consumer_ends_once_silent(
+    ledger, store, run_id
+):
+    # The restarted consumer joins before the producer's close is in the ledger; the
+    # producer's sender still heartbeats to it, then stops (its end of stream was
+    # acknowledged by the consumer's previous process). Nothing more can come from it.
+    receiver = ZmqRefReceiver(
+        ReceiverConfig(window=8, expected_producers=1, heartbeat_interval=0.05,
+                       heartbeat_timeout=1.0)
+    )  # fmt: skip
+    consumer = Consumer(ledger, store, run_id=run_id, consumer_id="trainer", stream=receiver)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.linger = 0
+    peer.connect(receiver.endpoint)
+    beating, bound = threading.Event(), threading.Event()
+    beating.set()
+
+    def heartbeat() -> None:  # the socket's only user until it stops
+        while beating.is_set():
+            peer.send(encode(HeartbeatFrame(producer="p")))
+            if peer.poll(50) and isinstance(decode(peer.recv_multipart()), CreditFrame):
+                bound.set()  # the receiver took the connection as the producer's
+
+    beater = threading.Thread(target=heartbeat, daemon=True)
+    try:
+        consumer.resume()
+        beater.start()
+        assert bound.wait(WAIT)
+        producer = Producer(ledger, store, run_id=run_id, producer_id="p", stream=SilentSender())
+        refs = producer.emit_many([(f"s{i}", features(i)) for i in range(3)])
+        producer.close()
+        # While a live connection speaks for it, its refs could still be on the wire.
+        assert consumer.lease(4, timeout=1.5) == []
+        assert not receiver.exhausted and not consumer.finished
+        beating.clear()
+        beater.join()
+        got: list[SampleRef] = []
+        deadline = time.monotonic() + WAIT
+        while not consumer.finished:
+            assert time.monotonic() < deadline, "the stream never ended"
+            leased = consumer.lease(4, timeout=1.0)
+            got += leased
+            if leased:
+                consumer.ack(leased, step=len(got))
+        assert got == refs
+        assert receiver.exhausted
+        assert replay(ledger, run_id).verify() == []
+    finally:
+        beating.clear()
+        peer.close()
+        ctx.term()
+        consumer.close()

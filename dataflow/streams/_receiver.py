@@ -233,6 +233,19 @@ class ZmqRefReceiver(RefReceiver):
         with self._lock:
             self._window.mark_closed(producer_id)
 
+    def mark_producer_closed_if_silent(self, producer_id: str) -> bool:
+        """Count ``producer_id`` as closed unless one of this receiver's live sessions
+        names it (see ``RefReceiver.mark_producer_closed_if_silent``)."""
+        with self._lock:
+            if producer_id in self._window.closed:
+                return True
+            if any(
+                s.state == _LIVE and s.producer_id == producer_id for s in self._sessions.values()
+            ):
+                return False
+            self._window.mark_closed(producer_id)
+            return True
+
     def stats(self) -> ReceiverStats:
         with self._lock:
             return self._window.stats()
