@@ -213,18 +213,15 @@ def _ref_json(ref: SampleRef) -> str:
         specs_json = _specs_json(key)
     except (TypeError, AttributeError):  # not a FeatureSpec after all: let to_json say so
         return ref.to_json()
-    store = _STORE_JSON.get(ref.store)
-    if store is None:
-        store = _STORE_JSON[ref.store] = _quote(ref.store)
-        if len(_STORE_JSON) > 64:  # a producer writes to one store or a few
-            _STORE_JSON.clear()
     return (
         f'{{"generation":{ref.generation},"metadata":{{}},"sample_id":{_quote(ref.sample_id)},'
-        f'"specs":{specs_json},"store":{store}}}'
+        f'"specs":{specs_json},"store":{_store_json(ref.store)}}}'
     )
 
 
-_STORE_JSON: dict[str, str] = {}
+@functools.lru_cache(maxsize=64)  # a producer writes to one store or a few
+def _store_json(store: str) -> str:
+    return _quote(store)
 
 
 class Producer:
@@ -717,10 +714,13 @@ class Consumer:
         stream's producer, and is not counted toward ``expected_producers``.
         """
         if self.stream is not None:
-            closed = self.state.closed - self.state.unstreamed
-            for producer_id in closed - self._marked_closed:
+            for producer_id in self._unmarked_closed():
                 self.stream.mark_producer_closed(producer_id)
                 self._marked_closed.add(producer_id)
+
+    def _unmarked_closed(self) -> set[str]:
+        """Streaming producers the ledger has closed and this consumer's stream not yet."""
+        return self.state.closed - self.state.unstreamed - self._marked_closed
 
     def _stream_ended(self) -> bool:
         """Whether the stream is exhausted, once closed producers that went silent count.
@@ -735,8 +735,7 @@ class Consumer:
         stream = self.stream
         assert stream is not None
         if not stream.exhausted:
-            closed = self.state.closed - self.state.unstreamed - self._marked_closed
-            for producer_id in sorted(closed):
+            for producer_id in sorted(self._unmarked_closed()):
                 if stream.mark_producer_closed_if_silent(producer_id):
                     self._marked_closed.add(producer_id)
         return stream.exhausted
@@ -1127,7 +1126,7 @@ class Consumer:
         if self.stream is None or self._stream_ended():
             return []
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if self.state.closed - self.state.unstreamed - self._marked_closed:
+        if self._unmarked_closed():
             # A closed producer still speaks here: look again once it may have gone silent.
             wait = _POLL_S if wait is None else min(wait, _POLL_S)
         try:

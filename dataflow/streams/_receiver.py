@@ -239,9 +239,7 @@ class ZmqRefReceiver(RefReceiver):
         with self._lock:
             if producer_id in self._window.closed:
                 return True
-            if any(
-                s.state == _LIVE and s.producer_id == producer_id for s in self._sessions.values()
-            ):
+            if self._has_live_session(producer_id):
                 return False
             self._window.mark_closed(producer_id)
             return True
@@ -385,6 +383,10 @@ class ZmqRefReceiver(RefReceiver):
         self._owners[producer_id] = rid
         return True
 
+    def _has_live_session(self, producer_id: str | None) -> bool:
+        sessions = self._sessions.values()
+        return any(s.state == _LIVE and s.producer_id == producer_id for s in sessions)
+
     def _gone(self, rid: bytes, session: _Session) -> bool:
         """Whether ZeroMQ no longer routes to ``rid``; asks with its credit, once a tick."""
         now = time.monotonic()
@@ -461,9 +463,7 @@ class ZmqRefReceiver(RefReceiver):
                     producer_id,
                 )
                 continue
-            if producer_id in self._window.closed or any(
-                s.state == _LIVE and s.producer_id == producer_id for s in self._sessions.values()
-            ):
+            if producer_id in self._window.closed or self._has_live_session(producer_id):
                 continue
             log.warning(
                 "producer %r on %s sent nothing for %.1fs and did not close: lost",
