@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import multiprocessing.forkserver
+import multiprocessing.connection
 import os
 import signal
 import time
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -112,50 +111,33 @@ def _kill_self(args: dict[str, Any]) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _run_child(args: dict[str, Any]) -> int | None:
-    process = CONTEXT.Process(target=_save_in_child, args=(args,))
-    process.start()
-    process.join(CHILD_TIMEOUT_S)
-    if process.is_alive():
-        process.kill()
-        process.join()
-        return None  # hung
-    if process.exitcode == 255:
-        return _status_lost(process, Path(args["killing"]))
-    return process.exitcode
+def _run_children(trials: list[dict[str, Any]]) -> list[int | None]:
+    """Each trial's exit code (None: it hung), ``CONCURRENT_TRIALS`` running at a time.
 
-
-def _status_lost(process: multiprocessing.process.BaseProcess, killing: Path) -> int | None:
-    """The exit code of a child whose status the fork server did not report.
-
-    multiprocessing answers 255 when it cannot read a child's status from the fork server
-    (the server died, or the status pipe failed), whatever the child did or still does;
-    seen once in CI. Wait until the child is gone; if it noted that it reached
-    ``os.kill(getpid(), SIGKILL)``, after which it runs nothing, it died of that kill.
+    All from this thread: ``Process.start()`` polls every running child, which reads its
+    exit status from the fork server's pipe; a join of that child in another thread
+    racing with it reads the pipe's end instead and reports 255 (seen in CI).
     """
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while _running(process.pid):
-        if time.monotonic() > deadline:
-            return None  # hung
-        time.sleep(0.05)
-    if not killing.exists():
-        return 255
-    server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
-    warnings.warn(
-        f"the fork server (pid {server}, running: {_running(server)}) reported no exit status "
-        f"for child {process.pid}, which reached its SIGKILL",
-        stacklevel=1,
-    )
-    return -signal.SIGKILL
-
-
-def _running(pid: int | None) -> bool:
-    """Whether ``pid`` is a live process (a zombie is not), without reaping it."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    codes: dict[int, int | None] = {}
+    waiting = list(enumerate(trials))
+    running: dict[int, tuple[int, multiprocessing.process.BaseProcess, float]] = {}
+    while waiting or running:
+        while waiting and len(running) < CONCURRENT_TRIALS:
+            index, args = waiting.pop(0)
+            process = CONTEXT.Process(target=_save_in_child, args=(args,))
+            process.start()
+            running[process.sentinel] = (index, process, time.monotonic() + CHILD_TIMEOUT_S)
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=1.0):
+            index, process, _ = running.pop(sentinel)
+            process.join()
+            codes[index] = process.exitcode
+        for sentinel, (index, process, deadline) in list(running.items()):
+            if time.monotonic() > deadline:
+                process.kill()
+                process.join()
+                codes[index] = None  # hung
+                del running[sentinel]
+    return [codes[index] for index in range(len(trials))]
 
 
 def _trial_args(tmp_path: Path, trial: str, keep_latest_k: int, **kill: int) -> dict[str, Any]:
@@ -245,7 +227,7 @@ def test_sigkill_at_every_durable_call_of_a_save_leaves_the_old_or_the_new_check
 ) -> None:
     # 1: an unkilled save, to count its durable calls.
     counting = _trial_args(tmp_path, "count", keep_latest_k)
-    assert _run_child(counting) == 0
+    assert _run_children([counting]) == [0]
     calls = json.loads(Path(counting["report"]).read_text())["calls"]
     assert set(calls) == set(DURABLE_CALLS)  # file and dir fsyncs, the rename, the replaces
     assert len(calls) > 5
@@ -258,8 +240,7 @@ def test_sigkill_at_every_durable_call_of_a_save_leaves_the_old_or_the_new_check
         _trial_args(tmp_path, f"before-{k}", keep_latest_k, kill_at=k) for k in range(1, n + 1)
     ]
     trials.append(_trial_args(tmp_path, f"after-{n}", keep_latest_k, kill_after=n))
-    with ThreadPoolExecutor(CONCURRENT_TRIALS) as pool:
-        exitcodes = list(pool.map(_run_child, trials))
+    exitcodes = _run_children(trials)
     outcomes = {}
     for args, exitcode in zip(trials, exitcodes, strict=True):
         assert exitcode == -signal.SIGKILL, f"{args['trial']}: exit code {exitcode}"
