@@ -866,6 +866,10 @@ class Consumer:
         return f"If you meant an existing run, check the run id; known runs: {shown}{more}"
 
     def _start_epoch(self, checkpoint: object) -> int:
+        if self._snapshot_seq < 0:
+            # The first fold (a snapshot, then the log) before the write lock: writers wait
+            # only for the tail that the transaction reads.
+            self._catch_up()
         with self.ledger.write(self.run_id, "resume") as tx:
             self._sync(tx)
             ckpt = self._resolve_checkpoint(checkpoint)
