@@ -237,6 +237,9 @@ class WriteTransaction:
         self.run_id = run_id
         #: The run's current consumer epoch, as locked.
         self.epoch = epoch
+        #: Whether this transaction inserted events (a reader of them inside it holds
+        #: events that are not the ledger's if it then does not commit).
+        self.appended = False
 
     def check_epoch(self, epoch: int, actor: str) -> None:
         """Fencing: refuse a consumer write from an epoch that is not the run's current one."""
@@ -311,6 +314,7 @@ class WriteTransaction:
             params = [dict(zip(_INSERT_KEYS, row, strict=True)) for row in rows]
         # The driver's executemany, not insert(events): SQLAlchemy's per-row
         # parameter processing costs as much as SQLite's own insert.
+        self.appended = True
         inserted = self.conn.exec_driver_sql(sql, params).rowcount
         if inserted < 0:
             raise AssertionError(f"the {self.conn.dialect.name} driver did not count inserted rows")

@@ -692,15 +692,64 @@ class Consumer:
 
     # -- internals -----------------------------------------------------------
     def _sync(self, tx: WriteTransaction) -> None:
-        if self._snapshot_seq < 0:
+        if self._snapshot_seq < 0 or self._refold_needed:
             # The first fold: page through the log outside the transaction (rows_after
             # holds what it reads in memory at once), so the transaction reads the tail.
             self._catch_up()
         self.state.apply_rows(tx.rows_after(self.state.head_seq))
 
     def _catch_up(self) -> None:
+        if self._refold_needed:
+            self._refold()
+            return
         self._start_from_snapshot()
         self.state.apply_rows(self.ledger.rows(self.run_id, after_seq=self.state.head_seq))
+
+    #: Set when a write that folded its own events did not commit, or its COMMIT failed:
+    #: the fold may hold events the ledger does not. The next read folds the run anew.
+    _refold_needed = False
+
+    def _refold(self) -> None:
+        """Fold the run anew (its newest snapshot, then the log); swapped in once whole."""
+        restored = self.ledger.load_snapshot(self.run_id)
+        state = restored if restored is not None else RunState(self.run_id, ref_source=self.ledger)
+        state.apply_rows(self.ledger.rows(self.run_id, after_seq=state.head_seq))
+        self.state, self._snapshot_seq = state, restored.head_seq if restored is not None else 0
+        self._refold_needed = False
+
+    @contextlib.contextmanager
+    def _transaction(self, what: str) -> Iterator[WriteTransaction]:
+        """``ledger.write``, after which the fold agrees with the ledger however it ended.
+
+        Inside it the fold takes what the transaction appended (the writes that
+        follow read it: a resume its plan, a checkpoint its releases). If the
+        transaction then rolls back, or its COMMIT fails (and may have landed),
+        those events are in the fold and perhaps not in the ledger: the fold is
+        rebuilt from the ledger (at once, or on the next read while the ledger
+        cannot be read), rather than skip the events that take their place in
+        the log.
+        """
+        transaction: WriteTransaction | None = None
+        try:
+            with self.ledger.write(self.run_id, what) as tx:
+                transaction = tx
+                yield tx
+        except BaseException as exc:
+            if transaction is not None and transaction.appended:
+                self._refold_needed = True
+                if isinstance(exc, Exception):  # not on KeyboardInterrupt: later then
+                    with contextlib.suppress(DataflowError):  # the ledger is away: later
+                        self._refold()
+            raise
+
+    def _landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
+        """After a COMMIT of unknown outcome: whether the ledger holds the write, read
+        again; it did when every one of ``sample_ids`` ``shows`` it. False if unreadable."""
+        try:
+            self._catch_up()
+        except DataflowError:
+            return False
+        return bool(sample_ids) and all(shows(s) for s in sample_ids)
 
     def _mark_closed_producers(self) -> None:
         """On joining an epoch: end the stream of every producer the ledger has closed.
@@ -773,7 +822,7 @@ class Consumer:
     def _write(self, what: str) -> Iterator[WriteTransaction]:
         """A fenced write: refused with StaleEpochError once a newer epoch started."""
         epoch = self._require_epoch()
-        with self.ledger.write(self.run_id, what) as tx:
+        with self._transaction(what) as tx:
             tx.check_epoch(epoch, self.consumer_id)
             self._sync(tx)
             yield tx
@@ -870,7 +919,7 @@ class Consumer:
             # The first fold (a snapshot, then the log) before the write lock: writers wait
             # only for the tail that the transaction reads.
             self._catch_up()
-        with self.ledger.write(self.run_id, "resume") as tx:
+        with self._transaction("resume") as tx:
             self._sync(tx)
             ckpt = self._resolve_checkpoint(checkpoint)
             epoch = max(tx.epoch, self.state.epoch) + 1
@@ -1144,13 +1193,18 @@ class Consumer:
         return self._lease_ids([r.sample_id for r in received], streamed=True)
 
     def _lease_ids(self, sample_ids: list[str], *, streamed: bool) -> list[SampleRef]:
-        with self._write("lease") as tx:
-            # A streamed ref may already be leased or trained (it also came
-            # back through reconcile): deliver it once, drop the copy.
-            take = [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
-            refs = [self._committed_ref(s) for s in take]  # before anything is leased
-            tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
-            self._sync(tx)
+        take: list[str] = []
+        try:
+            with self._write("lease") as tx:
+                # A streamed ref may already be leased or trained (it also came
+                # back through reconcile): deliver it once, drop the copy.
+                take = [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
+                refs = [self._committed_ref(s) for s in take]  # before anything is leased
+                tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
+                self._sync(tx)
+        except CommitOutcomeUnknownError:
+            if not self._landed(take, lambda s: self.state.leased.get(s) == self.consumer_id):
+                raise
         if streamed:
             self._from_stream.update(take)
             dropped = len(sample_ids) - len(take)
@@ -1250,6 +1304,22 @@ class Consumer:
         if not steps:
             return
         first = steps[0][1]
+        release: list[str] = []
+        try:
+            self._append_acks(steps, ids, first, release)
+        except CommitOutcomeUnknownError:
+            if not self._landed(ids, self._trained_by_an_ack):
+                raise
+        self._delete_features(release)
+        self._credit(ids)
+
+    def _trained_by_an_ack(self, sample_id: str) -> bool:
+        return sample_id in self.state.trained and sample_id not in self.state.leased
+
+    def _append_acks(
+        self, steps: list[tuple[list[str], int]], ids: list[str], first: int, release: list[str]
+    ) -> None:
+        """The ack transaction of :meth:`ack_many`; ``release`` gets the ids it released."""
         with self._write("ack") as tx:
             self._check_leased(ids, "ack")
             floor = self.state.last_checkpoint_step
@@ -1270,11 +1340,10 @@ class Consumer:
                 for batch, step in steps
                 for s in batch
             )
-            release = ids if self.release_policy == "on_ack" else []
+            if self.release_policy == "on_ack":
+                release += ids
             tx.append(self._release_events(release))
             self._sync(tx)
-        self._delete_features(release)
-        self._credit(ids)
 
     @_locked
     def nack(
