@@ -1314,7 +1314,11 @@ class Consumer:
         self._credit(ids)
 
     def _trained_by_an_ack(self, sample_id: str) -> bool:
-        return sample_id in self.state.trained and sample_id not in self.state.leased
+        return sample_id in self.state.trained and self._lease_ended(sample_id)
+
+    def _lease_ended(self, sample_id: str) -> bool:
+        """Whether this consumer no longer holds ``sample_id`` (after settling its lease)."""
+        return self.state.leased.get(sample_id) != self.consumer_id
 
     def _append_acks(
         self, steps: list[tuple[list[str], int]], ids: list[str], first: int, release: list[str]
@@ -1361,17 +1365,21 @@ class Consumer:
             raise InvalidArgumentError(
                 f"reason must be a str of at most 1000 characters, got {reason!r}"
             )
-        with self._write("nack") as tx:
-            self._check_leased(ids, "nack")
-            fields: dict[str, Any] = {"retryable": retryable, "reason": reason}
-            if self.world_size > 1:
-                fields["rank"] = self.rank
-            payload = dump_payload(fields)
-            tx.append(
-                NewEvent(Kind.NACK, self.consumer_id, s, epoch=tx.epoch, payload=payload)
-                for s in ids
-            )
-            self._sync(tx)
+        try:
+            with self._write("nack") as tx:
+                self._check_leased(ids, "nack")
+                fields: dict[str, Any] = {"retryable": retryable, "reason": reason}
+                if self.world_size > 1:
+                    fields["rank"] = self.rank
+                payload = dump_payload(fields)
+                tx.append(
+                    NewEvent(Kind.NACK, self.consumer_id, s, epoch=tx.epoch, payload=payload)
+                    for s in ids
+                )
+                self._sync(tx)
+        except CommitOutcomeUnknownError:
+            if not self._landed(ids, self._lease_ended):
+                raise
         self._credit(ids)
 
     @_locked
@@ -1390,19 +1398,25 @@ class Consumer:
             raise InvalidArgumentError(
                 f"reason must be a str of 1 to 1000 characters, got {reason!r:.80}"
             )
-        with self._write("lost") as tx:
-            self._check_leased(ids, "report lost")
-            tx.append(
-                NewEvent(
-                    Kind.LOST,
-                    self.consumer_id,
-                    sid,
-                    epoch=tx.epoch,
-                    payload=dump_payload({"revision": self.state.revision(sid), "reason": reason}),
+        try:
+            with self._write("lost") as tx:
+                self._check_leased(ids, "report lost")
+                tx.append(
+                    NewEvent(
+                        Kind.LOST,
+                        self.consumer_id,
+                        sid,
+                        epoch=tx.epoch,
+                        payload=dump_payload(
+                            {"revision": self.state.revision(sid), "reason": reason}
+                        ),
+                    )
+                    for sid in ids
                 )
-                for sid in ids
-            )
-            self._sync(tx)
+                self._sync(tx)
+        except CommitOutcomeUnknownError:
+            if not self._landed(ids, self._lease_ended):
+                raise
         self._credit(ids)
         self._delete_features(s for s in ids if s in self.state.lost)
 

@@ -132,3 +132,31 @@ def test_a_resume_rolled_back_starts_no_epoch(ledger, run_id, emit, make_consume
     consumer.resume()
     assert [r.sample_id for r in consumer.lease(5)] == ["a", "b"]
     assert_agrees(consumer, ledger, run_id)
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+@pytest.mark.parametrize("verb", ["nack", "lost"])
+def test_a_nack_or_lost_whose_commit_failed_is_settled_by_the_ledger(
+    ledger, run_id, emit, make_consumer, failing_commits, landed, verb
+):
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b")
+    refs = consumer.lease(2)
+
+    def settle() -> None:
+        if verb == "nack":
+            consumer.nack(refs, reason="step failed")
+        else:
+            consumer.lost(refs, reason="features gone")
+
+    failing_commits(1, landed=landed)
+    if not landed:
+        with pytest.raises(CommitOutcomeUnknownError):
+            settle()
+        assert kinds(ledger, run_id, Kind.NACK if verb == "nack" else Kind.LOST) == []
+    settle()  # landed: it returns; not landed: still leased, the caller's retry goes through
+    assert kinds(ledger, run_id, Kind.NACK if verb == "nack" else Kind.LOST) == ["a", "b"]
+    assert_agrees(consumer, ledger, run_id)
+    state = replay(ledger, run_id)
+    assert set(state.lost if verb == "lost" else state.pending) == {"a", "b"}
