@@ -8,9 +8,9 @@ import math
 import time
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import (
     Connection,
@@ -65,10 +65,33 @@ ROW_COLUMNS = (
     events.c.ts,
 )
 _PAGE = 5000
+_T = TypeVar("_T")
 _MAX_POLL_S = 3600.0
 
 
-@functools.cache
+def _per_dialect(build: Callable[..., _T]) -> Callable[..., _T]:
+    """Cache ``build(dialect, *args)`` by the kind of dialect, not by its instance.
+
+    Every engine has a dialect object of its own: keyed by the instance, a process
+    that opens many ledgers would keep an entry (and a dialect) per engine it ever
+    opened. What the SQL text depends on is the dialect and driver, and how the
+    driver takes parameters.
+    """
+    cache: dict[tuple[Any, ...], _T] = {}
+
+    @functools.wraps(build)
+    def cached(dialect: Any, *args: Any) -> _T:
+        key = (dialect.name, dialect.driver, dialect.paramstyle, *args)
+        found = cache.get(key)
+        if found is None:
+            found = cache[key] = build(dialect, *args)
+        return found
+
+    cached.cache = cache  # type: ignore[attr-defined]
+    return cached
+
+
+@_per_dialect
 def _driver_sql(dialect: Any, statement: str) -> tuple[str, tuple[str, ...] | None, dict[str, Any]]:
     """``_STATEMENTS[statement]`` compiled once for ``dialect``: its SQL text, the order of
     its parameters when the driver takes them by position (None: by name), and the values
@@ -326,7 +349,7 @@ _INSERT_KEYS = (
 )  # fmt: skip
 
 
-@functools.cache
+@_per_dialect
 def _insert_sql(dialect: Any, skip_held_commits: bool) -> tuple[str, bool]:
     """The INSERT of an event row for ``dialect``, and whether its parameters are positional.
 
