@@ -135,3 +135,28 @@ def make_consumer(ledger, store, run_id) -> Callable[..., Consumer]:
         return Consumer(ledger, store, run_id=run_id, consumer_id=consumer_id, **options)
 
     return make
+
+
+@pytest.fixture
+def failing_commits(ledger, monkeypatch):
+    """``fail(n, landed=...)``: the next ``n`` COMMITs of ``ledger`` raise the driver's
+    OperationalError, after the database committed (``landed``) or instead of committing
+    (a connection lost during COMMIT, the one place where a write's outcome is unknown)."""
+    dialect = ledger._engine.dialect
+    real = type(dialect).do_commit
+    plan = {"left": 0, "landed": True}
+
+    def do_commit(dbapi_connection) -> None:
+        if plan["left"] <= 0:
+            return real(dialect, dbapi_connection)
+        plan["left"] -= 1
+        if plan["landed"]:
+            real(dialect, dbapi_connection)
+        raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(dialect, "do_commit", do_commit)
+
+    def fail(times: int, *, landed: bool) -> None:
+        plan["left"], plan["landed"] = times, landed
+
+    return fail

@@ -19,30 +19,6 @@ import pytest
 from dataflow import CommitOutcomeUnknownError, Kind, OperationalError, replay
 
 
-@pytest.fixture
-def failing_commits(ledger, monkeypatch):
-    """``fail(n, landed=...)``: the next ``n`` COMMITs raise the driver's OperationalError,
-    after the database committed (``landed``) or instead of committing."""
-    dialect = ledger._engine.dialect
-    real = type(dialect).do_commit
-    plan = {"left": 0, "landed": True}
-
-    def do_commit(dbapi_connection) -> None:
-        if plan["left"] <= 0:
-            return real(dialect, dbapi_connection)
-        plan["left"] -= 1
-        if plan["landed"]:
-            real(dialect, dbapi_connection)
-        raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
-
-    monkeypatch.setattr(dialect, "do_commit", do_commit)
-
-    def fail(times: int, *, landed: bool) -> None:
-        plan["left"], plan["landed"] = times, landed
-
-    return fail
-
-
 def assert_agrees(consumer, ledger, run_id) -> None:
     consumer._catch_up()
     assert consumer.state.snapshot() == replay(ledger, run_id).snapshot()

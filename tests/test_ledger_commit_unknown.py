@@ -28,30 +28,6 @@ def put(store, *sample_ids: str) -> list[SampleRef]:
     return [store.put(s, {"x": torch.full((3,), float(i))}) for i, s in enumerate(sample_ids)]
 
 
-@pytest.fixture
-def failing_commits(ledger, monkeypatch):
-    """``fail(n, landed=...)``: the next ``n`` COMMITs raise the driver's OperationalError,
-    after the database committed (``landed``) or instead of committing."""
-    dialect = ledger._engine.dialect
-    real = type(dialect).do_commit
-    plan = {"left": 0, "landed": True}
-
-    def do_commit(dbapi_connection) -> None:
-        if plan["left"] <= 0:
-            return real(dialect, dbapi_connection)
-        plan["left"] -= 1
-        if plan["landed"]:
-            real(dialect, dbapi_connection)
-        raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
-
-    monkeypatch.setattr(dialect, "do_commit", do_commit)
-
-    def fail(times: int, *, landed: bool) -> None:
-        plan["left"], plan["landed"] = times, landed
-
-    return fail
-
-
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
 def test_one_failed_commit_is_retried_and_the_refs_are_committed_once(
     ledger, store, producer, run_id, failing_commits, landed, caplog
