@@ -608,9 +608,10 @@ class RunState:
         """
         picked: Iterable[tuple[int, str]] = enumerate(order)
         if untrained is not None:
-            trained = self.trained
-            untrained = {sid for sid in untrained if sid not in trained}
-            if len(untrained) == len(self._commits) - len(trained) == len(order) - len(trained):
+            trained, commits = self.trained, self._commits
+            untrained = {sid for sid in untrained if sid in commits and sid not in trained}
+            # A subset of the committed, untrained ids as large as that set is that set.
+            if len(untrained) == len(commits) - len(trained) == len(order) - len(trained):
                 hits = itertools.compress(itertools.count(), map(untrained.__contains__, order))
                 picked = ((index, order[index]) for index in hits)
         self._pending = {r: {} for r in range(self.world_size)}
