@@ -49,6 +49,7 @@ import xxhash
 from benchmarks import _report
 from benchmarks._rows import Row, row
 from dataflow import StoreDependencyError
+from dataflow._durable import fsync_path
 from stores import LocalFeatureStore, MooncakeFeatureStore, SharedDirFeatureStore
 from stores.mooncake_master import MooncakeMaster, find_master_binary
 
@@ -133,14 +134,6 @@ def run(contenders: list[Contender], sample: dict[str, torch.Tensor], reps: int)
 
 
 # -- files ---------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def raw_put(directory: Path, sample: dict[str, torch.Tensor], i: int) -> Path:
     tmp, path = directory / f"raw-{i}.tmp", directory / f"raw-{i}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -153,7 +146,7 @@ def raw_put(directory: Path, sample: dict[str, torch.Tensor], i: int) -> Path:
     finally:
         os.close(fd)
     os.rename(tmp, path)
-    _fsync_path(directory)
+    fsync_path(directory)
     return path
 
 
@@ -182,7 +175,7 @@ def torch_put(directory: Path, sample: dict[str, torch.Tensor], i: int) -> Path:
 def safetensors_put(directory: Path, sample: dict[str, torch.Tensor], i: int) -> Path:
     path = directory / f"st-{i}.safetensors"
     safetensors.torch.save_file(sample, path)
-    _fsync_path(path)
+    fsync_path(path)
     return path
 
 

@@ -538,12 +538,11 @@ class RunState:
         if ckpt is None:
             trained, data_epoch, seed, start_seq = {}, 0, None, 0
         else:
-            data_epoch, seed, start_seq = self._data_epoch_at(
-                self._chain(ckpt.epoch, ckpt.step, ckpt.seq)
-            )
+            chain = self._chain(ckpt.epoch, ckpt.step, ckpt.seq)
+            data_epoch, seed, start_seq = self._data_epoch_at(chain)
             rewound = self._rewound(ckpt, data_epoch)
             if rewound is None:
-                trained = self._lineage_at(ckpt.epoch, ckpt.step, ckpt.seq)[0]
+                trained = self._trained_in(chain, data_epoch)
             else:
                 trained, untrained = rewound
         node = _Epoch(
@@ -587,7 +586,7 @@ class RunState:
         """The trained set of ``ckpt`` (empty from scratch), computed when first read."""
         if ckpt is None:
             return frozenset()
-        return _TrainedAt(lambda: self._lineage_at(ckpt.epoch, ckpt.step, ckpt.seq)[0])
+        return _TrainedAt(lambda: self._trained_at_checkpoint(ckpt))
 
     def _unreleased_after(self, trained: Mapping[str, int]) -> list[str]:
         """Trained ids whose features are still stored, in commit order."""
@@ -611,7 +610,7 @@ class RunState:
             trained, commits = self.trained, self._commits
             untrained = {sid for sid in untrained if sid in commits and sid not in trained}
             # A subset of the committed, untrained ids as large as that set is that set.
-            if len(untrained) == len(commits) - len(trained) == len(order) - len(trained):
+            if len(untrained) == len(commits) - len(trained):
                 hits = itertools.compress(itertools.count(), map(untrained.__contains__, order))
                 picked = ((index, order[index]) for index in hits)
         self._pending = {r: {} for r in range(self.world_size)}
@@ -708,18 +707,20 @@ class RunState:
         untrained.update(self.dead)
         return trained, untrained
 
-    def _lineage_at(
-        self, epoch: int, step: int, seq: int
-    ) -> tuple[dict[str, int], int, int | None, int]:
-        """(trained set, data epoch, its seed, its start seq) at a checkpoint."""
-        chain = self._chain(epoch, step, seq)
-        data_epoch, seed, start_seq = self._data_epoch_at(chain)
+    def _trained_in(
+        self, chain: list[tuple[_Epoch, int | None, int | None]], data_epoch: int
+    ) -> dict[str, int]:
+        """The trained set at the cut ``chain`` starts from: its acks of ``data_epoch``."""
         trained: dict[str, int] = {}
         for node, cut_step, _cut_seq in reversed(chain):
             for sid, ack_step, ack_data_epoch in node.acks:
                 if (cut_step is None or ack_step <= cut_step) and ack_data_epoch == data_epoch:
                     trained[sid] = ack_step
-        return trained, data_epoch, seed, start_seq
+        return trained
+
+    def _trained_at_checkpoint(self, ckpt: Checkpoint) -> dict[str, int]:
+        chain = self._chain(ckpt.epoch, ckpt.step, ckpt.seq)
+        return self._trained_in(chain, self._data_epoch_at(chain)[0])
 
     def _on_lease(
         self,

@@ -711,11 +711,17 @@ class Consumer:
 
     def _refold(self) -> None:
         """Fold the run anew (its newest snapshot, then the log); swapped in once whole."""
-        restored = self.ledger.load_snapshot(self.run_id)
-        state = restored if restored is not None else RunState(self.run_id, ref_source=self.ledger)
+        state, snapshot_seq = self._newest_snapshot()
         state.apply_rows(self.ledger.rows(self.run_id, after_seq=state.head_seq))
-        self.state, self._snapshot_seq = state, restored.head_seq if restored is not None else 0
+        self.state, self._snapshot_seq = state, snapshot_seq
         self._refold_needed = False
+
+    def _newest_snapshot(self) -> tuple[RunState, int]:
+        """The run's newest valid snapshot and its seq; an empty fold and 0 when none."""
+        restored = self.ledger.load_snapshot(self.run_id)
+        if restored is None:
+            return RunState(self.run_id, ref_source=self.ledger), 0
+        return restored, restored.head_seq
 
     @contextlib.contextmanager
     def _transaction(self, what: str) -> Iterator[WriteTransaction]:
@@ -795,9 +801,7 @@ class Consumer:
             return
         self._snapshot_seq = 0
         if self.state.head_seq == 0:
-            restored = self.ledger.load_snapshot(self.run_id)
-            if restored is not None:
-                self.state, self._snapshot_seq = restored, restored.head_seq
+            self.state, self._snapshot_seq = self._newest_snapshot()
 
     def _maybe_snapshot(self) -> None:
         every = self.snapshot_every

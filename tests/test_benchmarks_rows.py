@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is n
 from benchmarks import bench_pg, bench_restart, bench_stores, bench_streams
 from benchmarks._rows import Row
 from dataflow.testing._postgres import find_bin_dir
+from tests.conftest import unavailable
 
 
 def check(rows: list[Row], expected: dict[str, tuple[str, str | None]]) -> None:
@@ -38,18 +39,11 @@ def workdir(tmp_path) -> Path:
     return tmp_path
 
 
-def _real_component(usable: bool, reason: str) -> None:
-    if not usable:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason} (CI=true: every real component must be available)")
-        pytest.skip(reason)
-
-
 def test_pg_rows(workdir):
     try:
         find_bin_dir()
     except RuntimeError as exc:
-        _real_component(False, str(exc))
+        unavailable(str(exc))
     rows = bench_pg.rows(workdir, quick=True, writers=(1, 2), seconds=0.3)
     expected: dict[str, tuple[str, str | None]] = {}
     for where, target in (

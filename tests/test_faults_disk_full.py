@@ -18,6 +18,7 @@ import torch
 
 from dataflow import Consumer, Kind, Ledger, Producer, StoreFullError, replay
 from stores import SharedDirFeatureStore
+from tests.conftest import unavailable
 from training import CheckpointConfig, CheckpointError, CheckpointManager
 
 RUN = "run"
@@ -30,7 +31,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     where = tmp_path / "small"
     where.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
+        unavailable("mounting a size-limited tmpfs needs root")
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)],
         capture_output=True,
@@ -38,7 +39,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         check=False,
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs: {mounted.stderr.strip()}")
+        unavailable(f"cannot mount a size-limited tmpfs: {mounted.stderr.strip()}")
     try:
         yield where
     finally:

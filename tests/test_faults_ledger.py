@@ -24,6 +24,7 @@ import torch
 from dataflow import Kind, Ledger, OperationalError, Producer, replay
 from dataflow.testing._postgres import PostgresServer
 from stores import SharedDirFeatureStore
+from tests.conftest import unavailable
 
 RUN = "run"
 
@@ -137,7 +138,7 @@ def own_postgres() -> Iterator[PostgresServer]:
         server = PostgresServer()
         server.start()
     except (RuntimeError, OSError) as exc:
-        pytest.skip(f"no PostgreSQL server to restart: {exc}")
+        unavailable(f"no PostgreSQL server to restart: {exc}")
     try:
         yield server
     finally:
