@@ -18,7 +18,7 @@ import re
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -307,6 +307,72 @@ class SampleRef:
         except (ValueError, TypeError) as exc:
             raise InvalidRefError(f"not a JSON SampleRef: {exc}") from exc
         return cls.from_dict(data)
+
+
+SpecCheck = Callable[[str, FeatureSpec], None]
+_REF_FIELDS = ("sample_id", "store", "generation", "specs", "metadata")
+_REF_KEYS = frozenset(_REF_FIELDS)
+_SPEC_KEYS = frozenset(("shape", "dtype"))
+
+
+def _no_check(name: str, spec: FeatureSpec) -> None:
+    """The default ``check`` of :func:`ref_from_parsed`: every valid spec is fine."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_spec(name: str, dtype: str, shape: tuple[int, ...], check: SpecCheck) -> FeatureSpec:
+    # Cached by exact value (FeatureSpecs are immutable); a spec that fails raises, so
+    # it is never cached.
+    validate_feature_name(name)
+    spec = FeatureSpec(shape, _dtype_from_name(dtype))
+    check(name, spec)
+    return spec
+
+
+def ref_from_parsed(data: object, check: SpecCheck = _no_check) -> SampleRef:
+    """``SampleRef.from_dict(data)`` for ``data`` fresh from ``json.loads`` of a ref that was
+    valid when written (the ledger's, a stream's), then ``check`` of each spec.
+
+    Its metadata is plain JSON by construction, so the tensor walk and the JSON
+    round trip of ``SampleRef.__post_init__`` are skipped (most of a ref's
+    decoding time), and specs are decoded once per distinct value. Anything
+    unusual goes through ``from_dict``, which raises the precise error.
+    """
+    if type(data) is dict and data.keys() == _REF_KEYS:
+        sample_id, store, generation = data["sample_id"], data["store"], data["generation"]
+        specs, metadata = data["specs"], data["metadata"]
+        plain = (
+            type(store) is str
+            and store
+            and type(generation) is int
+            and generation >= 0
+            and type(specs) is dict
+            and type(metadata) is dict
+            and all(
+                type(s) is dict
+                and s.keys() == _SPEC_KEYS
+                and type(s["dtype"]) is str
+                and type(s["shape"]) is list
+                and all(type(d) is int for d in s["shape"])
+                for s in specs.values()
+            )
+        )
+        if plain:
+            validate_sample_id(sample_id)
+            decoded = {
+                name: _parsed_spec(name, s["dtype"], tuple(s["shape"]), check)
+                for name, s in specs.items()
+            }
+            ref = object.__new__(SampleRef)
+            for name, value in zip(
+                _REF_FIELDS, (sample_id, store, generation, decoded, metadata), strict=True
+            ):
+                object.__setattr__(ref, name, value)
+            return ref
+    ref = SampleRef.from_dict(data)
+    for name, spec in ref.specs.items():
+        check(name, spec)
+    return ref
 
 
 @dataclass(frozen=True)

@@ -1083,15 +1083,20 @@ class Consumer:
         return self.drained and not mine
 
     @_locked
-    def remaining(self) -> int | None:
+    def remaining(self, *, refresh: bool = True) -> int | None:
         """Samples this rank will still lease, once that number is fixed; else None.
 
         It is fixed when no more work can come to this rank: every producer closed
         (a stream: every producer's stream ended and was drained) and, in a seeded
         order, nothing is waiting for regeneration. A nack (features gone, a failed
-        step) can still put a sample back after that. Folds new events first.
+        step) can still put a sample back after that. Folds new events first;
+        ``refresh=False`` counts from the events folded so far, without reading the
+        ledger (right after a :meth:`lease`, which folded them).
         """
-        self.refresh()
+        if refresh:
+            self.refresh()
+        else:
+            self._require_epoch()
         if not self._share_fixed():
             return None
         return self.state.pending_count(self.rank)

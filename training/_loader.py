@@ -238,8 +238,8 @@ class FeatureLoader:
         self._take_ahead(wait=True)
         return self._batches_after(len(self._ready))
 
-    def _batches_after(self, ahead: int) -> int | None:
-        pending = self.consumer.remaining()
+    def _batches_after(self, ahead: int, *, refresh: bool = True) -> int | None:
+        pending = self.consumer.remaining(refresh=refresh)
         return None if pending is None else ahead + -(-pending // self.config.batch_size)
 
     def state_dict(self) -> dict[str, int]:
@@ -323,7 +323,7 @@ class FeatureLoader:
         size = self.config.batch_size
         refs = self.consumer.lease(size * self.config.prefetch, timeout=0)
         reads = [self._read(refs[at : at + size]) for at in range(0, len(refs), size)]
-        after = self._batches_after(0) if reads else None
+        after = self._batches_after(0, refresh=False) if reads else None  # the lease folded
         for left, read in enumerate(reversed(reads)):
             read.remaining, read.counted = None if after is None else after + left, True
         return reads

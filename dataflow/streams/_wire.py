@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass
 
 from dataflow._contracts import (
+    _REF_FIELDS,
     FeatureSpec,
     SampleRef,
     assert_no_tensors,
-    validate_feature_name,
-    validate_sample_id,
+    ref_from_parsed,
 )
 from dataflow._errors import BadFrameError, DataflowError, InvalidRefError, TensorInRefError
 
@@ -209,7 +209,6 @@ def _check_spec(name: str, spec: FeatureSpec) -> None:
 # construction). The fast paths check the same rules; a test compares them
 # with SampleRef.to_json/from_dict, and they fall back to the generic paths
 # if SampleRef ever grows another field.
-_REF_FIELDS = ("sample_id", "store", "generation", "specs", "metadata")
 _FAST = tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _dump_str = json.encoder.encode_basestring_ascii  # what _dumps does for a str, minus the checks
@@ -311,53 +310,15 @@ def _decode_ref(data: object) -> SampleRef:
         raise bad_frame(MALFORMED, f"bad ref: {exc}") from None
 
 
-_REF_KEYS = frozenset(_REF_FIELDS)
-_specs: dict[tuple[str, str, tuple[int, ...]], FeatureSpec] = {}
-_MAX_CACHED_SPECS = 4096
-
-
 def _fast_ref(data: object) -> SampleRef:
     """SampleRef.from_dict and check_limits, for a dict fresh from json.loads."""
-    if type(data) is not dict or data.keys() != _REF_KEYS:
+    if type(data) is dict and (
+        (type(specs := data.get("specs")) is dict and len(specs) > MAX_FEATURES)
+        or (type(generation := data.get("generation")) is int and generation > MAX_INT)
+        or (type(store := data.get("store")) is str and len(store) > MAX_STORE_CHARS)
+    ):
         return check_limits(SampleRef.from_dict(data))  # raises the precise error
-    sample_id, store, generation = data["sample_id"], data["store"], data["generation"]
-    specs, metadata = data["specs"], data["metadata"]
-    validate_sample_id(sample_id)
-    if type(store) is not str or not store:
-        raise InvalidRefError(f"SampleRef.store must be a non-empty URI, got {store!r}")
-    if type(generation) is not int or generation < 0:
-        raise InvalidRefError(f"SampleRef.generation must be an int >= 0, got {generation!r}")
-    if type(specs) is not dict or type(metadata) is not dict:
-        return check_limits(SampleRef.from_dict(data))
-    if len(specs) > MAX_FEATURES or generation > MAX_INT or len(store) > MAX_STORE_CHARS:
-        return check_limits(SampleRef.from_dict(data))
-    decoded = {name: _spec(name, spec) for name, spec in specs.items()}
-    ref = object.__new__(SampleRef)
-    values = (sample_id, store, generation, decoded, metadata)
-    for field, value in zip(_REF_FIELDS, values, strict=True):
-        object.__setattr__(ref, field, value)
-    return ref
-
-
-def _spec(name: str, spec: object) -> FeatureSpec:
-    """A validated FeatureSpec within the limits, cached by exact value (FeatureSpecs are
-    immutable)."""
-    key = None
-    if type(spec) is dict and spec.keys() == {"shape", "dtype"}:
-        shape, dtype = spec["shape"], spec["dtype"]
-        if type(shape) is list and type(dtype) is str and all(type(d) is int for d in shape):
-            key = (name, dtype, tuple(shape))
-            cached = _specs.get(key)
-            if cached is not None:
-                return cached
-    validate_feature_name(name)
-    result = FeatureSpec.from_dict(spec)
-    _check_spec(name, result)
-    if key is not None:
-        if len(_specs) >= _MAX_CACHED_SPECS:
-            _specs.clear()
-        _specs[key] = result
-    return result
+    return ref_from_parsed(data, _check_spec)
 
 
 def _is_int(value: object) -> bool:

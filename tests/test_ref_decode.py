@@ -1,0 +1,100 @@
+"""ref_from_parsed: the ledger's and the wire's decoder of parsed ref JSON equals SampleRef's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dataflow import DataflowError, FeatureSpec, InvalidRefError, SampleRef
+from dataflow._contracts import _REF_FIELDS, ref_from_parsed
+from tests.test_streams_wire import json_values, sample_ids, spec_dicts, specs
+
+maybe_bad = st.one_of(
+    json_values,
+    st.sampled_from(["s-1", "", "../x", "/abs", 0, -1, 2**70, True, 1.5, [], {}]),
+)
+
+
+def test_fields_are_the_ones_it_sets() -> None:
+    # A field SampleRef grows would be left unset by the fast path.
+    assert tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sample_id=sample_ids,
+    generation=st.integers(0, 2**62),
+    specs=specs,
+    metadata=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
+)
+def test_round_trip(sample_id: str, generation: int, specs: dict, metadata: dict) -> None:
+    ref = SampleRef(sample_id, "dir:///d", generation, specs=specs, metadata=metadata)
+    got = ref_from_parsed(json.loads(ref.to_json()))
+    assert got == ref
+    assert type(got.specs) is dict and all(type(s) is FeatureSpec for s in got.specs.values())
+    assert got.to_json() == ref.to_json()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sample_id=maybe_bad,
+    store=maybe_bad,
+    generation=maybe_bad,
+    specs=st.one_of(
+        st.dictionaries(st.sampled_from(["x", "y.z", "", "bad name"]), spec_dicts, max_size=3),
+        maybe_bad,
+    ),
+    metadata=maybe_bad,
+)
+def test_accepts_exactly_what_from_dict_accepts(**fields: object) -> None:
+    data = json.loads(json.dumps(fields))
+    try:
+        expected: object = SampleRef.from_dict(json.loads(json.dumps(data)))
+    except (DataflowError, ValueError, TypeError):
+        expected = "refused"
+    try:
+        got: object = ref_from_parsed(data)
+    except (DataflowError, ValueError, TypeError):
+        got = "refused"
+    assert got == expected
+
+
+def test_check_sees_every_spec_and_its_refusal_is_not_cached() -> None:
+    data = json.loads(
+        SampleRef("s", "mem://m", 0, {"x": FeatureSpec((3,), torch.int8)}).to_json()
+    )
+    seen: list[tuple[str, FeatureSpec]] = []
+
+    def refuse(name: str, spec: FeatureSpec) -> None:
+        seen.append((name, spec))
+        raise InvalidRefError(f"{name} refused")
+
+    for _ in range(2):
+        with pytest.raises(InvalidRefError, match="x refused"):
+            ref_from_parsed(data, refuse)
+    assert seen == [("x", FeatureSpec((3,), torch.int8))] * 2
+    assert ref_from_parsed(data).specs["x"] == FeatureSpec((3,), torch.int8)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"sample_id": "../up"}, "sample"),
+        ({"generation": -1}, "generation"),
+        ({"generation": True}, "generation"),
+        ({"store": ""}, "store"),
+        ({"specs": {"x": {"shape": [-1], "dtype": "float32"}}}, "shape"),
+        ({"specs": {"x": {"shape": [2], "dtype": "tensor"}}}, "dtype"),
+        ({"specs": {"bad name": {"shape": [2], "dtype": "float32"}}}, "name"),
+        ({"extra": 1}, "keys"),
+    ],
+)
+def test_bad_ref_names_what_is_wrong(change: dict, match: str) -> None:
+    data = {**json.loads(SampleRef("s", "mem://m", 0).to_json()), **change}
+    with pytest.raises(DataflowError, match=match):
+        ref_from_parsed(data)
