@@ -239,6 +239,19 @@ def test_consumer_remaining_is_none_until_every_producer_closed(led, store) -> N
     assert consumer.remaining() == 3
 
 
+def test_remaining_without_refresh_counts_what_the_last_read_folded(led, store) -> None:
+    producer = _emit(led, store, 5, close=False)
+    consumer = _consumer(led, store)
+    consumer.lease(2)
+    producer.close()  # this consumer has not folded it yet
+    assert consumer.remaining(refresh=False) is None
+    assert consumer.remaining() == 3
+    consumer.lease(1)
+    assert consumer.remaining(refresh=False) == 2
+    with pytest.raises(LedgerStateError, match="resume"):
+        Consumer(led, store, run_id=RUN, consumer_id="idle").remaining(refresh=False)
+
+
 def test_a_consumer_serves_threads_leasing_and_acking_at_once(led, store) -> None:
     import threading
 
