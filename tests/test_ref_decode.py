@@ -12,12 +12,15 @@ from hypothesis import strategies as st
 
 from dataflow import DataflowError, FeatureSpec, InvalidRefError, SampleRef
 from dataflow._contracts import _REF_FIELDS, ref_from_parsed
-from tests.test_streams_wire import json_values, sample_ids, spec_dicts, specs
+from dataflow.streams import _wire
+from dataflow.streams._wire import check_limits
+from tests.test_streams_wire import json_values, maybe_bad, sample_ids, spec_dicts, specs
 
-maybe_bad = st.one_of(
-    json_values,
-    st.sampled_from(["s-1", "", "../x", "/abs", 0, -1, 2**70, True, 1.5, [], {}]),
-)
+#: Each fast decoder, and the generic path whose verdicts it must give.
+DECODERS = {
+    "ledger": (ref_from_parsed, SampleRef.from_dict),
+    "wire": (_wire._fast_ref, lambda data: check_limits(SampleRef.from_dict(data))),
+}
 
 
 def test_fields_are_the_ones_it_sets() -> None:
@@ -25,21 +28,26 @@ def test_fields_are_the_ones_it_sets() -> None:
     assert tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
 
 
-@settings(max_examples=200, deadline=None)
-@given(
+refs = st.builds(
+    SampleRef,
     sample_id=sample_ids,
+    store=st.just("dir:///d"),
     generation=st.integers(0, 2**62),
     specs=specs,
     metadata=st.dictionaries(st.text(max_size=8), json_values, max_size=4),
 )
-def test_round_trip(sample_id: str, generation: int, specs: dict, metadata: dict) -> None:
-    ref = SampleRef(sample_id, "dir:///d", generation, specs=specs, metadata=metadata)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ref=refs)
+def test_round_trip(ref: SampleRef) -> None:
     got = ref_from_parsed(json.loads(ref.to_json()))
     assert got == ref
     assert type(got.specs) is dict and all(type(s) is FeatureSpec for s in got.specs.values())
     assert got.to_json() == ref.to_json()
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @settings(max_examples=400, deadline=None)
 @given(
     sample_id=maybe_bad,
@@ -51,14 +59,17 @@ def test_round_trip(sample_id: str, generation: int, specs: dict, metadata: dict
     ),
     metadata=maybe_bad,
 )
-def test_accepts_exactly_what_from_dict_accepts(**fields: object) -> None:
+def test_fast_decode_accepts_exactly_what_sample_ref_accepts(
+    decoder: str, **fields: object
+) -> None:
+    fast, generic = DECODERS[decoder]
     data = json.loads(json.dumps(fields))
     try:
-        expected: object = SampleRef.from_dict(json.loads(json.dumps(data)))
+        expected: object = generic(json.loads(json.dumps(data)))
     except (DataflowError, ValueError, TypeError):
         expected = "refused"
     try:
-        got: object = ref_from_parsed(data)
+        got: object = fast(data)
     except (DataflowError, ValueError, TypeError):
         got = "refused"
     assert got == expected
