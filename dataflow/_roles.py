@@ -20,7 +20,9 @@ import re
 import sys
 import threading
 import time
+import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -677,6 +679,9 @@ class Consumer:
         self.state = RunState(run_id, ref_source=ledger)
         self._lock = threading.RLock()
         self.epoch: int | None = None
+        #: before_checkpoint callbacks, each behind a function that returns it (None once a
+        #: bound method's object is gone).
+        self._before_checkpoint: list[Callable[[], Callable[[], object] | None]] = []
         self._from_stream: set[str] = set()
         self._marked_closed: set[str] = set()
         #: The run's Prometheus metrics endpoint (``metrics_port``, on ``metrics_host``,
@@ -1429,18 +1434,40 @@ class Consumer:
         self._credit(ids)
         self._delete_features(s for s in ids if s in self.state.lost)
 
-    @_locked
+    def before_checkpoint(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` at the start of every :meth:`checkpoint` of this consumer,
+        before the ranks meet; an error it raises is raised by that ``checkpoint``, which
+        then records nothing.
+
+        For acks written behind the training loop: a ``FeatureLoader`` with ``prefetch``
+        registers its ``flush``, so the acks it still holds are in the ledger before a
+        checkpoint records what was trained, whoever calls ``checkpoint``. A bound
+        method is held weakly (it stops being called once its object is gone).
+        """
+        if not callable(callback):
+            raise ArgumentTypeError(
+                f"before_checkpoint takes a callable, got {type(callback).__name__}"
+            )
+        held: Callable[[], Callable[[], object] | None] = (
+            weakref.WeakMethod(callback)
+            if isinstance(callback, types.MethodType)
+            else lambda: callback
+        )
+        with self._lock:
+            self._before_checkpoint.append(held)
+
     def checkpoint(
         self, step: int, path: str | os.PathLike[str], *, digest: str | None = None
     ) -> Checkpoint | None:
         """Record a durable checkpoint at ``step``; release features per the policy.
 
         Call it after the checkpoint files are durable. Every rank calls it:
-        with torch.distributed initialized the ranks meet in a barrier first,
-        so rank 0 appends only once every rank's acks up to ``step`` are in
-        the ledger. ``digest`` (e.g. the sha256 of the checkpoint's manifest)
-        is recorded so a resume can check it loads exactly these bytes.
-        Returns the Checkpoint on rank 0, None elsewhere.
+        the :meth:`before_checkpoint` callbacks run first, then with
+        torch.distributed initialized the ranks meet in a barrier, so rank 0
+        appends only once every rank's acks up to ``step`` are in the ledger.
+        ``digest`` (e.g. the sha256 of the checkpoint's manifest) is recorded
+        so a resume can check it loads exactly these bytes. Returns the
+        Checkpoint on rank 0, None elsewhere.
 
         ``path``: the checkpoint's file or directory. A local path must exist
         (rank 0 checks it) and must not have a ``..`` part; it is recorded as
@@ -1457,6 +1484,17 @@ class Consumer:
                 f"checkpoint digest must be a non-empty str or None, got {digest!r}"
             )
         self._require_epoch()
+        # Outside the lock: a loader's flush waits for its thread, which may be waiting
+        # for this lock to lease.
+        with self._lock:
+            held = [callback for get in self._before_checkpoint if (callback := get())]
+            self._before_checkpoint = [get for get in self._before_checkpoint if get()]
+        for callback in held:
+            callback()
+        return self._record_checkpoint(step, path, digest)
+
+    @_locked
+    def _record_checkpoint(self, step: int, path: str, digest: str | None) -> Checkpoint | None:
         if _dist_group_active(self.world_size):
             sys.modules["torch"].distributed.barrier()
         if self.rank != 0:

@@ -384,3 +384,69 @@ def test_ack_many_refuses_bad_input_and_writes_nothing(led, store, acks, error, 
     with pytest.raises(error, match=match):
         consumer.ack_many(acks)
     assert replay(led, RUN).head_seq == head and replay(led, RUN).trained == {}
+
+
+def test_a_checkpoint_writes_the_acks_a_prefetching_loader_holds(led, store, tmp_path) -> None:
+    _emit(led, store, 8)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=2))
+    first = loader.next_batch()
+    assert first is not None
+    loader.ack(first.refs, step=1)  # held by the loader until its next lease ahead
+    checkpoint = consumer.checkpoint(1, tmp_path)  # no loader.flush() first
+    assert checkpoint is not None
+    assert {s: consumer.state.trained.get(s) for s in first.sample_ids} == dict.fromkeys(
+        first.sample_ids, 1
+    )
+    trained = list(first.sample_ids)
+    for step, batch in enumerate(loader, start=2):  # a late ack of step 1 would be refused
+        loader.ack(batch.refs, step=step)
+        trained += batch.sample_ids
+    loader.flush()
+    assert sorted(trained) == [f"s{i:02d}" for i in range(8)]
+    plan = Consumer(led, store, run_id=RUN, consumer_id="again").resume(checkpoint)
+    assert not set(first.sample_ids) & set(plan.requeued)
+    assert replay(led, RUN).verify() == []
+
+
+def test_before_checkpoint_callbacks_run_first_and_a_failure_records_nothing(
+    led, store, tmp_path
+) -> None:
+    _emit(led, store, 2)
+    consumer = _consumer(led, store)
+    calls: list[int] = []
+    consumer.before_checkpoint(lambda: calls.append(len(replay(led, RUN).checkpoints)))
+    consumer.checkpoint(0, tmp_path)
+    assert calls == [0]  # before the checkpoint was recorded
+
+    def fail() -> None:
+        raise RuntimeError("held acks could not be written")
+
+    consumer.before_checkpoint(fail)
+    with pytest.raises(RuntimeError, match="held acks"):
+        consumer.checkpoint(1, tmp_path)
+    assert [c.step for c in replay(led, RUN).checkpoints] == [0]
+    with pytest.raises(TypeError, match="callable"):
+        consumer.before_checkpoint("flush")  # type: ignore[arg-type]
+
+
+def test_before_checkpoint_holds_a_bound_method_weakly(led, store, tmp_path) -> None:
+    import gc
+
+    _emit(led, store, 2)
+    consumer = _consumer(led, store)
+
+    class Holder:
+        calls = 0
+
+        def flush(self) -> None:
+            Holder.calls += 1
+
+    holder = Holder()
+    consumer.before_checkpoint(holder.flush)
+    consumer.checkpoint(0, tmp_path)
+    assert Holder.calls == 1
+    del holder
+    gc.collect()
+    consumer.checkpoint(1, tmp_path)
+    assert Holder.calls == 1

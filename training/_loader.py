@@ -112,7 +112,8 @@ class FeatureLoader:
     with N batches per lease an ack costs a ledger write every N steps. An ack not
     written yet is lost with the process, which is safe: its step came after the
     last checkpoint, which a restart goes back to. :meth:`flush` writes and waits
-    for them (before a checkpoint); they are written before the loader waits for
+    for them; ``Consumer.checkpoint`` calls it first (the loader registers it with
+    ``Consumer.before_checkpoint``). They are written before the loader waits for
     refs (a stream's credits come back with them). Refs leased ahead and not yet
     handed out stay leased when the loader stops; the next resume requeues them.
     """
@@ -156,6 +157,8 @@ class FeatureLoader:
         self._counted: _Read | None = None
         #: Samples handed out in batches so far (this rank's position in its queue).
         self.position = 0
+        if config.prefetch:  # acks held here are written before any checkpoint records
+            consumer.before_checkpoint(self.flush)
 
     def __iter__(self) -> Iterator[Batch]:
         try:
@@ -211,7 +214,8 @@ class FeatureLoader:
 
     def flush(self) -> None:
         """Write every ack given to :meth:`ack` and wait until they are in the ledger; raise
-        the first that failed. Call it before a checkpoint records what was trained."""
+        the first that failed. ``Consumer.checkpoint`` calls it before it records what was
+        trained (with ``prefetch``, the loader registers it there)."""
         self._send_acks()
         acks, self._acks = self._acks, []
         failed = [exc for future in acks if (exc := future.exception()) is not None]
