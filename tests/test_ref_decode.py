@@ -109,3 +109,11 @@ def test_bad_ref_names_what_is_wrong(change: dict, match: str) -> None:
     data = {**json.loads(SampleRef("s", "mem://m", 0).to_json()), **change}
     with pytest.raises(DataflowError, match=match):
         ref_from_parsed(data)
+
+
+def test_a_spec_the_ledger_decoded_is_still_checked_by_the_wire() -> None:
+    huge = {"x": {"shape": [2**40, 2**20], "dtype": "float32"}}  # over the wire's limits
+    data = {**json.loads(SampleRef("s", "mem://m", 0).to_json()), "specs": huge}
+    assert ref_from_parsed(json.loads(json.dumps(data))).specs["x"].shape == (2**40, 2**20)
+    with pytest.raises(InvalidRefError, match="bytes"):
+        _wire._fast_ref(json.loads(json.dumps(data)))
