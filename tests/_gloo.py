@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from dataflow import Consumer, Ledger
+from stores import SharedDirFeatureStore
+
 CHILD_TIMEOUT_S = 120
 COLLECTIVE_TIMEOUT_S = 30
 
@@ -23,6 +26,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_args(tmp_path: Path, **more: Any) -> dict[str, Any]:
+    """What a multi-rank test's processes share: a free rendezvous port, a SQLite ledger,
+    a shared-directory store, a checkpoint root and a directory for their results."""
+    return {
+        "port": free_port(),
+        "ledger": f"sqlite:///{tmp_path}/ledger.db",
+        "features": str(tmp_path / "features"),
+        "ckpt": str(tmp_path / "ckpt"),
+        "out": str(tmp_path),
+        **more,
+    }
+
+
+def rank_consumer(
+    args: dict[str, Any], rank: int, *, run_id: str = "run", **options: Any
+) -> Consumer:
+    """Rank ``rank``'s Consumer (id ``rank<N>``) of a two-rank run, on ``run_args``'
+    ledger and store."""
+    return Consumer(
+        Ledger.open(args["ledger"]),
+        SharedDirFeatureStore(args["features"]),
+        run_id=run_id,
+        consumer_id=f"rank{rank}",
+        rank=rank,
+        world_size=2,
+        **options,
+    )
 
 
 def init_gloo(rank: int, port: int, *, world_size: int = 2) -> None:

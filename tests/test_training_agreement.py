@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import init_gloo, join, rank_consumer, run_args, start
 
-from dataflow import Consumer, Kind, Ledger, Producer, replay
+from dataflow import Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
 from training import (
     Batch,
@@ -72,15 +72,7 @@ def _train(rank: int, args: dict[str, Any]) -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    consumer = Consumer(
-        Ledger.open(args["ledger"]),
-        SharedDirFeatureStore(args["features"]),
-        run_id=RUN,
-        consumer_id=f"rank{rank}",
-        rank=rank,
-        world_size=2,
-        order_seed=args["order_seed"],
-    )
+    consumer = rank_consumer(args, rank, run_id=RUN, order_seed=args["order_seed"])
     trainer = Trainer(
         consumer,
         step_fn=step_fn,
@@ -100,19 +92,14 @@ def _train(rank: int, args: dict[str, Any]) -> None:
 
 
 def _run(tmp_path: Path, **overrides: Any) -> list[dict[str, Any]]:
-    args = {
-        "ledger": f"sqlite:///{tmp_path}/ledger.db",
-        "features": str(tmp_path / "features"),
-        "ckpt": str(tmp_path / "ckpt"),
-        "out": str(tmp_path),
-        "port": free_port(),
+    defaults = {
         "samples": 11,
         "emit_pause_s": 0.0,
         "batch_size": 1,
         "order_seed": None,
         "live_producer": False,
-        **overrides,
     }
+    args = run_args(tmp_path, **{**defaults, **overrides})
     producer = start(_produce, args) if args["live_producer"] else None
     if producer is None:
         _produce(args)

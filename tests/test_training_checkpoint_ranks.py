@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import init_gloo, join, run_args, start
 
 import training
 from dataflow import Consumer, Kind, Ledger, replay
@@ -195,15 +195,7 @@ def _rank_in_child(rank: int, args: dict[str, Any]) -> None:
 # -- the parent side -------------------------------------------------------------------------
 def _run_ranks(tmp_path: Path, mode: str, **extra: Any) -> list[dict[str, Any]]:
     """Run ``mode`` on two gloo ranks in fresh processes; their results, in rank order."""
-    args = {
-        "port": free_port(),
-        "ledger": f"sqlite:///{tmp_path}/ledger.db",
-        "features": str(tmp_path / "features"),
-        "ckpt": str(tmp_path / "ckpt"),
-        "out": str(tmp_path),
-        "mode": mode,
-        **extra,
-    }
+    args = run_args(tmp_path, mode=mode, **extra)
     ranks = [start(_rank_in_child, r, args) for r in range(2)]
     assert [join(process) for process in ranks] == [0, 0]
     return [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in range(2)]

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import init_gloo, join, rank_consumer, run_args, start
 
-from dataflow import Consumer, Kind, Ledger, Producer, replay
+from dataflow import Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
 from training import FeatureLoader, LoaderConfig
 
@@ -22,14 +22,7 @@ SAMPLES = 16
 
 def _rank(rank: int, args: dict[str, Any]) -> None:
     init_gloo(rank, args["port"])
-    consumer = Consumer(
-        Ledger.open(args["ledger"]),
-        SharedDirFeatureStore(args["features"]),
-        run_id=RUN,
-        consumer_id=f"rank{rank}",
-        rank=rank,
-        world_size=2,
-    )
+    consumer = rank_consumer(args, rank, run_id=RUN)
     consumer.resume()
     loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=2))
     first = loader.next_batch()
@@ -51,13 +44,7 @@ def _rank(rank: int, args: dict[str, Any]) -> None:
 
 
 def test_each_ranks_held_acks_land_before_the_checkpoint(tmp_path: Path) -> None:
-    args = {
-        "ledger": f"sqlite:///{tmp_path}/ledger.db",
-        "features": str(tmp_path / "features"),
-        "ckpt": str(tmp_path / "ckpt"),
-        "out": str(tmp_path),
-        "port": free_port(),
-    }
+    args = run_args(tmp_path)
     with Ledger.open(args["ledger"]) as led:
         producer = Producer(led, SharedDirFeatureStore(args["features"]), run_id=RUN)
         for i in range(SAMPLES):
