@@ -375,6 +375,11 @@ def ref_from_parsed(data: object, check: SpecCheck = _no_check) -> SampleRef:
     return ref
 
 
+def ref_from_ledger(text: str | bytes) -> SampleRef:
+    """The ref a commit event's JSON holds (valid when it was committed)."""
+    return ref_from_parsed(json.loads(text))
+
+
 @dataclass(frozen=True)
 class StoreStats:
     """What a store holds now: stored objects (sample generations) and their tensor bytes.

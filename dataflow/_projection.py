@@ -17,13 +17,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import json
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dataflow._contracts import SampleRef, ref_from_parsed
+from dataflow._contracts import SampleRef, ref_from_ledger
 from dataflow._errors import ArgumentTypeError, InvalidArgumentError
 from dataflow._events import Kind, load_payload
 
@@ -312,7 +311,7 @@ class RunState:
             if self._ref_source is None:
                 raise KeyError(next(iter(missing)))
             raw.update(self._ref_source.commit_payloads(self.run_id, missing))
-        return {sid: ref_from_parsed(json.loads(raw[sid])) for sid in raw}  # type: ignore[arg-type]
+        return {sid: ref_from_ledger(raw[sid]) for sid in raw}  # type: ignore[arg-type]
 
     def revision(self, sample_id: str) -> int:
         if sample_id not in self._commits:

@@ -35,6 +35,7 @@ from dataflow._contracts import (
     RefReceiver,
     RefSender,
     SampleRef,
+    ref_from_ledger,
     validate_sample_id,
 )
 from dataflow._errors import (
@@ -378,7 +379,7 @@ class Producer:
                 if newest[ref.sample_id] is not ref:
                     self.store.delete(ref)  # an older put of an id repeated in this batch
         for sid, (revision, payload) in known.items():
-            self._settle_duplicate(newest[sid], revision, SampleRef.from_json(payload))
+            self._settle_duplicate(newest[sid], revision, ref_from_ledger(payload))
         results = [
             ref if newest[ref.sample_id] is ref and ref.sample_id not in known else None
             for ref in refs
@@ -548,7 +549,7 @@ class Producer:
         live and ours were never needed: LedgerStateError, and ours are deleted.
         """
         revision, payload = newest
-        if self._superseded_by(ours, SampleRef.from_json(payload)):
+        if self._superseded_by(ours, ref_from_ledger(payload)):
             return revision
         raise LedgerStateError(
             f"{ours.sample_id!r} was regenerated meanwhile by another producer (revision "
@@ -1487,9 +1488,9 @@ class Consumer:
         # Outside the lock: a loader's flush waits for its thread, which may be waiting
         # for this lock to lease.
         with self._lock:
-            held = [callback for get in self._before_checkpoint if (callback := get())]
-            self._before_checkpoint = [get for get in self._before_checkpoint if get()]
-        for callback in held:
+            live = [(get, callback) for get in self._before_checkpoint if (callback := get())]
+            self._before_checkpoint = [get for get, _ in live]
+        for _, callback in live:
             callback()
         return self._record_checkpoint(step, path, digest)
 
