@@ -1177,18 +1177,9 @@ class Consumer:
             refs = [self._committed_ref(s) for s in held[:max_refs]]
             self._reclaimed = tuple(held[max_refs:])
             return refs
-        if self.state.order_seed is not None and (
-            not self.state.producers_done or self.state.regenerate
-        ):
-            # Seeded order: the dataset is complete, and sorted, once every producer closed
-            # and every sample to regenerate is back in its place.
+        if self._seeded_order_waits():
             return []
-        from_ledger = self.stream is None or self.stream.exhausted
-        candidates = list(
-            itertools.islice(
-                self.state.pending_for(self.rank, requeued_only=not from_ledger), max_refs
-            )
-        )
+        candidates = self._ready_to_lease(max_refs)
         if candidates:
             return self._lease_ids(candidates, streamed=False)
         if self.stream is None or self._stream_ended():
@@ -1300,6 +1291,79 @@ class Consumer:
         one before), but all or nothing and one ledger write: a loader that acks a
         few steps at once pays one transaction for them. A sample may appear once.
         """
+        steps, ids = self._checked_acks(acks)
+        if not steps:
+            return
+        release: list[str] = []
+        try:
+            with self._write("ack") as tx:
+                self._append_acks(tx, steps, ids, release)
+        except CommitOutcomeUnknownError:
+            if not self._landed(ids, self._trained_by_an_ack):
+                raise
+        self._acked(ids, release)
+
+    @_locked
+    def ack_and_lease(
+        self, acks: Iterable[tuple[Iterable[SampleRef | str], int]], max_refs: int
+    ) -> list[SampleRef]:
+        """:meth:`ack_many` of ``acks``, then :meth:`lease` of up to ``max_refs`` refs ready
+        now (``timeout=0``), in one ledger transaction.
+
+        A loader that leases ahead while the current batch trains writes the acks
+        of the steps since its last lease with the next one: one write instead of
+        two. The acks are checked as ``ack_many`` checks them, and written whether
+        or not anything is leased; if the write fails, neither is in the ledger.
+        Where the lease cannot be decided inside the transaction (refs still to
+        come from a stream, leases reclaimed by :meth:`rejoin` to hand out), it is
+        ``ack_many`` and then ``lease``: two transactions, the same outcome.
+        """
+        self._require_epoch()
+        steps, ids = self._checked_acks(acks)
+        _check_int("max_refs", max_refs, minimum=1)
+        if not steps or self._still_reclaimed() or not self._leases_from_ledger():
+            self.ack_many(steps)
+            return self.lease(max_refs, timeout=0)
+        release: list[str] = []
+        take: list[str] = []
+        refs: list[SampleRef] = []
+        try:
+            with self._write("ack+lease") as tx:
+                self._append_acks(tx, steps, ids, release)
+                take = [] if self._seeded_order_waits() else self._ready_to_lease(max_refs)
+                refs = [self._committed_ref(s) for s in take]
+                tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
+                self._sync(tx)
+        except CommitOutcomeUnknownError:
+            leased = set(take)
+            if not self._landed(
+                ids + take,
+                lambda s: not self._lease_ended(s) if s in leased else self._trained_by_an_ack(s),
+            ):
+                raise
+        self._acked(ids, release)
+        return refs
+
+    def _leases_from_ledger(self) -> bool:
+        """Whether this consumer leases from the fold alone (no stream, or an exhausted one)."""
+        return self.stream is None or self.stream.exhausted
+
+    def _seeded_order_waits(self) -> bool:
+        # Seeded order: the dataset is complete, and sorted, once every producer closed
+        # and every sample to regenerate is back in its place.
+        state = self.state
+        return state.order_seed is not None and (not state.producers_done or state.regenerate)
+
+    def _ready_to_lease(self, max_refs: int) -> list[str]:
+        """Up to ``max_refs`` of this rank's pending ids in the fold; only requeued ones
+        while refs still come from a stream (those come through it)."""
+        pending = self.state.pending_for(self.rank, requeued_only=not self._leases_from_ledger())
+        return list(itertools.islice(pending, max_refs))
+
+    def _checked_acks(
+        self, acks: Iterable[tuple[Iterable[SampleRef | str], int]]
+    ) -> tuple[list[tuple[list[str], int]], list[str]]:
+        """``acks`` as (ids, step) pairs in step order, and all their ids; raise on bad input."""
         if isinstance(acks, (str, bytes)) or not isinstance(acks, Iterable):
             raise ArgumentTypeError(
                 f"ack_many takes a list of (refs, step) pairs, got {acks!r:.100}"
@@ -1316,15 +1380,10 @@ class Consumer:
                 raise LedgerStateError(
                     f"ack_many got step {later} after step {earlier}: give the steps in order"
                 )
-        if not steps:
-            return
-        first = steps[0][1]
-        release: list[str] = []
-        try:
-            self._append_acks(steps, ids, first, release)
-        except CommitOutcomeUnknownError:
-            if not self._landed(ids, self._trained_by_an_ack):
-                raise
+        return steps, ids
+
+    def _acked(self, ids: list[str], release: list[str]) -> None:
+        """After acks landed: delete what they released, give the stream its credits."""
         self._delete_features(release)
         self._credit(ids)
 
@@ -1336,33 +1395,37 @@ class Consumer:
         return self.state.leased.get(sample_id) != self.consumer_id
 
     def _append_acks(
-        self, steps: list[tuple[list[str], int]], ids: list[str], first: int, release: list[str]
+        self,
+        tx: WriteTransaction,
+        steps: list[tuple[list[str], int]],
+        ids: list[str],
+        release: list[str],
     ) -> None:
-        """The ack transaction of :meth:`ack_many`; ``release`` gets the ids it released."""
-        with self._write("ack") as tx:
-            self._check_leased(ids, "ack")
-            floor = self.state.last_checkpoint_step
-            if first <= floor:
-                raise LedgerStateError(
-                    f"ack at step {first} in run {self.run_id!r}, but a checkpoint at step "
-                    f"{floor} already exists in this lineage: acks must name a later step"
-                )
-            newest = self.state.last_ack_step(self.consumer_id)
-            if first < newest:
-                raise LedgerStateError(
-                    f"ack at step {first} in run {self.run_id!r}, but {self.consumer_id!r} "
-                    f"already acked step {newest} in epoch {self.epoch}: steps must not go "
-                    "backwards; ack with the number of the optimizer step just taken"
-                )
-            tx.append(
-                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
-                for batch, step in steps
-                for s in batch
+        """Append the acks of ``steps`` in ``tx``; ``release`` gets the ids they release."""
+        self._check_leased(ids, "ack")
+        first = steps[0][1]
+        floor = self.state.last_checkpoint_step
+        if first <= floor:
+            raise LedgerStateError(
+                f"ack at step {first} in run {self.run_id!r}, but a checkpoint at step "
+                f"{floor} already exists in this lineage: acks must name a later step"
             )
-            if self.release_policy == "on_ack":
-                release += ids
-            tx.append(self._release_events(release))
-            self._sync(tx)
+        newest = self.state.last_ack_step(self.consumer_id)
+        if first < newest:
+            raise LedgerStateError(
+                f"ack at step {first} in run {self.run_id!r}, but {self.consumer_id!r} "
+                f"already acked step {newest} in epoch {self.epoch}: steps must not go "
+                "backwards; ack with the number of the optimizer step just taken"
+            )
+        tx.append(
+            NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
+            for batch, step in steps
+            for s in batch
+        )
+        if self.release_policy == "on_ack":
+            release += ids
+        tx.append(self._release_events(release))
+        self._sync(tx)
 
     @_locked
     def nack(

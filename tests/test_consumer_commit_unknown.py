@@ -81,6 +81,28 @@ def test_an_ack_whose_commit_failed_is_settled_by_the_ledger(
     assert consumer.lease(2) == []
 
 
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_an_ack_and_lease_whose_commit_failed_is_settled_by_the_ledger(
+    ledger, run_id, emit, make_consumer, failing_commits, landed
+):
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b", "c", "d")
+    refs = consumer.lease(2)
+    failing_commits(1, landed=landed)
+    if landed:  # both are in the ledger: the call returns the leased refs
+        assert [r.sample_id for r in consumer.ack_and_lease([(refs, 1)], 2)] == ["c", "d"]
+    else:
+        with pytest.raises(CommitOutcomeUnknownError):
+            consumer.ack_and_lease([(refs, 1)], 2)
+        assert kinds(ledger, run_id, Kind.ACK) == []
+        assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b"]
+        assert [r.sample_id for r in consumer.ack_and_lease([(refs, 1)], 2)] == ["c", "d"]
+    assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
+    assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
+    assert_agrees(consumer, ledger, run_id)
+
+
 def test_a_checkpoint_rolled_back_is_not_in_the_fold_and_is_recorded_again(
     ledger, run_id, emit, make_consumer, failing_commits, tmp_path
 ):

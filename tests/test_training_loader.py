@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from collections.abc import Iterator
 
@@ -289,9 +291,16 @@ def test_a_lease_ahead_of_several_batches_hands_them_out_in_order_with_exact_cou
     consumer = _consumer(led, store)
     leases: list[int] = []
     acks: list[list[int]] = []
-    lease, ack_many = consumer.lease, consumer.ack_many
+    lease, ack_many, ack_and_lease = consumer.lease, consumer.ack_many, consumer.ack_and_lease
     consumer.lease = lambda n, **kw: leases.append(n) or lease(n, **kw)  # type: ignore[method-assign]
     consumer.ack_many = lambda a: acks.append([s for _, s in a]) or ack_many(a)  # type: ignore[method-assign]
+
+    def acks_and_lease(a: list, n: int) -> list:
+        acks.append([s for _, s in a])
+        leases.append(n)
+        return ack_and_lease(a, n)
+
+    consumer.ack_and_lease = acks_and_lease  # type: ignore[method-assign]
     seen = []
     with FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=prefetch)) as loader:
         step = 0
@@ -384,6 +393,62 @@ def test_ack_many_refuses_bad_input_and_writes_nothing(led, store, acks, error, 
     with pytest.raises(error, match=match):
         consumer.ack_many(acks)
     assert replay(led, RUN).head_seq == head and replay(led, RUN).trained == {}
+
+
+def test_acks_are_written_in_the_transaction_of_the_next_lease_ahead(led, store) -> None:
+    _emit(led, store, 12)
+    consumer = _consumer(led, store)
+    writes: list[str] = []
+    write = led.write
+
+    @contextlib.contextmanager
+    def counted(run_id: str, what: str) -> Iterator[object]:
+        writes.append(what)
+        with write(run_id, what) as tx:
+            yield tx
+
+    led.write = counted  # type: ignore[method-assign]
+    with FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=2)) as loader:
+        step = 0
+        while (batch := loader.next_batch()) is not None:
+            step += 1
+            loader.ack(batch.refs, step=step)
+        during = list(writes)
+        loader.flush()
+    # Batches 1 (leased by the caller) and 2-3 (ahead) before any ack; then every lease
+    # ahead carries the acks given since the one before. The last acks wait for flush.
+    assert during == ["lease", "lease", "ack+lease", "ack+lease", "ack+lease"]
+    assert writes[len(during) :] == ["ack"]
+    state = replay(led, RUN)
+    assert state.trained == {f"s{i:02d}": i // 2 + 1 for i in range(12)}
+    assert consumer.finished and state.verify() == []
+
+
+def test_closing_while_a_lease_ahead_with_acks_waits_to_start_still_writes_the_acks(
+    led, store
+) -> None:
+    _emit(led, store, 8)
+    consumer = _consumer(led, store)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=1))
+    first = loader.next_batch()
+    assert first is not None and loader._ahead is not None
+    loader._ahead.result()  # the lease ahead (no acks yet) is done
+    release = threading.Event()
+    loader._executor().submit(release.wait, 20)  # the thread is busy: what comes next waits
+    loader.ack(first.refs, step=1)
+    second = loader.next_batch()  # read ahead; the next lease ahead carries step 1's ack
+    assert second is not None and loader._ahead is not None and not loader._ahead.running()
+    loader.ack(second.refs, step=2)
+    closer = threading.Thread(target=loader.close)
+    closer.start()  # cancels the lease ahead before it starts
+    release.set()
+    closer.join(20)
+    assert not closer.is_alive()
+    state = replay(led, RUN)
+    assert state.trained == {
+        **dict.fromkeys(first.sample_ids, 1),
+        **dict.fromkeys(second.sample_ids, 2),
+    }
 
 
 def test_a_checkpoint_writes_the_acks_a_prefetching_loader_holds(led, store, tmp_path) -> None:

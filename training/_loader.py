@@ -107,9 +107,10 @@ class FeatureLoader:
     background thread leases the next N (only refs ready now, in one ledger
     write), reads their features and counts what is left, while the current batch
     trains: the ledger write of a lease is off the training thread, and one write
-    serves N batches. Acks given to :meth:`ack` are written in that thread too, all
-    those given since the last lease ahead in one transaction, just before it; so
-    with N batches per lease an ack costs a ledger write every N steps. An ack not
+    serves N batches. Acks given to :meth:`ack` go in that write too, all those
+    given since the last lease ahead (``Consumer.ack_and_lease``); so with N
+    batches per lease, N steps of acks and the next N batches' lease cost one
+    ledger write. An ack not
     written yet is lost with the process, which is safe: its step came after the
     last checkpoint, which a restart goes back to. :meth:`flush` writes and waits
     for them; ``Consumer.checkpoint`` calls it first (the loader registers it with
@@ -152,6 +153,8 @@ class FeatureLoader:
         #: Acks given to ack() and not yet passed to the thread, and those passed to it.
         self._unsent: list[tuple[list[SampleRef], int]] = []
         self._acks: list[Future[None]] = []
+        #: The acks the lease ahead in flight writes with its lease, and their outcome.
+        self._ahead_acks: tuple[list[tuple[list[SampleRef], int]], Future[None] | None] = ([], None)
         #: The count of batches left that the lease ahead made for the batch just handed
         #: out (remaining_batches answers it once, right after next_batch).
         self._counted: _Read | None = None
@@ -194,8 +197,7 @@ class FeatureLoader:
                 read = self._read(refs)
             self._settle_lost(read.lost)
             if self.config.prefetch and not self._ready:
-                self._send_acks()  # in the same thread, just before the lease ahead
-                self._ahead = self._executor().submit(self._lease_and_read)
+                self._lease_ahead()
             if read.refs:
                 self.position += len(read.refs)
                 self._counted = read if read.counted else None
@@ -203,9 +205,9 @@ class FeatureLoader:
 
     def ack(self, refs: Sequence[SampleRef], *, step: int) -> None:
         """``consumer.ack(refs, step=step)``: with ``prefetch`` written in the background
-        thread with the next lease ahead, together with the acks given since the last
-        one (a failure is raised by the next :meth:`next_batch` or :meth:`flush`); else
-        now."""
+        thread in the transaction of the next lease ahead, together with the acks given
+        since the last one (a failure is raised by the next :meth:`next_batch` or
+        :meth:`flush`); else now."""
         if not self.config.prefetch:
             self.consumer.ack(refs, step=step)
             return
@@ -273,6 +275,10 @@ class FeatureLoader:
         first to have it raised)."""
         if self._ahead is not None and self._ahead.cancel():
             self._ahead = None
+            acks, written = self._ahead_acks  # not written: they go with the others
+            self._unsent[:0] = acks
+            if written is not None:
+                self._acks.remove(written)
         self._send_acks()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -320,12 +326,35 @@ class FeatureLoader:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="feature-prefetch")
         return self._pool
 
-    def _lease_and_read(self) -> list[_Read]:
+    def _lease_ahead(self) -> None:
+        """Start the lease ahead in the thread, with the acks given since the last one."""
+        acks, self._unsent = self._unsent, []
+        written: Future[None] | None = None
+        if acks:
+            written = Future()
+            self._acks.append(written)
+        self._ahead_acks = (acks, written)
+        self._ahead = self._executor().submit(self._lease_and_read, acks, written)
+
+    def _lease_and_read(
+        self, acks: list[tuple[list[SampleRef], int]], written: Future[None] | None
+    ) -> list[_Read]:
         # Only what is ready now: the training thread takes a batch it has to wait for
         # itself, through _lease. One lease for the `prefetch` batches, split in order
-        # (the batches a lease per batch would have made).
+        # (the batches a lease per batch would have made), in the acks' transaction.
         size = self.config.batch_size
-        refs = self.consumer.lease(size * self.config.prefetch, timeout=0)
+        count = size * self.config.prefetch
+        try:
+            if written is None:
+                refs = self.consumer.lease(count, timeout=0)
+            else:
+                refs = self.consumer.ack_and_lease(acks, count)
+        except BaseException as exc:
+            if written is not None:
+                written.set_exception(exc)
+            raise
+        if written is not None:
+            written.set_result(None)
         reads = [self._read(refs[at : at + size]) for at in range(0, len(refs), size)]
         after = self._batches_after(0, refresh=False) if reads else None  # the lease folded
         for left, read in enumerate(reversed(reads)):
