@@ -448,7 +448,9 @@ class FeatureStore(ABC):
       none of the generations it put stays stored.
     * ``get(ref)`` returns the tensors of exactly that generation; a ref to a
       deleted or superseded generation raises StaleRefError (a KeyError).
-      ``names`` restricts the read to some features.
+      ``names`` restricts the read to some features. ``get_into(ref, out)``
+      reads the same bytes into tensors the caller gives (checked against the
+      ref's specs first).
     * ``delete(ref)`` is idempotent and never frees a newer generation.
     * ``scan()`` lists what the store holds, one StoredObject (sample id,
       generation, tensor bytes, when it was put) per stored sample generation,
@@ -476,9 +478,10 @@ class FeatureStore(ABC):
 
     Backends implement the private hooks ``_put``, ``_get``, ``_delete``,
     ``_exists`` and ``_scan``; optionally ``_put_many`` (by default ``_put``
-    per sample), ``_delete_stored`` (by default ``_delete`` of a ref without
-    specs, which suits a store whose ``_delete`` needs only the sample id and
-    the generation), ``_stats`` (by default summed over ``_scan``) and
+    per sample), ``_get_into`` (by default ``_get`` and a copy),
+    ``_delete_stored`` (by default ``_delete`` of a ref without specs, which
+    suits a store whose ``_delete`` needs only the sample id and the
+    generation), ``_stats`` (by default summed over ``_scan``) and
     ``_close``.
     """
 
@@ -542,6 +545,47 @@ class FeatureStore(ABC):
                     f"it has {sorted(ref.specs)}"
                 )
         return self._get(ref, wanted)
+
+    def get_into(self, ref: SampleRef, out: Mapping[str, torch.Tensor]) -> None:
+        """Read the features of ``ref`` named in ``out`` into its tensors, in place.
+
+        Each ``out[name]`` must be a contiguous CPU tensor of the feature's dtype
+        and shape (a row of a batch tensor qualifies), so a loader can read a
+        batch's samples straight into the batch, without a tensor per sample
+        and a copy to stack them. The same checks and errors as :meth:`get`
+        (StaleRefError, CorruptFeatureError); after an error the tensors hold
+        unspecified bytes.
+        """
+        self._check_open()
+        self._check_ref(ref)
+        if not isinstance(out, Mapping):
+            raise InvalidRefError(
+                f"out must map feature names to tensors, got {type(out).__name__}"
+            )
+        import torch
+
+        for name, tensor in out.items():
+            spec = ref.specs.get(name)
+            if spec is None:
+                raise InvalidRefError(
+                    f"feature {name!r} is not in ref {ref.sample_id!r}; it has {sorted(ref.specs)}"
+                )
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRefError(f"out[{name!r}] must be a torch.Tensor, got {tensor!r:.80}")
+            if (
+                tensor.dtype != spec.dtype
+                or tuple(tensor.shape) != spec.shape
+                or tensor.device.type != "cpu"
+                or not tensor.is_contiguous()
+            ):
+                raise InvalidRefError(
+                    f"out[{name!r}] is a {'' if tensor.is_contiguous() else 'non-contiguous '}"
+                    f"{dtype_name(tensor.dtype)} {list(tensor.shape)} tensor on "
+                    f"{tensor.device}; feature {name!r} of {ref.sample_id!r} needs a contiguous "
+                    f"{dtype_name(spec.dtype)} {list(spec.shape)} CPU tensor"
+                )
+        if out:
+            self._get_into(ref, dict(out))
 
     def delete(self, ref: SampleRef) -> None:
         """Free ``ref``'s generation; deleting twice or deleting a gone ref is a no-op."""
@@ -730,6 +774,11 @@ class FeatureStore(ABC):
         self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
     ) -> list[SampleRef]:
         return self._all_or_none([self._put(*item)] for item in items)
+
+    def _get_into(self, ref: SampleRef, out: dict[str, torch.Tensor]) -> None:
+        # A store that can read into memory it is given overrides this copy.
+        for name, tensor in self._get(ref, list(out)).items():
+            out[name].copy_(tensor)
 
     def _all_or_none(self, batches: Iterable[list[SampleRef]]) -> list[SampleRef]:
         """The refs of every batch of puts, or none: when one raises, delete what came before."""

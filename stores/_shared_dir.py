@@ -285,26 +285,32 @@ class SharedDirFeatureStore(FeatureStore):
         os.rename(tmp, path)
 
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
+        specs = {name: ref.specs[name] for name in names}
+        spans = _tensors.layout(specs)
+        if _tensors.end_of(spans.values()) < _POOL_FROM:
+            out = {name: _tensors.empty(spec) for name, spec in specs.items()}
+            self._get_into(ref, out)
+            return out
+        chunk = self._pool.lease(_tensors.end_of(spans.values()))
+        try:
+            self._read_into(
+                ref, {name: chunk.array[at : at + nbytes] for name, (at, nbytes) in spans.items()}
+            )
+        except BaseException:
+            self._pool.release(chunk)
+            raise
+        return self._pool.views(chunk, {name: (spans[name][0], specs[name]) for name in names})
+
+    def _get_into(self, ref: SampleRef, out: dict[str, torch.Tensor]) -> None:
+        self._read_into(ref, {name: _tensors.byte_view(t).numpy() for name, t in out.items()})
+
+    def _read_into(self, ref: SampleRef, targets: dict[str, Any]) -> None:
+        """Read (and verify) each named feature of ``ref`` into its uint8 numpy array."""
         path = self._file(ref.sample_id)
         with self._open(ref, path) as (fd, header):
-            self._check_header(header, ref, names, path)
-            specs = {name: ref.specs[name] for name in names}
-            spans = _tensors.layout(specs)
-            if _tensors.end_of(spans.values()) < _POOL_FROM:
-                out = {name: _tensors.empty(spec) for name, spec in specs.items()}
-                for name, tensor in out.items():
-                    target = _tensors.byte_view(tensor).numpy()
-                    self._read_tensor(fd, target, header, ref, name, path)
-                return out
-            chunk = self._pool.lease(_tensors.end_of(spans.values()))
-            try:
-                for name, (at, nbytes) in spans.items():
-                    target = chunk.array[at : at + nbytes]
-                    self._read_tensor(fd, target, header, ref, name, path)
-            except BaseException:
-                self._pool.release(chunk)
-                raise
-            return self._pool.views(chunk, {name: (spans[name][0], specs[name]) for name in names})
+            self._check_header(header, ref, list(targets), path)
+            for name, target in targets.items():
+                self._read_tensor(fd, target, header, ref, name, path)
 
     def _delete(self, ref: SampleRef) -> None:
         self._delete_generation(ref.sample_id, ref.generation)

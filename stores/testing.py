@@ -307,6 +307,57 @@ class FeatureStoreContract:
         with pytest.raises(InvalidRefError):
             store.get(ref, names="a")
 
+    @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+    def test_get_into_reads_into_rows_of_a_batch(
+        self, store: FeatureStore, dtype: torch.dtype
+    ) -> None:
+        tensors = [sample_tensor((3, 5), dtype, seed=seed) for seed in range(3)]
+        refs = [
+            store.put(_fresh_id(), {"x": t, "n": torch.tensor(i)}) for i, t in enumerate(tensors)
+        ]
+        batch = torch.zeros(3, 3, 5, dtype=dtype)
+        for row, ref in zip(batch, reversed(refs), strict=True):
+            store.get_into(ref, {"x": row})  # only the features named in out
+        for row, tensor in zip(batch, reversed(tensors), strict=True):
+            assert_same_tensor(row, tensor)
+
+    def test_get_into_reads_what_get_reads(self, store: FeatureStore) -> None:
+        tensors = {
+            "scalar": torch.tensor(2.5),
+            "none": torch.empty(3, 0),
+            "big": sample_tensor((1024, 1100), torch.float32, seed=5),
+            "ids": torch.arange(7),
+        }
+        ref = store.put(_fresh_id(), tensors)
+        out = {name: torch.full_like(t, 9) for name, t in tensors.items()}
+        store.get_into(ref, out)
+        assert_same_tensors(out, tensors)
+        store.get_into(ref, {})
+
+    def test_get_into_a_tensor_that_does_not_fit_is_refused(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"x": torch.arange(6.0).reshape(2, 3)})
+        for bad in (
+            torch.zeros(3, 2),
+            torch.zeros(2, 3, dtype=torch.float64),
+            torch.zeros(3, 2).t(),  # right shape, not contiguous
+        ):
+            with pytest.raises(InvalidRefError, match="'x'"):
+                store.get_into(ref, {"x": bad})
+            assert not bad.any()
+        with pytest.raises(InvalidRefError, match="'y' is not in ref"):
+            store.get_into(ref, {"y": torch.zeros(2, 3)})
+        with pytest.raises(InvalidRefError, match=r"must be a torch\.Tensor"):
+            store.get_into(ref, {"x": [[0.0] * 3] * 2})  # type: ignore[dict-item]
+        with pytest.raises(InvalidRefError, match="out must map"):
+            store.get_into(ref, [torch.zeros(2, 3)])  # type: ignore[arg-type]
+
+    def test_get_into_a_stale_ref_raises(self, store: FeatureStore) -> None:
+        sample_id = _fresh_id()
+        old = store.put(sample_id, {"x": torch.tensor([1, 2])})
+        store.put(sample_id, {"x": torch.tensor([3, 4])})
+        with pytest.raises(StaleRefError):
+            store.get_into(old, {"x": torch.zeros(2, dtype=torch.int64)})
+
     def test_larger_sample(self, store: FeatureStore) -> None:
         tensors = {
             "big": sample_tensor((1024, 1024), torch.float32, seed=3),
@@ -408,6 +459,12 @@ class FeatureStoreContract:
             assert ref.sample_id in str(corrupt.value) and "'a'" in str(corrupt.value)
         assert_same_tensor(store.get(ref, names=["b"])["b"], torch.ones(9))  # b is intact
 
+    def test_get_into_checks_the_bytes_it_reads(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id("into"), {"x": torch.arange(1000, dtype=torch.float32)})
+        self.rewrite_stored_bytes(store, ref, "x", lambda data: _flip(data, 2000))
+        with pytest.raises(CorruptFeatureError, match="'x'"):
+            store.get_into(ref, {"x": torch.zeros(1000)})
+
     def test_zeroed_stored_bytes_are_corrupt(self, store: FeatureStore) -> None:
         ref = store.put(_fresh_id("zeroed"), {"x": torch.arange(1, 1001, dtype=torch.int64)})
         self.rewrite_stored_bytes(store, ref, "x", _zero)
@@ -476,6 +533,7 @@ class FeatureStoreContract:
             lambda: store.put(_fresh_id(), {"x": torch.ones(1)}),
             lambda: store.put_many([(_fresh_id(), {"x": torch.ones(1)})]),
             lambda: store.get(ref),
+            lambda: store.get_into(ref, {"x": torch.zeros(1)}),
             lambda: store.delete(ref),
             lambda: store.exists(ref),
             store.stats,

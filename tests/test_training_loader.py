@@ -112,6 +112,9 @@ def test_a_ref_whose_features_are_gone_is_reported_lost_and_skipped(led, store, 
         second = loader.next_batch()
     assert first.sample_ids == ["s00", "s02"]
     assert second.sample_ids == ["s03", "s04"]
+    # The rows of the samples that loaded, stacked in order.
+    assert first.features["y"].tolist() == [0, 2] and second.features["y"].tolist() == [3, 4]
+    assert torch.equal(first.features["x"], torch.tensor([[0.0] * 3, [2.0] * 3]))
     assert ["'s01'" in str(w.message) for w in caught] == [True, False]
     assert told == [["s01"], ["s05"]]
     events = [e for e in led.events(RUN) if e.kind in ("nack", "lost")]

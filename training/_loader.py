@@ -384,6 +384,9 @@ class FeatureLoader:
             raise failed.exception()  # type: ignore[misc]
 
     def _read(self, refs: Sequence[SampleRef]) -> _Read:
+        batch = self._batch_for(refs) if self.collate_fn is collate else None
+        if batch is not None:
+            return self._read_into(refs, batch)
         loaded: list[SampleRef] = []
         samples: list[Features] = []
         lost: list[tuple[SampleRef, str]] = []
@@ -397,6 +400,47 @@ class FeatureLoader:
             else:
                 loaded.append(ref)
         return _Read(loaded, self.collate_fn(samples) if samples else None, lost)
+
+    def _batch_for(self, refs: Sequence[SampleRef]) -> dict[str, torch.Tensor] | None:
+        """Empty batch tensors for ``refs`` when each feature read has one spec across
+        them (what ``collate`` would stack); else None."""
+        if not refs:
+            return None
+        first = refs[0].specs
+        names = list(first) if self.config.names is None else list(self.config.names)
+        if any(name not in first for name in names):
+            return None  # the store's get names the feature that is missing
+        for ref in refs[1:]:
+            specs = ref.specs
+            if (self.config.names is None and specs.keys() != first.keys()) or any(
+                specs.get(name) != first[name] for name in names
+            ):
+                return None
+        return {
+            name: torch.empty((len(refs), *first[name].shape), dtype=first[name].dtype)
+            for name in names
+        }
+
+    def _read_into(self, refs: Sequence[SampleRef], batch: dict[str, torch.Tensor]) -> _Read:
+        """``_read`` straight into the rows of ``batch``: no tensor per sample, no stacking."""
+        store = self.consumer.store
+        loaded: list[int] = []
+        lost: list[tuple[SampleRef, str]] = []
+        for row, ref in enumerate(refs):
+            try:
+                store.get_into(ref, {name: tensor[row] for name, tensor in batch.items()})
+            except StaleRefError as exc:
+                lost.append((ref, f"features gone: {exc}"))
+            except CorruptFeatureError as exc:
+                lost.append((ref, f"features corrupt: {exc}"))
+            else:
+                loaded.append(row)
+        if not loaded:
+            return _Read([], None, lost)
+        if lost:  # rare: keep the rows that loaded
+            kept = torch.tensor(loaded)
+            batch = {name: tensor[kept] for name, tensor in batch.items()}
+        return _Read([refs[row] for row in loaded], batch, lost)
 
     def _settle_lost(self, lost: list[tuple[SampleRef, str]]) -> None:
         if not lost:
