@@ -1297,7 +1297,8 @@ class Consumer:
         release: list[str] = []
         try:
             with self._write("ack") as tx:
-                self._append_acks(tx, steps, ids, release)
+                tx.append(self._ack_events(tx, steps, ids, release))
+                self._sync(tx)
         except CommitOutcomeUnknownError:
             if not self._landed(ids, self._trained_by_an_ack):
                 raise
@@ -1329,10 +1330,17 @@ class Consumer:
         refs: list[SampleRef] = []
         try:
             with self._write("ack+lease") as tx:
-                self._append_acks(tx, steps, ids, release)
+                # The acked samples are this consumer's leases, never pending: the acks
+                # and the lease append together, and one read folds them.
+                acked = self._ack_events(tx, steps, ids, release)
                 take = [] if self._seeded_order_waits() else self._ready_to_lease(max_refs)
                 refs = [self._committed_ref(s) for s in take]
-                tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
+                tx.append(
+                    [
+                        *acked,
+                        *(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take),
+                    ]
+                )
                 self._sync(tx)
         except CommitOutcomeUnknownError:
             leased = set(take)
@@ -1394,14 +1402,15 @@ class Consumer:
         """Whether this consumer no longer holds ``sample_id`` (after settling its lease)."""
         return self.state.leased.get(sample_id) != self.consumer_id
 
-    def _append_acks(
+    def _ack_events(
         self,
         tx: WriteTransaction,
         steps: list[tuple[list[str], int]],
         ids: list[str],
         release: list[str],
-    ) -> None:
-        """Append the acks of ``steps`` in ``tx``; ``release`` gets the ids they release."""
+    ) -> list[NewEvent]:
+        """The events of the acks of ``steps`` in ``tx`` (their releases after them), once
+        the ledger allows them; ``release`` gets the ids they release."""
         self._check_leased(ids, "ack")
         first = steps[0][1]
         floor = self.state.last_checkpoint_step
@@ -1417,15 +1426,16 @@ class Consumer:
                 f"already acked step {newest} in epoch {self.epoch}: steps must not go "
                 "backwards; ack with the number of the optimizer step just taken"
             )
-        tx.append(
-            NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
-            for batch, step in steps
-            for s in batch
-        )
         if self.release_policy == "on_ack":
             release += ids
-        tx.append(self._release_events(release))
-        self._sync(tx)
+        return [
+            *(
+                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
+                for batch, step in steps
+                for s in batch
+            ),
+            *self._release_events(release),
+        ]
 
     @_locked
     def nack(
