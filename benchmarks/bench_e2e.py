@@ -84,24 +84,29 @@ def _free_port() -> int:
 
 
 class _Clock:
-    """Seconds spent inside the wrapped calls, and when the first began and the last ended."""
+    """Seconds spent inside the wrapped calls (and the CPU seconds of the thread that made
+    them), when the first began and the last ended, and the process's CPU time then."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.thread_cpu = 0.0
         self.calls = 0
         self.first: float | None = None
         self.last = 0.0
+        self.last_cpu = 0.0
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.thread_time()
             if self.first is None:
                 self.first = start
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.last = time.monotonic()
+                self.last_cpu = time.process_time()
                 self.seconds += self.last - start
+                self.thread_cpu += time.thread_time() - cpu
                 self.calls += 1
 
         return timed
@@ -149,7 +154,7 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
         for i in range(steps):
             run_step(x)
             run_optimizer(i + 1)
-        return _timings(clocks, steps * BATCH, time.process_time() - cpu)
+        return _timings(clocks, steps * BATCH, reduce.last_cpu - cpu)
 
     def data_plane() -> dict[str, Any]:
         from dataflow import Consumer, Ledger
@@ -200,6 +205,10 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
         consumer.ack_many = acks.wrap(consumer.ack_many)  # type: ignore[method-assign]
         leases = clocks["leases"] = _Clock()
         consumer.lease = leases.wrap(consumer.lease)  # type: ignore[method-assign]
+        consumer.ack_and_lease = leases.wrap(consumer.ack_and_lease)  # type: ignore[method-assign]
+        ahead = clocks["ahead"] = _Clock()  # the loader's thread: lease, acks, reads
+        loader_ahead = trainer.loader._lease_and_read
+        trainer.loader._lease_and_read = ahead.wrap(loader_ahead)  # type: ignore[method-assign]
         dist.barrier()
         if rank == 0:
             go.set()  # the producers start now, and run ahead by the credit window
@@ -210,7 +219,7 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
             cProfile.runctx("trainer.run()", globals(), {"trainer": trainer}, cfg["profile"])
         else:
             trainer.run()
-        cpu = time.process_time() - cpu
+        cpu = reduce.last_cpu - cpu  # to the last optimizer step, as the wall time
         consumer.close()
         return _timings(clocks, trained, cpu)
 
@@ -234,6 +243,7 @@ def _timings(clocks: dict[str, _Clock], samples: int, cpu: float) -> dict[str, A
         "cpu": cpu,
         "steps": reduce.calls,
         **{f"{name}_s": clock.seconds for name, clock in clocks.items()},
+        **{f"{name}_cpu_s": clock.thread_cpu for name, clock in clocks.items()},
     }
 
 
@@ -374,17 +384,19 @@ def to_rows(got: dict[str, Any], samples: int, *, streaming: bool = True) -> lis
     producer_rate = produced / max(p["wall"] for p in producers)
     per_step = {
         key: _per_step_ms(ranks, "data_plane", f"{key}_s")
-        for key in ("batches", "leases", "acks", "optimizer")
+        for key in ("batches", "leases", "acks", "optimizer", "ahead_cpu")
     }
     note = (
         f"overhead {1 - ours / memory:.1%} ({samples:,} samples of 256 KiB; memory runs before "
         f"and after: {before:,.0f} and {after:,.0f} samples/s). Per optimizer step and rank: "
         f"{wall['data_plane']:.1f} ms (from memory: {wall['memory_before']:.1f}), of which "
         f"compute {step['data_plane']:.1f} ms (from memory: {step['memory_before']:.1f}), "
-        f"waiting for the batch {per_step['batches']:.1f} ms, leases (ledger writes, partly "
-        f"inside that wait) {per_step['leases']:.1f} ms, ack {per_step['acks']:.1f} ms, "
+        f"waiting for the batch {per_step['batches']:.1f} ms, leases and the acks they carry "
+        f"(ledger writes, in the loader's thread) {per_step['leases']:.1f} ms, acks alone "
+        f"{per_step['acks']:.1f} ms, the loader's thread {per_step['ahead_cpu']:.2f} ms of CPU "
+        "(lease, acks, reads), "
         f"gradient all-reduce + optimizer {per_step['optimizer']:.1f} ms (from memory: "
-        f"{_per_step_ms(ranks, 'memory_before', 'optimizer_s'):.1f}); rank CPU "
+        f"{_per_step_ms(ranks, 'memory_before', 'optimizer_s'):.1f}); rank CPU to its last step "
         f"{_per_step_ms(ranks, 'data_plane', 'cpu'):.1f} ms (from memory: "
         f"{_per_step_ms(ranks, 'memory_before', 'cpu'):.1f}). Producers: "
         f"{producer_cpu:.2f} CPU ms per sample, {producer_rate:,.0f} samples/s "
