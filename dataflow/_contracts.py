@@ -574,8 +574,8 @@ class FeatureStore(ABC):
                 raise InvalidRefError(f"out[{name!r}] must be a torch.Tensor, got {tensor!r:.80}")
             if (
                 tensor.dtype != spec.dtype
-                or tuple(tensor.shape) != spec.shape
-                or tensor.device.type != "cpu"
+                or tensor.shape != spec.shape
+                or not tensor.is_cpu
                 or not tensor.is_contiguous()
             ):
                 raise InvalidRefError(

@@ -307,10 +307,13 @@ class SharedDirFeatureStore(FeatureStore):
     def _read_into(self, ref: SampleRef, targets: dict[str, Any]) -> None:
         """Read (and verify) each named feature of ``ref`` into its uint8 numpy array."""
         path = self._file(ref.sample_id)
-        with self._open(ref, path) as (fd, header):
+        fd, header = self._open(ref, path)
+        try:
             self._check_header(header, ref, list(targets), path)
             for name, target in targets.items():
                 self._read_tensor(fd, target, header, ref, name, path)
+        finally:
+            os.close(fd)
 
     def _delete(self, ref: SampleRef) -> None:
         self._delete_generation(ref.sample_id, ref.generation)
@@ -503,8 +506,8 @@ class SharedDirFeatureStore(FeatureStore):
         finally:
             os.close(fd)
 
-    @contextlib.contextmanager
-    def _open(self, ref: SampleRef, path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    def _open(self, ref: SampleRef, path: str) -> tuple[int, dict[str, Any]]:
+        """An fd of the file of ``ref``'s generation (the caller closes it), and its header."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -518,9 +521,10 @@ class SharedDirFeatureStore(FeatureStore):
                 raise self._stale(ref, f"superseded by generation {generation}")
             if generation < ref.generation:
                 raise self._stale(ref, f"deleted, and put again since as generation {generation}")
-            yield fd, header
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, header
 
     @staticmethod
     def _read_sealed(fd: int, path: str, sample_id: str | None) -> tuple[int, bytes, int]:
