@@ -584,8 +584,7 @@ class FeatureStore(ABC):
                     f"{tensor.device}; feature {name!r} of {ref.sample_id!r} needs a contiguous "
                     f"{dtype_name(spec.dtype)} {list(spec.shape)} CPU tensor"
                 )
-        if out:
-            self._get_into(ref, dict(out))
+        self._get_into(ref, dict(out))
 
     def delete(self, ref: SampleRef) -> None:
         """Free ``ref``'s generation; deleting twice or deleting a gone ref is a no-op."""

@@ -357,6 +357,8 @@ class FeatureStoreContract:
         store.put(sample_id, {"x": torch.tensor([3, 4])})
         with pytest.raises(StaleRefError):
             store.get_into(old, {"x": torch.zeros(2, dtype=torch.int64)})
+        with pytest.raises(StaleRefError):  # as get(ref, names=[]) does
+            store.get_into(old, {})
 
     def test_larger_sample(self, store: FeatureStore) -> None:
         tensors = {

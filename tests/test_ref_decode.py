@@ -76,9 +76,7 @@ def test_fast_decode_accepts_exactly_what_sample_ref_accepts(
 
 
 def test_check_sees_every_spec_and_its_refusal_is_not_cached() -> None:
-    data = json.loads(
-        SampleRef("s", "mem://m", 0, {"x": FeatureSpec((3,), torch.int8)}).to_json()
-    )
+    data = json.loads(SampleRef("s", "mem://m", 0, {"x": FeatureSpec((3,), torch.int8)}).to_json())
     seen: list[tuple[str, FeatureSpec]] = []
 
     def refuse(name: str, spec: FeatureSpec) -> None:

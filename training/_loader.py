@@ -110,13 +110,13 @@ class FeatureLoader:
     serves N batches. Acks given to :meth:`ack` go in that write too, all those
     given since the last lease ahead (``Consumer.ack_and_lease``); so with N
     batches per lease, N steps of acks and the next N batches' lease cost one
-    ledger write. An ack not
-    written yet is lost with the process, which is safe: its step came after the
-    last checkpoint, which a restart goes back to. :meth:`flush` writes and waits
-    for them; ``Consumer.checkpoint`` calls it first (the loader registers it with
-    ``Consumer.before_checkpoint``). They are written before the loader waits for
-    refs (a stream's credits come back with them). Refs leased ahead and not yet
-    handed out stay leased when the loader stops; the next resume requeues them.
+    ledger write. An ack not written yet is lost with the process, which is safe:
+    its step came after the last checkpoint, which a restart goes back to.
+    :meth:`flush` writes and waits for them; ``Consumer.checkpoint`` calls it first
+    (the loader registers it with ``Consumer.before_checkpoint``). They are written
+    before the loader waits for refs (a stream's credits come back with them). Refs
+    leased ahead and not yet handed out stay leased when the loader stops; the next
+    resume requeues them.
     """
 
     def __init__(
@@ -408,8 +408,8 @@ class FeatureLoader:
             return None
         first = refs[0].specs
         names = list(first) if self.config.names is None else list(self.config.names)
-        if any(name not in first for name in names):
-            return None  # the store's get names the feature that is missing
+        if not names or any(name not in first for name in names):
+            return None  # nothing to stack, or the store's get names the missing feature
         for ref in refs[1:]:
             specs = ref.specs
             if (self.config.names is None and specs.keys() != first.keys()) or any(
