@@ -6,30 +6,18 @@ the in-process MemoryStream, whose behaviour the stream tests pin down.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from dataflow import Consumer, Kind, LedgerStateError, Producer, replay
 from dataflow.streams import MemoryStream
+from tests._writes import record_writes
 
 
 @pytest.fixture
 def writes(ledger) -> list[str]:
     """What each of the ledger's write transactions was for, in order."""
-    seen: list[str] = []
-    write = ledger.write
-
-    @contextlib.contextmanager
-    def counted(run_id: str, what: str) -> Iterator[object]:
-        seen.append(what)
-        with write(run_id, what) as tx:
-            yield tx
-
-    ledger.write = counted
-    return seen
+    return record_writes(ledger)
 
 
 def kinds(ledger, run_id) -> list[tuple[Kind, str | None]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ import torch
 
 from dataflow import Consumer, Ledger, LedgerStateError, Producer, replay
 from stores import LocalFeatureStore
+from tests._writes import record_writes
 from training import Batch, FeatureLoader, LoaderConfig, collate
 
 RUN = "run"
@@ -401,16 +401,7 @@ def test_ack_many_refuses_bad_input_and_writes_nothing(led, store, acks, error, 
 def test_acks_are_written_in_the_transaction_of_the_next_lease_ahead(led, store) -> None:
     _emit(led, store, 12)
     consumer = _consumer(led, store)
-    writes: list[str] = []
-    write = led.write
-
-    @contextlib.contextmanager
-    def counted(run_id: str, what: str) -> Iterator[object]:
-        writes.append(what)
-        with write(run_id, what) as tx:
-            yield tx
-
-    led.write = counted  # type: ignore[method-assign]
+    writes = record_writes(led)
     with FeatureLoader(consumer, config=LoaderConfig(batch_size=2, prefetch=2)) as loader:
         step = 0
         while (batch := loader.next_batch()) is not None:

@@ -92,6 +92,25 @@ class _Read:
     counted: bool = False
 
 
+def _each_loaded(
+    refs: Sequence[SampleRef], load: Callable[[int, SampleRef], object]
+) -> tuple[list[int], list[tuple[SampleRef, str]]]:
+    """``load(row, ref)`` of each ref: the rows that loaded, and the refs whose features
+    are gone or corrupt, with why (the loader reports them lost)."""
+    loaded: list[int] = []
+    lost: list[tuple[SampleRef, str]] = []
+    for row, ref in enumerate(refs):
+        try:
+            load(row, ref)
+        except StaleRefError as exc:
+            lost.append((ref, f"features gone: {exc}"))
+        except CorruptFeatureError as exc:
+            lost.append((ref, f"features corrupt: {exc}"))
+        else:
+            loaded.append(row)
+    return loaded, lost
+
+
 class FeatureLoader:
     """Iterates over leased, loaded, collated batches until the run is finished for this rank.
 
@@ -387,19 +406,14 @@ class FeatureLoader:
         batch = self._batch_for(refs) if self.collate_fn is collate else None
         if batch is not None:
             return self._read_into(refs, batch)
-        loaded: list[SampleRef] = []
         samples: list[Features] = []
-        lost: list[tuple[SampleRef, str]] = []
-        for ref in refs:
-            try:
-                samples.append(self.consumer.load(ref, names=self.config.names))
-            except StaleRefError as exc:
-                lost.append((ref, f"features gone: {exc}"))
-            except CorruptFeatureError as exc:
-                lost.append((ref, f"features corrupt: {exc}"))
-            else:
-                loaded.append(ref)
-        return _Read(loaded, self.collate_fn(samples) if samples else None, lost)
+        names = self.config.names
+        loaded, lost = _each_loaded(
+            refs, lambda _, ref: samples.append(self.consumer.load(ref, names=names))
+        )
+        return _Read(
+            [refs[row] for row in loaded], self.collate_fn(samples) if samples else None, lost
+        )
 
     def _batch_for(self, refs: Sequence[SampleRef]) -> dict[str, torch.Tensor] | None:
         """Empty batch tensors for ``refs`` when each feature read has one spec across
@@ -424,17 +438,9 @@ class FeatureLoader:
     def _read_into(self, refs: Sequence[SampleRef], batch: dict[str, torch.Tensor]) -> _Read:
         """``_read`` straight into the rows of ``batch``: no tensor per sample, no stacking."""
         store = self.consumer.store
-        loaded: list[int] = []
-        lost: list[tuple[SampleRef, str]] = []
-        for row, ref in enumerate(refs):
-            try:
-                store.get_into(ref, {name: tensor[row] for name, tensor in batch.items()})
-            except StaleRefError as exc:
-                lost.append((ref, f"features gone: {exc}"))
-            except CorruptFeatureError as exc:
-                lost.append((ref, f"features corrupt: {exc}"))
-            else:
-                loaded.append(row)
+        loaded, lost = _each_loaded(
+            refs, lambda row, ref: store.get_into(ref, {n: t[row] for n, t in batch.items()})
+        )
         if not loaded:
             return _Read([], None, lost)
         if lost:  # rare: keep the rows that loaded
