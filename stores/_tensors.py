@@ -65,6 +65,13 @@ def copy(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(source.detach())
 
 
+def copy_into(out: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
+    """:func:`copy` of each of ``tensors`` into ``out`` under its name (a store's
+    ``_get_into`` from what its ``_get`` returned)."""
+    for name, tensor in tensors.items():
+        copy(out[name], tensor)
+
+
 def checksum(data: Any) -> str:
     """XXH3-64 of a buffer (the numpy view of a :func:`byte_view`, a slice of a chunk) as
     16 hex digits; it hashes the memory in place, without a copy."""
