@@ -434,7 +434,11 @@ def test_closing_while_a_lease_ahead_with_acks_waits_to_start_still_writes_the_a
     assert second is not None and loader._ahead is not None and not loader._ahead.running()
     loader.ack(second.refs, step=2)
     closer = threading.Thread(target=loader.close)
-    closer.start()  # cancels the lease ahead before it starts
+    closer.start()
+    deadline = time.monotonic() + 20
+    while loader._ahead is not None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert loader._ahead is None  # close() cancelled the lease ahead before it started
     release.set()
     closer.join(20)
     assert not closer.is_alive()
