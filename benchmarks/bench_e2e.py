@@ -41,6 +41,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -85,7 +86,11 @@ def _free_port() -> int:
 
 class _Clock:
     """Seconds spent inside the wrapped calls (and the CPU seconds of the thread that made
-    them), when the first began and the last ended, and the process's CPU time then."""
+    them), when the first began and the last ended, and the process's CPU time then.
+
+    A wrapped call inside another of the same clock (``ack_and_lease`` falling back to
+    ``lease``) is counted once, as part of the outer one.
+    """
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -94,9 +99,13 @@ class _Clock:
         self.first: float | None = None
         self.last = 0.0
         self.last_cpu = 0.0
+        self._inside = threading.local()
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._inside, "call", False):
+                return fn(*args, **kwargs)
+            self._inside.call = True
             start, cpu = time.monotonic(), time.thread_time()
             if self.first is None:
                 self.first = start
@@ -108,6 +117,7 @@ class _Clock:
                 self.seconds += self.last - start
                 self.thread_cpu += time.thread_time() - cpu
                 self.calls += 1
+                self._inside.call = False
 
         return timed
 

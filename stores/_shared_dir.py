@@ -287,11 +287,12 @@ class SharedDirFeatureStore(FeatureStore):
     def _get(self, ref: SampleRef, names: list[str]) -> dict[str, torch.Tensor]:
         specs = {name: ref.specs[name] for name in names}
         spans = _tensors.layout(specs)
-        if _tensors.end_of(spans.values()) < _POOL_FROM:
+        end = _tensors.end_of(spans.values())
+        if end < _POOL_FROM:
             out = {name: _tensors.empty(spec) for name, spec in specs.items()}
             self._get_into(ref, out)
             return out
-        chunk = self._pool.lease(_tensors.end_of(spans.values()))
+        chunk = self._pool.lease(end)
         try:
             self._read_into(
                 ref, {name: chunk.array[at : at + nbytes] for name, (at, nbytes) in spans.items()}
