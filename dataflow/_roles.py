@@ -1174,7 +1174,7 @@ class Consumer:
         self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
         held = self._still_reclaimed()
         if held:  # before the seeded-order gate: these were leased already
-            refs = [self._committed_ref(s) for s in held[:max_refs]]
+            refs = self._committed_refs(held[:max_refs])
             self._reclaimed = tuple(held[max_refs:])
             return refs
         if self._seeded_order_waits():
@@ -1205,7 +1205,7 @@ class Consumer:
                 # A streamed ref may already be leased or trained (it also came
                 # back through reconcile): deliver it once, drop the copy.
                 take = [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
-                refs = [self._committed_ref(s) for s in take]  # before anything is leased
+                refs = self._committed_refs(take)  # before anything is leased
                 tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
                 self._sync(tx)
         except CommitOutcomeUnknownError:
@@ -1218,22 +1218,34 @@ class Consumer:
                 self.stream.credit(dropped)  # type: ignore[union-attr]
         return refs
 
-    def _committed_ref(self, sample_id: str) -> SampleRef:
-        """The ref the ledger committed for ``sample_id``; CorruptLedgerError if unreadable."""
+    def _committed_refs(self, sample_ids: list[str]) -> list[SampleRef]:
+        """The refs the ledger committed for ``sample_ids`` (one ledger read for those not in
+        memory); CorruptLedgerError naming the first that is unreadable."""
         try:
-            ref = self.state.ref(sample_id)
-        except (ValueError, TypeError, KeyError, RecursionError) as exc:
-            raise CorruptLedgerError(
-                f"the commit of {sample_id!r} in run {self.run_id!r} of {self.ledger.safe_url} "
-                f"cannot be read ({type(exc).__name__}: {str(exc)[:200]}): the ledger is damaged; "
-                "nothing was leased. `dataflow replay --ledger URL --run RUN` lists what is broken"
-            ) from exc
-        if ref.sample_id != sample_id:
-            raise CorruptLedgerError(
-                f"the commit of {sample_id!r} in run {self.run_id!r} of {self.ledger.safe_url} "
-                f"holds the ref of {ref.sample_id!r}: the ledger is damaged; nothing was leased"
-            )
-        return ref
+            found = self.state.refs(sample_ids)
+        except (ValueError, TypeError, KeyError, RecursionError):
+            found = {}  # which one: read them one by one
+        refs = []
+        for sample_id in sample_ids:
+            ref = found.get(sample_id)
+            if ref is None:
+                try:
+                    ref = self.state.ref(sample_id)
+                except (ValueError, TypeError, KeyError, RecursionError) as exc:
+                    raise CorruptLedgerError(
+                        f"the commit of {sample_id!r} in run {self.run_id!r} of "
+                        f"{self.ledger.safe_url} cannot be read ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}): the ledger is damaged; nothing was leased. "
+                        "`dataflow replay --ledger URL --run RUN` lists what is broken"
+                    ) from exc
+            if ref.sample_id != sample_id:
+                raise CorruptLedgerError(
+                    f"the commit of {sample_id!r} in run {self.run_id!r} of "
+                    f"{self.ledger.safe_url} holds the ref of {ref.sample_id!r}: the ledger is "
+                    "damaged; nothing was leased"
+                )
+            refs.append(ref)
+        return refs
 
     def batches(
         self, batch_size: int, *, timeout: float | None = None
@@ -1334,7 +1346,7 @@ class Consumer:
                 # and the lease append together, and one read folds them.
                 acked = self._ack_events(tx, steps, ids, release)
                 take = [] if self._seeded_order_waits() else self._ready_to_lease(max_refs)
-                refs = [self._committed_ref(s) for s in take]
+                refs = self._committed_refs(take)
                 tx.append(
                     [
                         *acked,

@@ -87,7 +87,12 @@ def test_a_restarted_consumer_starts_from_the_newest_snapshot(ledger, store, run
     assert plan.checkpoint_step == 1 and len(plan.requeued) == 6
     full = replay(ledger, run_id, snapshots=False)
     assert _snapshot._dump(restarted.state) == _snapshot._dump(full)
+    reads = []
+    read = ledger.commit_payloads
+    ledger.commit_payloads = lambda *a: reads.append(a) or read(*a)  # type: ignore[method-assign]
     leased = restarted.lease(6)  # refs of a restored state come from the ledger
+    del ledger.commit_payloads
+    assert len(reads) == 1  # in one read, not one per ref
     assert [r.sample_id for r in leased] == list(plan.requeued)
     assert all(store.get(r)["x"].tolist() == list(r.sample_id.encode()) for r in leased)
     restarted.ack(leased, step=2)
