@@ -1327,16 +1327,18 @@ class Consumer:
         of the steps since its last lease with the next one: one write instead of
         two. The acks are checked as ``ack_many`` checks them, and written whether
         or not anything is leased; if the write fails, neither is in the ledger.
-        Where the lease cannot be decided inside the transaction (refs still to
-        come from a stream, leases reclaimed by :meth:`rejoin` to hand out), it is
-        ``ack_many`` and then ``lease``: two transactions, the same outcome.
+        While refs still come from a stream, those it holds now are taken before
+        the transaction, as ``lease`` would take them. With leases reclaimed by
+        :meth:`rejoin` to hand out, it is ``ack_many`` and then ``lease``: two
+        transactions, the same outcome.
         """
         self._require_epoch()
         steps, ids = self._checked_acks(acks)
         _check_int("max_refs", max_refs, minimum=1)
-        if not steps or self._still_reclaimed() or not self._leases_from_ledger():
+        if not steps or self._still_reclaimed():
             self.ack_many(steps)
             return self.lease(max_refs, timeout=0)
+        received = self._received_now(max_refs, steps, ids)
         release: list[str] = []
         take: list[str] = []
         refs: list[SampleRef] = []
@@ -1345,7 +1347,10 @@ class Consumer:
                 # The acked samples are this consumer's leases, never pending: the acks
                 # and the lease append together, and one read folds them.
                 acked = self._ack_events(tx, steps, ids, release)
-                take = [] if self._seeded_order_waits() else self._ready_to_lease(max_refs)
+                if received:  # as in _lease_ids: a streamed ref is delivered once
+                    take = [s for s in dict.fromkeys(received) if self.state.is_pending(s)]
+                elif not self._seeded_order_waits():
+                    take = self._ready_to_lease(max_refs)
                 refs = self._committed_refs(take)
                 tx.append(
                     [
@@ -1360,9 +1365,44 @@ class Consumer:
                 ids + take,
                 lambda s: not self._lease_ended(s) if s in leased else self._trained_by_an_ack(s),
             ):
+                self._unreceive(received)
                 raise
+        except BaseException:
+            self._unreceive(received)
+            raise
         self._acked(ids, release)
+        if received:
+            self._from_stream.update(take)
+            if len(received) > len(take):
+                self.stream.credit(len(received) - len(take))  # type: ignore[union-attr]
         return refs
+
+    def _received_now(
+        self, max_refs: int, steps: list[tuple[list[str], int]], ids: list[str]
+    ) -> list[str]:
+        """The ids of the refs the stream holds now, where a lease would take from it (no
+        requeued work first, the stream not exhausted, no seeded order waiting); else [].
+
+        Only once the fold allows the acks of ``steps``: refs taken off the stream for a
+        write that fails go back to the ledger's pending ones, out of the stream's order.
+        """
+        if self._leases_from_ledger():
+            return []
+        self._catch_up()
+        self._check_acks_allowed(steps, ids)
+        if self._seeded_order_waits() or self._ready_to_lease(max_refs) or self._stream_ended():
+            return []
+        try:
+            received = self.stream.receive(max_refs, timeout=0)  # type: ignore[union-attr]
+        except StreamIdleError:
+            return []
+        return [ref.sample_id for ref in received]
+
+    def _unreceive(self, received: list[str]) -> None:
+        """Give back the stream slots of refs received for a lease that did not land; they
+        stay pending in the ledger, leased from it once the stream is exhausted."""
+        if received:
+            self.stream.credit(len(received))  # type: ignore[union-attr]
 
     def _leases_from_ledger(self) -> bool:
         """Whether this consumer leases from the fold alone (no stream, or an exhausted one)."""
@@ -1423,6 +1463,20 @@ class Consumer:
     ) -> list[NewEvent]:
         """The events of the acks of ``steps`` in ``tx`` (their releases after them), once
         the ledger allows them; ``release`` gets the ids they release."""
+        self._check_acks_allowed(steps, ids)
+        if self.release_policy == "on_ack":
+            release += ids
+        return [
+            *(
+                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
+                for batch, step in steps
+                for s in batch
+            ),
+            *self._release_events(release),
+        ]
+
+    def _check_acks_allowed(self, steps: list[tuple[list[str], int]], ids: list[str]) -> None:
+        """Raise unless the fold allows the acks of ``steps`` (``ids``: all their ids)."""
         self._check_leased(ids, "ack")
         first = steps[0][1]
         floor = self.state.last_checkpoint_step
@@ -1438,16 +1492,6 @@ class Consumer:
                 f"already acked step {newest} in epoch {self.epoch}: steps must not go "
                 "backwards; ack with the number of the optimizer step just taken"
             )
-        if self.release_policy == "on_ack":
-            release += ids
-        return [
-            *(
-                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
-                for batch, step in steps
-                for s in batch
-            ),
-            *self._release_events(release),
-        ]
 
     @_locked
     def nack(

@@ -6,11 +6,15 @@ the in-process MemoryStream, whose behaviour the stream tests pin down.
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import pytest
 import torch
 
-from dataflow import Consumer, Kind, LedgerStateError, Producer, replay
+from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, LedgerStateError, Producer, replay
 from dataflow.streams import MemoryStream
+from stores import LocalFeatureStore
 from tests._writes import record_writes
 
 
@@ -127,20 +131,70 @@ def test_a_seeded_order_waiting_for_a_regeneration_writes_only_the_acks(
     assert len(consumer.lease(4)) == 3
 
 
-def test_with_refs_still_coming_from_a_stream_it_is_an_ack_then_a_lease(
-    ledger, store, run_id, writes
-) -> None:
-    stream = MemoryStream(window=8, expected_producers=1)
+def _streaming(ledger, store, run_id, *sample_ids: str, window: int = 8):
+    """A consumer whose refs come over a MemoryStream, with ``sample_ids`` sent to it."""
+    stream = MemoryStream(window=window, expected_producers=1)
     consumer = Consumer(
         ledger, store, run_id=run_id, consumer_id="trainer", stream=stream.receiver()
     )
     consumer.resume()
     producer = Producer(ledger, store, run_id=run_id, stream=stream.sender("p"))
-    for sample_id in ("a", "b", "c", "d"):
+    for sample_id in sample_ids:
         producer.emit(sample_id, {"x": torch.tensor(1.0)})
+    return consumer, producer
+
+
+def test_with_refs_coming_from_a_stream_those_it_holds_are_leased_in_the_same_write(
+    ledger, store, run_id, writes
+) -> None:
+    consumer, producer = _streaming(ledger, store, run_id, "a", "b", "c", "d")
     refs = consumer.lease(2)
     writes.clear()
-    assert ids(consumer.ack_and_lease([(refs, 1)], 2)) == ["c", "d"]
-    assert writes == ["ack", "lease"]  # the lease waited on the stream outside the transaction
+    leased = consumer.ack_and_lease([(refs, 1)], 2)
+    assert ids(leased) == ["c", "d"]
+    assert writes == ["ack+lease"]
     state = replay(ledger, run_id)
     assert state.trained == {"a": 1, "b": 1} and sorted(state.leased) == ["c", "d"]
+    assert consumer.stream.stats().in_flight == 2  # a and b's slots went back with their acks
+    assert consumer.ack_and_lease([(leased, 2)], 2) == []  # the stream holds nothing now
+    assert consumer.stream.stats().in_flight == 0
+    producer.close()
+    assert replay(ledger, run_id).verify() == []
+
+
+def test_an_ack_the_ledger_refuses_takes_nothing_off_the_stream(
+    ledger, store, run_id, tmp_path
+) -> None:
+    consumer, _ = _streaming(ledger, store, run_id, "a", "b", "c", "d")
+    refs = consumer.lease(2)
+    consumer.checkpoint(3, tmp_path)
+    with pytest.raises(LedgerStateError, match="a checkpoint at step 3 already exists"):
+        consumer.ack_and_lease([(refs, 2)], 2)
+    assert consumer.stream.stats().delivered == 2  # c and d are still on the stream
+    assert ids(consumer.ack_and_lease([(refs, 4)], 2)) == ["c", "d"]
+
+
+def test_refs_taken_off_the_stream_for_a_failed_write_give_their_slots_back(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    ledger = Ledger.open(f"sqlite:///{path}")
+    consumer, producer = _streaming(ledger, LocalFeatureStore(), "run", "a", "b")
+    refs = consumer.lease(2)
+    producer.emit("c", {"x": torch.tensor(1.0)})
+    producer.emit("d", {"x": torch.tensor(1.0)})
+    # Before the consumer folds it, c's commit is damaged: it still names c (the fold
+    # takes it), but no ref can be made of it.
+    seq = next(e.seq for e in ledger.events("run") if e.kind == Kind.COMMIT and e.sample_id == "c")
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "UPDATE dataflow_events SET payload = ? WHERE seq = ?", ('{"sample_id":"c"}', seq)
+        )
+    head = ledger.head_seq("run")
+    with pytest.raises(CorruptLedgerError, match="the commit of 'c'"):
+        consumer.ack_and_lease([(refs, 1)], 2)
+    assert ledger.head_seq("run") == head  # neither the acks nor a lease
+    stats = consumer.stream.stats()
+    assert (stats.delivered, stats.credited, stats.in_flight) == (4, 2, 2)  # c, d: slots back
+    consumer.ack(refs, step=1)
+    assert replay(ledger, "run").trained == {"a": 1, "b": 1}
