@@ -674,8 +674,9 @@ class RunState:
         return 0, None, 0
 
     def _rewound(self, ckpt: Checkpoint, data_epoch: int) -> tuple[dict[str, int], set[str]] | None:
-        """The trained set at ``ckpt`` taken from the current one, with a superset of the
-        ids it leaves untrained; None where the lineage's acks must be folded instead.
+        """The trained set at ``ckpt``, made from the current one in place, with a superset
+        of the ids it leaves untrained; None (nothing changed) where the lineage's acks
+        must be folded instead.
 
         A restart from the newest checkpoint, of this epoch or the one it resumed from,
         with the data epoch unchanged since: the trained set is the current one less what
@@ -691,17 +692,14 @@ class RunState:
             floor = -1  # every ack of this epoch came after it
         else:
             return None
-        acks = node.acks
+        acks, trained = node.acks, self.trained
         after = itertools.compress(itertools.count(), map(floor.__lt__, acks.steps))
-        trained = dict(self.trained)
-        untrained: set[str] = set()
-        for index in after:
-            if acks.data_epochs[index] != data_epoch:
-                continue
-            sid = acks.sids[index]
-            if trained.pop(sid, None) is None:
-                return None  # not the trained set this epoch built: fold the lineage
-            untrained.add(sid)
+        undone = [acks.sids[i] for i in after if acks.data_epochs[i] == data_epoch]
+        untrained = set(undone)
+        if len(untrained) < len(undone) or not all(map(trained.__contains__, untrained)):
+            return None  # not the trained set this epoch built: fold the lineage
+        for sid in undone:  # in place: a copy of the trained set costs as much as the rest
+            del trained[sid]
         untrained.update(*self._pending.values(), self.leased, self.lost, self.regenerate)
         untrained.update(self.dead)
         return trained, untrained
