@@ -1210,7 +1210,11 @@ class Consumer:
                 self._sync(tx)
         except CommitOutcomeUnknownError:
             if not self._landed(take, lambda s: self.state.leased.get(s) == self.consumer_id):
+                self._unreceive(sample_ids if streamed else [])
                 raise
+        except BaseException:
+            self._unreceive(sample_ids if streamed else [])
+            raise
         if streamed:
             self._from_stream.update(take)
             dropped = len(sample_ids) - len(take)

@@ -174,8 +174,9 @@ def test_an_ack_the_ledger_refuses_takes_nothing_off_the_stream(
     assert ids(consumer.ack_and_lease([(refs, 4)], 2)) == ["c", "d"]
 
 
+@pytest.mark.parametrize("call", ["ack_and_lease", "lease"])
 def test_refs_taken_off_the_stream_for_a_failed_write_give_their_slots_back(
-    tmp_path: Path,
+    tmp_path: Path, call: str
 ) -> None:
     path = tmp_path / "ledger.db"
     ledger = Ledger.open(f"sqlite:///{path}")
@@ -192,7 +193,10 @@ def test_refs_taken_off_the_stream_for_a_failed_write_give_their_slots_back(
         )
     head = ledger.head_seq("run")
     with pytest.raises(CorruptLedgerError, match="the commit of 'c'"):
-        consumer.ack_and_lease([(refs, 1)], 2)
+        if call == "lease":
+            consumer.lease(2)
+        else:
+            consumer.ack_and_lease([(refs, 1)], 2)
     assert ledger.head_seq("run") == head  # neither the acks nor a lease
     stats = consumer.stream.stats()
     assert (stats.delivered, stats.credited, stats.in_flight) == (4, 2, 2)  # c, d: slots back
