@@ -6,7 +6,7 @@ pre-made tensor every time, so producing costs only the data plane) into a
 and push the refs over ZeroMQ streams to two trainer ranks. Each rank is a real
 process in a gloo group running ``training.Trainer``: a ``FeatureLoader``
 leasing from its stream four batches at a time in a thread (one ledger write for
-the lease of four batches, one for the acks of four steps), a step of
+the lease of four batches and the acks of the four steps before it), a step of
 fixed compute (a 1024x1024 linear layer over a batch of 4 samples of 64x1024,
 forward and backward, about 25 ms on one idle core), gradients all-reduced by
 hand, acks at every optimizer step.
@@ -27,7 +27,7 @@ a drift in the machine's load hits both sides. The trainer side, whose ratio is
 the one the target is about, takes ``ROUNDS`` such rounds (the samples split
 into as many runs of the ledger, trained one after the other) and reports the
 round of the median ratio: on a shared 2-core VM the compute alone drifts by
-10% from one run to the next. Each run is timed from its first step to its last
+10% or more from one run to the next. Each run is timed from its first step to its last
 optimizer step on either rank; in the streaming run the producers start with
 the ranks and run ahead by the credit window.
 

@@ -698,7 +698,7 @@ class RunState:
         untrained = set(undone)
         if len(untrained) < len(undone) or not all(map(trained.__contains__, untrained)):
             return None  # not the trained set this epoch built: fold the lineage
-        for sid in undone:  # in place: a copy of the trained set costs as much as the rest
+        for sid in undone:  # in place: a copy would cost a dict entry per trained sample
             del trained[sid]
         untrained.update(*self._pending.values(), self.leased, self.lost, self.regenerate)
         untrained.update(self.dead)
