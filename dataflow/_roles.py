@@ -1202,9 +1202,7 @@ class Consumer:
         take: list[str] = []
         try:
             with self._write("lease") as tx:
-                # A streamed ref may already be leased or trained (it also came
-                # back through reconcile): deliver it once, drop the copy.
-                take = [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
+                take = self._deliverable(sample_ids)
                 refs = self._committed_refs(take)  # before anything is leased
                 tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
                 self._sync(tx)
@@ -1216,11 +1214,20 @@ class Consumer:
             self._unreceive(sample_ids if streamed else [])
             raise
         if streamed:
-            self._from_stream.update(take)
-            dropped = len(sample_ids) - len(take)
-            if dropped:
-                self.stream.credit(dropped)  # type: ignore[union-attr]
+            self._delivered(sample_ids, take)
         return refs
+
+    def _deliverable(self, sample_ids: list[str]) -> list[str]:
+        """The ids of ``sample_ids`` to lease: a streamed ref may already be leased or
+        trained (it also came back through reconcile); it is delivered once."""
+        return [s for s in dict.fromkeys(sample_ids) if self.state.is_pending(s)]
+
+    def _delivered(self, received: list[str], take: list[str]) -> None:
+        """Once the lease of ``take``, out of the ``received`` refs, landed: the stream's
+        slots of the leased ones come back with their acks, those of the others now."""
+        self._from_stream.update(take)
+        if len(received) > len(take):
+            self.stream.credit(len(received) - len(take))  # type: ignore[union-attr]
 
     def _committed_refs(self, sample_ids: list[str]) -> list[SampleRef]:
         """The refs the ledger committed for ``sample_ids`` (one ledger read for those not in
@@ -1351,8 +1358,8 @@ class Consumer:
                 # The acked samples are this consumer's leases, never pending: the acks
                 # and the lease append together, and one read folds them.
                 acked = self._ack_events(tx, steps, ids, release)
-                if received:  # as in _lease_ids: a streamed ref is delivered once
-                    take = [s for s in dict.fromkeys(received) if self.state.is_pending(s)]
+                if received:
+                    take = self._deliverable(received)
                 elif not self._seeded_order_waits():
                     take = self._ready_to_lease(max_refs)
                 refs = self._committed_refs(take)
@@ -1376,9 +1383,7 @@ class Consumer:
             raise
         self._acked(ids, release)
         if received:
-            self._from_stream.update(take)
-            if len(received) > len(take):
-                self.stream.credit(len(received) - len(take))  # type: ignore[union-attr]
+            self._delivered(received, take)
         return refs
 
     def _received_now(
