@@ -11,6 +11,7 @@ keeps working around a store lookup::
     ├── TensorInRefError (TypeError)
     ├── InvalidArgumentError (ValueError)      an argument of a call has a bad value
     ├── ArgumentTypeError (TypeError)          an argument of a call has the wrong type
+    ├── PeerFailedError                        a call all ranks make together failed on another
     ├── LedgerError
     │   ├── NotALedgerError                    nothing at the URL, or it is not a ledger
     │   ├── InvalidCheckpointPathError (ValueError)  missing, or not a file or directory
@@ -75,6 +76,12 @@ class InvalidArgumentError(DataflowError, ValueError):
 
 class ArgumentTypeError(DataflowError, TypeError):
     """An argument of a dataflow call has the wrong type; the message names it."""
+
+
+class PeerFailedError(DataflowError):
+    """A call that every rank makes together (``Consumer.checkpoint``) failed on another
+    rank; that rank raised its own error, and this one raises this instead of waiting
+    for it in a collective."""
 
 
 class LedgerError(DataflowError):

@@ -38,6 +38,7 @@ from dataflow._contracts import (
     ref_from_ledger,
     validate_sample_id,
 )
+from dataflow._dist import agree, broadcast_int, group_active
 from dataflow._errors import (
     ArgumentTypeError,
     BackpressureError,
@@ -47,6 +48,7 @@ from dataflow._errors import (
     InvalidArgumentError,
     InvalidCheckpointPathError,
     LedgerStateError,
+    PeerFailedError,
     StaleEpochError,
     StreamIdleError,
     UnknownCheckpointError,
@@ -159,17 +161,6 @@ def _sample_ids(refs: object, what: str) -> list[str]:
     return ids
 
 
-def _dist_group_active(world_size: int) -> bool:
-    # A process group exists only where torch was imported: never import it here.
-    torch = sys.modules.get("torch")
-    return (
-        world_size > 1
-        and torch is not None
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    )
-
-
 def _trim_heap(events: int) -> None:
     """After the first fold of a long run, give the heap's free pages back (glibc).
 
@@ -180,15 +171,6 @@ def _trim_heap(events: int) -> None:
         return
     with contextlib.suppress(OSError, AttributeError):  # not glibc: the pages stay, no more
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def _broadcast_epoch(epoch: int) -> int:
-    """Rank 0's ``epoch``, on every rank of the active process group."""
-    import torch
-
-    value = torch.tensor([epoch], dtype=torch.int64)
-    torch.distributed.broadcast(value, src=0)
-    return int(value.item())
 
 
 @functools.lru_cache(maxsize=256)
@@ -880,16 +862,6 @@ class Consumer:
         """
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
             _check_int("checkpoint step", checkpoint)
-        if (
-            self.rank == 0
-            and self.ledger.head_seq(self.run_id) == 0
-            and any(run != self.run_id for run in self.ledger.runs())
-        ):
-            warnings.warn(
-                f"run {self.run_id!r} has no events in {self.ledger.safe_url}: resume() starts "
-                f"it as a new run. {self._known_runs_hint()}",
-                stacklevel=2,
-            )
         epoch = self._start_epoch(checkpoint) if self.rank == 0 else self._join_epoch()
         joined, self.epoch = self.epoch != epoch, epoch
         # Stream refs of the old epoch are finished by this resume: they go
@@ -925,6 +897,28 @@ class Consumer:
         return f"If you meant an existing run, check the run id; known runs: {shown}{more}"
 
     def _start_epoch(self, checkpoint: object) -> int:
+        """Rank 0's part of a resume: the new epoch, written and then broadcast; if it fails,
+        the other ranks are told so (they raise PeerFailedError) rather than left waiting."""
+        distributed = group_active(self.world_size)
+        try:
+            epoch = self._write_epoch(checkpoint)
+        except Exception:
+            if distributed:
+                broadcast_int(-1)
+            raise
+        if distributed:
+            broadcast_int(epoch)
+        return epoch
+
+    def _write_epoch(self, checkpoint: object) -> int:
+        if self.ledger.head_seq(self.run_id) == 0 and any(
+            run != self.run_id for run in self.ledger.runs()
+        ):
+            warnings.warn(
+                f"run {self.run_id!r} has no events in {self.ledger.safe_url}: resume() starts "
+                f"it as a new run. {self._known_runs_hint()}",
+                stacklevel=5,  # the caller of resume(), through resume and its lock
+            )
         if self._snapshot_seq < 0:
             # The first fold (a snapshot, then the log) before the write lock: writers wait
             # only for the tail that the transaction reads.
@@ -955,8 +949,6 @@ class Consumer:
                 ]
             )
             self._sync(tx)
-        if _dist_group_active(self.world_size):
-            _broadcast_epoch(epoch)
         return epoch
 
     def _resolve_checkpoint(self, checkpoint: object) -> Checkpoint | None:
@@ -982,8 +974,13 @@ class Consumer:
         return found
 
     def _join_epoch(self) -> int:
-        if _dist_group_active(self.world_size):
-            epoch = _broadcast_epoch(0)
+        if group_active(self.world_size):
+            epoch = broadcast_int(0)
+            if epoch < 0:
+                raise PeerFailedError(
+                    f"resume of run {self.run_id!r} failed on rank 0 (this is rank "
+                    f"{self.rank}); see the error raised there"
+                )
             while self.state.epoch < epoch:
                 self._catch_up()
                 if self.state.epoch < epoch:
@@ -1602,8 +1599,13 @@ class Consumer:
 
         Call it after the checkpoint files are durable. Every rank calls it:
         the :meth:`before_checkpoint` callbacks run first, then with
-        torch.distributed initialized the ranks meet in a barrier, so rank 0
-        appends only once every rank's acks up to ``step`` are in the ledger.
+        torch.distributed initialized the ranks meet, so rank 0 appends only
+        once every rank's acks up to ``step`` are in the ledger, and meet again
+        once it has. It fails on every rank or on none: the rank where it
+        failed (a callback, or rank 0's write) raises that error, and the
+        others raise :class:`PeerFailedError` rather than wait in a collective;
+        then nothing is recorded, or (rank 0's write failing after it landed)
+        the ledger says whether it was.
         ``digest`` (e.g. the sha256 of the checkpoint's manifest) is recorded
         so a resume can check it loads exactly these bytes. Returns the
         Checkpoint on rank 0, None elsewhere.
@@ -1628,16 +1630,39 @@ class Consumer:
         with self._lock:
             live = [(get, callback) for get in self._before_checkpoint if (callback := get())]
             self._before_checkpoint = [get for get, _ in live]
-        for _, callback in live:
-            callback()
-        return self._record_checkpoint(step, path, digest)
+        error: Exception | None = None
+        try:
+            for _, callback in live:
+                callback()
+        except Exception as exc:
+            error = exc
+        return self._record_checkpoint(step, path, digest, error)
 
     @_locked
-    def _record_checkpoint(self, step: int, path: str, digest: str | None) -> Checkpoint | None:
-        if _dist_group_active(self.world_size):
-            sys.modules["torch"].distributed.barrier()
-        if self.rank != 0:
-            return None
+    def _record_checkpoint(
+        self, step: int, path: str, digest: str | None, error: Exception | None
+    ) -> Checkpoint | None:
+        """Every rank: meet (raising everywhere if ``error`` is on any rank), rank 0 appends,
+        meet again (raising everywhere if that failed)."""
+        distributed = group_active(self.world_size)
+        what = f"checkpoint at step {step} of run {self.run_id!r}"
+        if distributed:
+            agree(error, what=what)
+        elif error is not None:
+            raise error
+        recorded = None
+        if self.rank == 0:
+            try:
+                recorded = self._append_checkpoint(step, path, digest)
+            except Exception as exc:
+                error = exc
+        if distributed:
+            agree(error, what=what)
+        elif error is not None:
+            raise error
+        return recorded
+
+    def _append_checkpoint(self, step: int, path: str, digest: str | None) -> Checkpoint:
         with self._write("checkpoint") as tx:
             floor = self.state.last_checkpoint_step
             if step <= floor:

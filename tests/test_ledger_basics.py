@@ -537,8 +537,9 @@ def test_resuming_a_run_without_events_warns_and_names_the_known_runs(
         # The first run of a new ledger (a trainer started before its producers) is no typo.
         Consumer(ledger, store, run_id="first", consumer_id="c").resume()
     emit("a")
-    with pytest.warns(UserWarning, match=r"run 'rnu' has no events .* known runs: "):
+    with pytest.warns(UserWarning, match=r"run 'rnu' has no events .* known runs: ") as got:
         Consumer(ledger, store, run_id="rnu", consumer_id="c").resume()
+    assert got[0].filename == __file__  # it points at the resume() call
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_consumer().resume()  # a run with events: no warning

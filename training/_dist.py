@@ -1,4 +1,5 @@
-"""What the training components need from torch.distributed: one device, one agreement."""
+"""What the training components need from torch.distributed: one device (the core's
+``flag_device``), one agreement."""
 
 from __future__ import annotations
 
@@ -8,14 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dataflow._dist import flag_device
 from training._errors import CheckpointError
-
-
-def flag_device(group: Any = None) -> torch.device:
-    """The device ``group`` communicates from: CUDA for NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def dist_active(world_size: int) -> bool:
