@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from dataflow._copy import copy
 from dataflow._errors import (
     InvalidRefError,
     InvalidSampleIdError,
@@ -775,9 +776,10 @@ class FeatureStore(ABC):
         return self._all_or_none([self._put(*item)] for item in items)
 
     def _get_into(self, ref: SampleRef, out: dict[str, torch.Tensor]) -> None:
-        # A store that can read into memory it is given overrides this copy.
+        # A store that can read into memory it is given overrides this copy (one memcpy
+        # per tensor: torch's copy_ crawls in its OpenMP region on a busy machine).
         for name, tensor in self._get(ref, list(out)).items():
-            out[name].copy_(tensor)
+            copy(out[name], tensor)
 
     def _all_or_none(self, batches: Iterable[list[SampleRef]]) -> list[SampleRef]:
         """The refs of every batch of puts, or none: when one raises, delete what came before."""

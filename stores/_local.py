@@ -20,7 +20,6 @@ from dataflow._errors import (
     StoreError,
     StoreFullError,
 )
-from stores import _tensors
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
@@ -133,9 +132,6 @@ class LocalFeatureStore(FeatureStore):
                 )
             out[name] = tensor
         return out
-
-    def _get_into(self, ref: SampleRef, out: dict[str, torch.Tensor]) -> None:
-        _tensors.copy_into(out, self._get(ref, list(out)))  # without torch's OpenMP
 
     def _delete(self, ref: SampleRef) -> None:
         self._delete_generation(ref.sample_id, ref.generation)

@@ -1143,10 +1143,6 @@ class MooncakeFeatureStore(FeatureStore):
         chunk = self._fetch(ref, read.data, read.spans, read.head_at)
         return self._client.pool.views(chunk, read.views)
 
-    def _get_into(self, ref: SampleRef, out: dict[str, torch.Tensor]) -> None:
-        # Through the registered chunk a transfer needs; copied without torch's OpenMP.
-        _tensors.copy_into(out, self._get(ref, list(out)))
-
     def _fetch(
         self,
         ref: SampleRef,

@@ -18,7 +18,10 @@ import torch
 import xxhash
 
 from dataflow._contracts import FeatureSpec, dtype_name
+from dataflow._copy import byte_view, copy
 from dataflow._errors import CorruptFeatureError
+
+__all__ = ["byte_view", "copy"]  # the core's, for the stores beside the helpers below
 
 #: Alignment of every tensor in a byte layout (a cache line; enough for any dtype).
 ALIGN = 64
@@ -34,42 +37,6 @@ def dense(tensor: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.resolve_conj().resolve_neg().contiguous()
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat uint8 view; no copy.
-
-    Goes through ``reshape(-1)`` because ``view(dtype)`` refuses 0-d tensors,
-    and through uint8 because numpy has no bfloat16, float8 or complex32.
-    """
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def copy(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)`` for a dense ``target`` of the same dtype and shape.
-
-    Dense CPU sources go through numpy as one single-threaded memcpy: torch's
-    copy_ opens an OpenMP parallel region, which crawls when another process
-    holds one of the cores (on 2 cores beside a Mooncake master, 2.3 ms
-    instead of 20 us per MiB).
-    """
-    if (
-        source.device.type == "cpu"
-        and target.device.type == "cpu"
-        and source.is_contiguous()
-        and not source.is_conj()
-        and not source.is_neg()
-    ):
-        byte_view(target).numpy()[...] = byte_view(source.detach()).numpy()
-    else:
-        target.copy_(source.detach())
-
-
-def copy_into(out: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> None:
-    """:func:`copy` of each of ``tensors`` into ``out`` under its name (a store's
-    ``_get_into`` from what its ``_get`` returned)."""
-    for name, tensor in tensors.items():
-        copy(out[name], tensor)
 
 
 def checksum(data: Any) -> str:
