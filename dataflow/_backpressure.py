@@ -318,6 +318,11 @@ def check_wait(block: object, timeout: object) -> None:
     """Refuse bad ``block`` / ``timeout`` arguments of an emit, naming them."""
     if not isinstance(block, bool):
         raise ArgumentTypeError(f"block must be a bool, got {type(block).__name__} {block!r}")
+    check_timeout(timeout, none_means="wait as long as it takes")
+
+
+def check_timeout(timeout: object, *, none_means: str) -> None:
+    """Refuse a ``timeout`` that is not None or a finite number of seconds >= 0."""
     if timeout is not None and (
         not isinstance(timeout, (int, float))
         or isinstance(timeout, bool)
@@ -325,6 +330,6 @@ def check_wait(block: object, timeout: object) -> None:
         or timeout < 0
     ):
         raise InvalidArgumentError(
-            f"timeout must be a non-negative number of seconds or None (wait as long as it "
-            f"takes), got {timeout!r}"
+            f"timeout must be a non-negative number of seconds or None ({none_means}), "
+            f"got {timeout!r}"
         )

@@ -14,7 +14,6 @@ import ctypes
 import functools
 import itertools
 import logging
-import math
 import os
 import re
 import sys
@@ -27,7 +26,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dataflow._backpressure import ProducerGate, Watermarks, check_wait, tensors_nbytes
+from dataflow._backpressure import (
+    ProducerGate,
+    Watermarks,
+    check_timeout,
+    check_wait,
+    tensors_nbytes,
+)
 from dataflow._contracts import (
     _JSON,
     FeatureSpec,
@@ -1132,15 +1137,7 @@ class Consumer:
         """
         self._require_epoch()
         _check_int("max_refs", max_refs, minimum=1)
-        if timeout is not None and (
-            not isinstance(timeout, (int, float))
-            or isinstance(timeout, bool)
-            or not math.isfinite(timeout)
-            or timeout < 0
-        ):
-            raise InvalidArgumentError(
-                f"timeout must be a non-negative number or None, got {timeout!r}"
-            )
+        check_timeout(timeout, none_means="wait until something comes or this rank is drained")
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         warned = False
