@@ -50,7 +50,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -133,15 +132,10 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    from dataflow._dist import join_loopback_gloo
+
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=rank,
-        world_size=RANKS,
-        timeout=timedelta(seconds=WAIT_S),
-    )
+    join_loopback_gloo(rank, RANKS, cfg["port"], timeout_s=WAIT_S)
     torch.manual_seed(0)
     model = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)

@@ -77,3 +77,21 @@ def agree(error: Exception | None, *, what: str) -> None:
             f"{what} failed on rank {ranks} (this is rank {dist.get_rank()}); see the error "
             "raised there"
         )
+
+
+def join_loopback_gloo(rank: int, world_size: int, port: int, *, timeout_s: float) -> None:
+    """Join a gloo group whose rank 0 listens on 127.0.0.1:``port``, on loopback only: the
+    processes of one machine (the demo's ranks, the benchmarks', the tests')."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import shutil
 import socket
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from dataflow import Consumer, Ledger
+from dataflow._dist import join_loopback_gloo
 from stores import SharedDirFeatureStore
 
 CHILD_TIMEOUT_S = 120
@@ -59,14 +57,7 @@ def rank_consumer(
 
 def init_gloo(rank: int, port: int, *, world_size: int = 2) -> None:
     """Join a gloo group on loopback, in a rank's process."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    join_loopback_gloo(rank, world_size, port, timeout_s=COLLECTIVE_TIMEOUT_S)
 
 
 def start(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:

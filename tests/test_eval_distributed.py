@@ -5,12 +5,12 @@ import multiprocessing
 import os
 import re
 import socket
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dataflow._dist import join_loopback_gloo
 from eval import EvalError, Evaluator
 
 pytestmark = pytest.mark.slow
@@ -57,14 +57,7 @@ def scenarios() -> dict[str, tuple[list, list]]:
 
 def run_scenarios(rank: int, port: int, out_dir: str) -> None:
     """One rank: run every scenario over the default group, then one over an explicit group."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    join_loopback_gloo(rank, WORLD_SIZE, port, timeout_s=COLLECTIVE_TIMEOUT_S)
     results = {}
     try:
         cases = scenarios()

@@ -17,7 +17,6 @@ import os
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dataflow import Consumer, Ledger
+from dataflow._dist import join_loopback_gloo
 from dataflow.demo._child import kill_self
 from dataflow.demo._model import (
     DRAFT,
@@ -93,14 +93,7 @@ class DyingCheckpointManager(CheckpointManager):
 
 def train(config: dict, rank: int, attempt: int, port: int) -> None:
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=60),
-    )
+    join_loopback_gloo(rank, WORLD_SIZE, port, timeout_s=60)
     logging.getLogger("dataflow.demo").info("rank %d: in the gloo group", rank)
     run_dir = Path(config["run_dir"])
     target = TargetNetwork(config["seed"])
