@@ -1,6 +1,7 @@
 """dataflow: the data and control plane between feature producers and trainers."""
 
 from dataflow._backpressure import Watermarks
+from dataflow._consumer import Consumer
 from dataflow._contracts import (
     FeatureSpec,
     FeatureStore,
@@ -50,8 +51,8 @@ from dataflow._events import Event, Kind
 from dataflow._gc import GcReport, collect_garbage
 from dataflow._ledger import Ledger
 from dataflow._metrics import MetricsServer, RunMetrics, serve_metrics
+from dataflow._producer import Producer
 from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay, seeded_order
-from dataflow._roles import Consumer, Producer
 
 __all__ = [
     "ArgumentTypeError",

@@ -24,8 +24,8 @@ from dataflow import (
     SchemaVersionError,
     StaleRefError,
     StoreStats,
+    _consumer,
     _ledger,
-    _roles,
     replay,
 )
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
@@ -546,7 +546,7 @@ def test_resuming_a_run_without_events_warns_and_names_the_known_runs(
 
 
 def test_a_lease_waiting_on_a_run_no_producer_opened_warns(ledger, store, emit, monkeypatch):
-    monkeypatch.setattr(_roles, "NO_PRODUCER_WARNING_S", 0.2)
+    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", 0.2)
     emit("a")
     cons = Consumer(ledger, store, run_id="rnu", consumer_id="c")
     with pytest.warns(UserWarning, match="no events"):

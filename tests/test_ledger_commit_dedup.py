@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow import Kind, Ledger, OperationalError, Producer, SampleRef, _roles, replay
+from dataflow import Kind, Ledger, OperationalError, Producer, SampleRef, _producer, replay
 from dataflow.testing import sample_refs
 from stores import LocalFeatureStore
 
@@ -124,13 +124,13 @@ def test_a_duplicate_of_a_regenerated_sample_elsewhere_reports_the_newest_revisi
     producer.commit([put(store, "a", 2)])  # superseded in this store: revision 1
     newest = replay(ledger, run_id).committed["a"]
     settled: list[tuple[str, int, SampleRef]] = []
-    original = _roles.Producer._settle_duplicate
+    original = _producer.Producer._settle_duplicate
 
     def record(self, ours, revision, committed):
         settled.append((ours.sample_id, revision, committed))
         original(self, ours, revision, committed)
 
-    monkeypatch.setattr(_roles.Producer, "_settle_duplicate", record)
+    monkeypatch.setattr(_producer.Producer, "_settle_duplicate", record)
     with LocalFeatureStore() as elsewhere:
         ours = put(elsewhere, "a", 3)
 
@@ -191,4 +191,4 @@ def test_commits_agree_with_a_model_of_first_commits(ledger, batches):
 @settings(max_examples=300, deadline=None)
 def test_the_commit_payload_is_the_refs_own_json(ref, store, bare):
     ref = dataclasses.replace(ref, store=store, metadata={} if bare else ref.metadata)
-    assert _roles._ref_json(ref) == ref.to_json()
+    assert _producer._ref_json(ref) == ref.to_json()

@@ -37,11 +37,12 @@ from hypothesis.stateful import (
 )
 
 from dataflow import _snapshot
+from dataflow._consumer import Consumer
 from dataflow._contracts import FeatureStore, SampleRef
 from dataflow._errors import StaleEpochError, UnknownCheckpointError
 from dataflow._ledger import Ledger
+from dataflow._producer import Producer
 from dataflow._projection import Checkpoint, RunState, replay
-from dataflow._roles import Consumer, Producer
 
 #: Examples per run of the machine: "normal" is the test suite's, "thorough" the long profile.
 PROFILES = {"normal": 200, "thorough": 2000}

@@ -1,0 +1,446 @@
+"""Producer: the role that puts a sample's features into a store and commits its ref.
+
+A commit is one ledger transaction (see :mod:`dataflow._roles`); the features
+go into the store before it, and are deleted again when it raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from json.encoder import encode_basestring_ascii as _quote
+from typing import TYPE_CHECKING, Any
+
+from dataflow._backpressure import (
+    ProducerGate,
+    Watermarks,
+    check_wait,
+    tensors_nbytes,
+)
+from dataflow._contracts import (
+    _JSON,
+    FeatureSpec,
+    FeatureStore,
+    RefSender,
+    SampleRef,
+    ref_from_ledger,
+    validate_sample_id,
+)
+from dataflow._errors import (
+    ArgumentTypeError,
+    BackpressureError,
+    CommitOutcomeUnknownError,
+    DataflowError,
+    LedgerStateError,
+)
+from dataflow._events import Kind, dump_payload
+from dataflow._ledger import Ledger, NewEvent, check_id
+from dataflow._metrics import MetricsServer, serve_run_metrics
+from dataflow._roles import _check_roles_args
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("dataflow")
+
+
+@functools.lru_cache(maxsize=256)
+def _specs_json(specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> str:
+    return _JSON.encode({name: FeatureSpec(shape, dtype).to_dict() for name, shape, dtype in specs})
+
+
+def _ref_json(ref: SampleRef) -> str:
+    """``ref.to_json()``, several times faster for the refs of one producer.
+
+    Encoding a ref costs as much as inserting its row; the refs of a batch share
+    their store and specs, so the specs are encoded once and the rest is joined
+    in ``to_json``'s key order (tests/test_ledger_commit_dedup.py holds the two
+    equal). Metadata, and anything unusual, goes through ``to_json``.
+    """
+    if ref.metadata or type(ref.generation) is not int:
+        return ref.to_json()
+    specs = ref.specs
+    try:
+        if len(specs) == 1:  # most refs: no list to build
+            for name, spec in specs.items():
+                key: tuple[Any, ...] = ((name, spec.shape, spec.dtype),)
+        else:
+            key = tuple([(name, spec.shape, spec.dtype) for name, spec in specs.items()])
+        specs_json = _specs_json(key)
+    except (TypeError, AttributeError):  # not a FeatureSpec after all: let to_json say so
+        return ref.to_json()
+    return (
+        f'{{"generation":{ref.generation},"metadata":{{}},"sample_id":{_quote(ref.sample_id)},'
+        f'"specs":{specs_json},"store":{_store_json(ref.store)}}}'
+    )
+
+
+@functools.lru_cache(maxsize=64)  # a producer writes to one store or a few
+def _store_json(store: str) -> str:
+    return _quote(store)
+
+
+class Producer:
+    """Puts features into a store and commits their refs to the run's ledger.
+
+    Give each concurrently running producer its own stable ``producer_id``:
+    a run is finished when every producer that committed has closed.
+
+    ``backpressure``: a :class:`Watermarks`; an emit that would take the run's
+    un-trained features in the store above a high mark waits until they are
+    below the low marks (``emit(..., block=False)`` raises BackpressureError
+    instead). ``metrics_port``: serve the run's Prometheus metrics
+    (:class:`RunMetrics`) on this port, on ``metrics_host`` (default
+    ``127.0.0.1``, loopback only); ``close()`` stops serving them.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        store: FeatureStore,
+        *,
+        run_id: str,
+        producer_id: str = "producer",
+        stream: RefSender | None = None,
+        backpressure: Watermarks | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
+    ) -> None:
+        _check_roles_args(ledger, store, run_id)
+        if stream is not None and not isinstance(stream, RefSender):
+            raise ArgumentTypeError(f"stream must be a RefSender, got {type(stream).__name__}")
+        self.ledger = ledger
+        self.store = store
+        self.run_id = run_id
+        self.producer_id = check_id("producer_id", producer_id)
+        self.stream = stream
+        self._gate = None if backpressure is None else ProducerGate(ledger, run_id, backpressure)
+        #: The metrics endpoint (``metrics_port``), None when not serving.
+        self.metrics: MetricsServer | None = serve_run_metrics(
+            ledger, run_id, store, metrics_port, metrics_host
+        )
+
+    def emit(
+        self,
+        sample_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> SampleRef | None:
+        """Store ``tensors`` and commit the ref; None when ``sample_id`` was already committed.
+
+        An id the ledger already holds is answered without touching the
+        store, so re-emitting after a restart costs one read and leaks nothing.
+        An emit that returns was committed; one that raises was not (a ref
+        the stream would refuse, e.g. with too much metadata for a frame,
+        raises BadFrameError before the commit), except with
+        CommitOutcomeUnknownError (see ``commit``): emitting the id again
+        then answers None if it was.
+
+        With ``backpressure``, an emit at the high mark waits until the
+        backlog is below the low marks, at most ``timeout`` seconds (None: as
+        long as it takes); ``block=False`` does not wait. Either way an emit
+        it cannot wait for raises BackpressureError before anything is stored.
+        """
+        return self.emit_many([(sample_id, tensors, metadata)], block=block, timeout=timeout)[0]
+
+    def emit_many(
+        self,
+        samples: Iterable[tuple[Any, ...]],
+        *,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> list[SampleRef | None]:
+        """Emit ``(sample_id, tensors)`` or ``(sample_id, tensors, metadata)`` items.
+
+        One ledger transaction for all; None for ids already committed.
+        ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
+        """
+        check_wait(block, timeout)
+        items = [tuple(item) for item in samples]
+        for item in items:
+            if len(item) not in (2, 3):
+                raise ArgumentTypeError(
+                    f"emit_many takes (sample_id, tensors[, metadata]), got {item!r}"
+                )
+            validate_sample_id(item[0])
+        known = self.ledger.commits(self.run_id, [item[0] for item in items])
+        if self._gate is not None:
+            fresh = [item for item in items if item[0] not in known]
+            if fresh:
+                added = sum(tensors_nbytes(item[1]) for item in fresh)
+                self._gate.wait(len(fresh), added, block=block, timeout=timeout)
+        refs: list[SampleRef] = []
+        try:
+            for sample_id, tensors, *meta in items:
+                if sample_id not in known:
+                    metadata = meta[0] if meta else None
+                    refs.append(self.store.put(sample_id, tensors, metadata=metadata))
+        except BaseException:
+            for ref in refs:
+                self.store.delete(ref)
+            raise
+        committed = {id(r): r for r in self.commit(refs) if r is not None}
+        by_id = {r.sample_id: r for r in refs if id(r) in committed}
+        return [by_id.pop(item[0], None) for item in items]
+
+    def commit(self, refs: Sequence[SampleRef]) -> list[SampleRef | None]:
+        """Commit refs whose features are already in the store, in one transaction.
+
+        Returns each ref, or None where its id was already committed; those
+        fresh features are deleted again. If the commit fails, or the stream
+        would refuse a ref (``RefSender.check``), every ref's features are
+        deleted and the error propagates: a call that raises committed
+        nothing, one that returns committed everything it returned.
+
+        One exception: when the database fails while committing, it may have
+        committed all the same. The commit is then tried once more, and the
+        ids found holding these very refs count as committed by this call. If
+        that fails too, CommitOutcomeUnknownError propagates and the features
+        stay: commit the same refs again once the ledger answers (it returns
+        None for those already in), or let ``dataflow gc`` remove them if they
+        never were.
+        """
+        if isinstance(refs, SampleRef) or not isinstance(refs, Iterable):
+            raise ArgumentTypeError(
+                f"commit takes a list of SampleRefs, got a {type(refs).__name__}: pass [ref]"
+            )
+        refs = list(refs)
+        for ref in refs:
+            if not isinstance(ref, SampleRef):
+                raise ArgumentTypeError(f"commit takes SampleRefs, got {type(ref).__name__}")
+        # A later put of the same id supersedes an earlier one: the newest wins.
+        newest = {ref.sample_id: ref for ref in refs}
+        try:
+            self._check_sendable(newest.values())
+            payloads = {sid: _ref_json(ref) for sid, ref in newest.items()}
+            known = self._append_commits(payloads)
+        except CommitOutcomeUnknownError:
+            raise  # the refs may be committed: their features must stay
+        except BaseException:
+            for ref in refs:
+                self.store.delete(ref)
+            raise
+        if not known and len(newest) == len(refs):  # the common case: every ref is new
+            self._send(refs)
+            return list(refs)
+        fresh = [ref for sid, ref in newest.items() if sid not in known]
+        if len(newest) < len(refs):
+            for ref in refs:
+                if newest[ref.sample_id] is not ref:
+                    self.store.delete(ref)  # an older put of an id repeated in this batch
+        for sid, (revision, payload) in known.items():
+            self._settle_duplicate(newest[sid], revision, ref_from_ledger(payload))
+        results = [
+            ref if newest[ref.sample_id] is ref and ref.sample_id not in known else None
+            for ref in refs
+        ]
+        self._send(fresh)
+        return results
+
+    def _append_commits(self, payloads: dict[str, str]) -> dict[str, tuple[int, str]]:
+        """Commit revision 0 of each id the run lacks; what the others hold (see ``commit``).
+
+        After a COMMIT whose outcome is unknown, once more: an id that then holds
+        its very payload (the ref's store and generation) and that the first try
+        found free was committed by the first try, and counts as new.
+        """
+        held_before: dict[str, tuple[int, str]] = {}
+        try:
+            with self.ledger.write(self.run_id, "commit") as tx:
+                held_before = tx.append_first_commits(self.producer_id, payloads)
+            return held_before
+        except CommitOutcomeUnknownError as exc:  # raised after the body: held_before is set
+            log.warning("%s; committing %d refs once more", exc, len(payloads))
+            first = exc
+        try:
+            with self.ledger.write(self.run_id, "commit") as tx:
+                known = tx.append_first_commits(self.producer_id, payloads)
+        except Exception as exc:
+            raise CommitOutcomeUnknownError(
+                f"{first}; trying again failed too ({exc}): the features of the "
+                f"{len(payloads)} refs are kept. Commit the same refs again once the ledger "
+                "answers (None for those already committed); `dataflow gc` removes them if "
+                "they never were"
+            ) from exc
+        return {
+            sid: held
+            for sid, held in known.items()
+            if held[1] != payloads[sid] or sid in held_before
+        }
+
+    def _check_sendable(self, refs: Iterable[SampleRef]) -> None:
+        """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).
+
+        So an emit that raises was not committed, and one that returns was.
+        """
+        if self.stream is not None:
+            for ref in refs:
+                self.stream.check(ref)
+
+    def _send(self, refs: Sequence[SampleRef]) -> None:
+        """Push committed refs to the stream; the ledger already holds them.
+
+        Committed is committed: a ref the stream does not take stays pending
+        in the ledger, and consumers lease it from there once the stream has
+        ended (or at their next resume). Raising here would make the caller
+        believe the commit failed, and retry into a None.
+        """
+        if self.stream is None:
+            return
+        for n, ref in enumerate(refs):
+            try:
+                self.stream.send(ref)
+            except BackpressureError as exc:
+                log.warning(
+                    "stream backpressure: %d committed refs of run %r not sent, they stay "
+                    "pending in the ledger (%s)",
+                    len(refs) - n,
+                    self.run_id,
+                    exc,
+                )
+                return
+            except DataflowError as exc:  # check() let through a ref send() refuses
+                log.warning(
+                    "stream refused committed ref %r of run %r; it stays pending in the "
+                    "ledger (%s: %s)",
+                    ref.sample_id,
+                    self.run_id,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
+        """Another producer committed this id first; keep whichever features are live.
+
+        In a store where a put supersedes older generations, our put may have
+        made the committed features stale. Then ours are the only copy: they
+        are committed as the next revision instead of being deleted, and a
+        consumer that leases the sample gets the live ref.
+        """
+        if committed.store == ours.store and committed.generation == ours.generation:
+            return  # the committed ref is ours (a retried commit)
+        if not self._superseded_by(ours, committed):
+            self.store.delete(ours)  # theirs is live (or elsewhere): ours was never needed
+            return
+        with self.ledger.write(self.run_id, "commit") as tx:
+            now = tx.commits([ours.sample_id]).get(ours.sample_id)
+            if now is not None and now[0] == revision:
+                tx.append(
+                    [
+                        NewEvent(
+                            Kind.COMMIT,
+                            self.producer_id,
+                            ours.sample_id,
+                            payload=ours.to_json(),
+                            revision=revision + 1,
+                        )
+                    ]
+                )
+
+    def _superseded_by(self, ours: SampleRef, theirs: SampleRef) -> bool:
+        """Whether our put replaced their committed features in this store (ours are the
+        only copy left), rather than theirs being live or kept elsewhere."""
+        return theirs.store == ours.store and not self.store.exists(theirs)
+
+    def regenerate(
+        self,
+        sample_id: str,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SampleRef:
+        """Commit fresh features for a sample whose features were released or lost.
+
+        For the ``regenerate`` list of a ReconcilePlan or of ``state``: the
+        sample must be trained again, but its features are gone (released by
+        the policy, or reported lost by a consumer).
+        """
+        validate_sample_id(sample_id)
+        # Checked before the put too: a put would supersede features that are live.
+        checked = self._check_regenerable(
+            self.ledger.commits(self.run_id, [sample_id]),
+            self.ledger.released_revision(self.run_id, sample_id),
+            sample_id,
+        )
+        ref = self.store.put(sample_id, tensors, metadata=metadata)
+        try:
+            self._check_sendable([ref])
+            with self.ledger.write(self.run_id, "regenerate") as tx:
+                newest = tx.commits([sample_id])
+                if sample_id in newest and newest[sample_id][0] > checked:
+                    revision = self._settle_regeneration(ref, newest[sample_id])
+                else:
+                    revision = self._check_regenerable(
+                        newest, tx.released_revision(sample_id), sample_id
+                    )
+                tx.append(
+                    [
+                        NewEvent(
+                            Kind.COMMIT,
+                            self.producer_id,
+                            sample_id,
+                            payload=ref.to_json(),
+                            revision=revision + 1,
+                        )
+                    ]
+                )
+        except BaseException:
+            self.store.delete(ref)
+            raise
+        self._send([ref])
+        return ref
+
+    def _settle_regeneration(self, ours: SampleRef, newest: tuple[int, str]) -> int:
+        """Another producer regenerated the sample between our check and our commit.
+
+        In a store where a put supersedes older generations, our put may have made
+        their committed features stale: then ours are the only copy, and they are
+        committed as the next revision (the revision returned). Else theirs are
+        live and ours were never needed: LedgerStateError, and ours are deleted.
+        """
+        revision, payload = newest
+        if self._superseded_by(ours, ref_from_ledger(payload)):
+            return revision
+        raise LedgerStateError(
+            f"{ours.sample_id!r} was regenerated meanwhile by another producer (revision "
+            f"{revision}, still stored): nothing to do"
+        )
+
+    def _check_regenerable(
+        self, newest: dict[str, tuple[int, str]], released: int | None, sample_id: str
+    ) -> int:
+        if sample_id not in newest:
+            raise LedgerStateError(
+                f"{sample_id!r} was never committed in run {self.run_id!r}; use emit()"
+            )
+        revision = newest[sample_id][0]
+        if released != revision:
+            raise LedgerStateError(
+                f"the features of {sample_id!r} (revision {revision}) are still stored; "
+                "only samples whose features were released or lost can be regenerated"
+            )
+        return revision
+
+    def close(self) -> None:
+        """End this producer's stream, record that it is done and stop serving its metrics."""
+        try:
+            if self.stream is not None:
+                # The stream's end first: its EOF follows every ref sent, so a consumer
+                # that later reads the ledger's close has received them all. Closing
+                # the ledger first left refs in flight after a close that consumers
+                # took for the end of the stream.
+                self.stream.close()
+        finally:
+            try:
+                # Without a stream, the close says so: consumers' streams then do not
+                # count this producer among those they wait for.
+                payload = dump_payload({"streamed": False}) if self.stream is None else None
+                with self.ledger.write(self.run_id, "close") as tx:
+                    tx.append([NewEvent(Kind.CLOSE, self.producer_id, payload=payload)])
+            finally:
+                if self.metrics is not None:
+                    self.metrics.close()
