@@ -27,8 +27,9 @@ from dataflow import (
     StoreFullError,
     StoreUnavailableError,
 )
-from stores import MooncakeFeatureStore, _mooncake, mooncake_master, open_store
-from stores._mooncake import _encode_record, _Generations
+from stores import MooncakeFeatureStore, _mooncake_client, mooncake_master, open_store
+from stores._mooncake import _encode_record
+from stores._mooncake_client import _Generations
 from stores.mooncake_master import MooncakeMaster, find_master_binary, free_port, port_open
 from stores.testing import FeatureStoreContract, assert_same_tensor
 
@@ -348,7 +349,7 @@ class _CountingClient:
 
 def test_put_many_takes_one_round_trip_per_phase(cluster, monkeypatch):
     # Not counted: the check, once a second, that the master still holds the claim.
-    monkeypatch.setattr(_mooncake, "_CLAIM_CHECK_S", 3600.0)
+    monkeypatch.setattr(_mooncake_client, "_CLAIM_CHECK_S", 3600.0)
     with cluster.store() as store:
         store.put("warm", {"x": torch.ones(1)})  # claims this client's block of generations
         counting = _CountingClient(store._client.raw)
