@@ -443,11 +443,33 @@ class Consumer:
         still holds in it (see :meth:`rejoin`). Resuming a run that has no events
         yet, in a ledger that holds other runs, warns and names them (a
         mistyped run id would otherwise start a new, empty run in silence);
-        the first run of a new ledger starts quietly.
+        the first run of a new ledger starts quietly. With torch.distributed
+        initialized it fails on every rank or on none: where it failed, its
+        error; elsewhere :class:`PeerFailedError` (resume again on every rank).
         """
         if not (checkpoint is None or checkpoint == "latest" or isinstance(checkpoint, Checkpoint)):
             _check_int("checkpoint step", checkpoint)
         epoch = self._start_epoch(checkpoint) if self.rank == 0 else self._join_epoch()
+        # Every rank of a group got here: from now on a failure on one raises on each.
+        error: Exception | None = None
+        try:
+            plan = self._reconcile(epoch)
+        except Exception as exc:
+            error = exc
+        if group_active(self.world_size):
+            agree(error, what=f"resume of run {self.run_id!r}")
+        elif error is not None:
+            raise error
+        return plan
+
+    def _reconcile(self, epoch: int) -> ReconcilePlan:
+        """A resume once ``epoch`` is known: catch up, reclaim, and (rank 0) release."""
+        if self.rank != 0:
+            while self.state.epoch < epoch:  # rank 0 broadcast it once it was written
+                self._catch_up()
+                if self.state.epoch < epoch:
+                    time.sleep(_POLL_S)
+            self._check_world_size(epoch)
         joined, self.epoch = self.epoch != epoch, epoch
         # Stream refs of the old epoch are finished by this resume: they go
         # back through reconcile, so their slots go back to the window.
@@ -463,7 +485,7 @@ class Consumer:
                 f"({len(problems)} problems, the first: {problems[0]}): the ledger may be damaged "
                 "or hand-edited, and what this resume trusts may be wrong; "
                 f"`dataflow replay --ledger URL --run {self.run_id}` lists them",
-                stacklevel=2,
+                stacklevel=4,  # the caller of resume(), through resume and its lock
             )
         plan = self.state.plans[epoch]
         if self.rank == 0 and plan.released:
@@ -559,6 +581,7 @@ class Consumer:
         return found
 
     def _join_epoch(self) -> int:
+        """The epoch rank 0 started: broadcast by rank 0 in a group, else the ledger's."""
         if group_active(self.world_size):
             epoch = broadcast_int(0)
             if epoch < 0:
@@ -566,17 +589,11 @@ class Consumer:
                     f"resume of run {self.run_id!r} failed on rank 0 (this is rank "
                     f"{self.rank}); see the error raised there"
                 )
-            while self.state.epoch < epoch:
-                self._catch_up()
-                if self.state.epoch < epoch:
-                    time.sleep(_POLL_S)
-        else:
-            epoch = self._current_epoch(
-                f"rank {self.rank} cannot join run {self.run_id!r}: rank 0 has not resumed "
-                "yet (resume rank 0 first, or initialize torch.distributed)"
-            )
-        self._check_world_size(epoch)
-        return epoch
+            return epoch
+        return self._current_epoch(
+            f"rank {self.rank} cannot join run {self.run_id!r}: rank 0 has not resumed "
+            "yet (resume rank 0 first, or initialize torch.distributed)"
+        )
 
     def _current_epoch(self, refusal: str) -> int:
         """The run's epoch, caught up; LedgerStateError(``refusal``) when none started yet."""

@@ -1,11 +1,12 @@
 """Consumer.checkpoint and Consumer.resume fail on every rank or on none.
 
 Two real processes in a real gloo group: when a ``before_checkpoint`` callback
-fails on one rank, when rank 0's checkpoint write is refused, or when rank 0's
-resume fails, the rank where it failed raises its own error and the other one
-raises PeerFailedError at once, instead of waiting in a collective until the
-group's timeout; the ledger records nothing of the failed call, and the ranks
-stay in step for the next one.
+fails on one rank, when rank 0's checkpoint write is refused, when rank 0's
+resume fails, or when rank 1 fails to join the epoch rank 0 started, the rank
+where it failed raises its own error and the other one raises PeerFailedError
+at once, instead of waiting in a collective until the group's timeout (or going
+on alone); the ledger records nothing of the failed checkpoint, and the ranks
+stay in step for the next call.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 import torch.distributed as dist
 from _gloo import forkserver_start, init_gloo, join, rank_consumer, run_args
 
-from dataflow import Ledger, replay
+from dataflow import Consumer, Ledger, replay
 from dataflow._dist import flag_device
+from stores import SharedDirFeatureStore
 
 start = forkserver_start("torch.distributed", __name__)
 
@@ -45,12 +47,20 @@ def _rank(rank: int, args: dict[str, Any]) -> None:
             raise failures.pop()
 
     consumer.before_checkpoint(flush)
+    mismatched = consumer
+    if rank == 1:
+        ledger, store = Ledger.open(args["ledger"]), SharedDirFeatureStore(args["features"])
+        mismatched = Consumer(
+            ledger, store, run_id="run", consumer_id="rank1", rank=1, world_size=3
+        )
     outcomes = {
         "resume": _outcome(lambda: consumer.resume(None)),
         "callback fails": _outcome(lambda: consumer.checkpoint(1, path)),
         "then succeeds": _outcome(lambda: consumer.checkpoint(1, path)),
         "write refused": _outcome(lambda: consumer.checkpoint(1, path)),
         "resume fails": _outcome(lambda: consumer.resume(7 if rank == 0 else "latest")),
+        # Rank 1 joins the epoch rank 0 started with another world size: it fails there.
+        "resume mismatched": _outcome(lambda: mismatched.resume("latest")),
         "resume again": _outcome(lambda: consumer.resume("latest")),
         "epoch": ["ok", str(consumer.epoch)],
     }
@@ -93,8 +103,14 @@ def test_a_failure_on_one_rank_raises_on_every_rank_at_once(
     assert got[1]["resume fails"][0] == "PeerFailedError"
     assert "resume of run 'run' failed on rank 0 (this is rank 1)" in got[1]["resume fails"][1]
 
+    # Rank 1 fails after rank 0 started the epoch: rank 0 does not go on alone.
+    assert got[1]["resume mismatched"][0] == "LedgerStateError"
+    assert "world_size" in got[1]["resume mismatched"][1]
+    assert got[0]["resume mismatched"][0] == "PeerFailedError"
+    assert "resume of run 'run' failed on rank 1 (this is rank 0)" in got[0]["resume mismatched"][1]
+
     assert got[0]["resume again"][0] == got[1]["resume again"][0] == "ok"
-    assert got[0]["epoch"] == got[1]["epoch"] == ["ok", "2"]
+    assert got[0]["epoch"] == got[1]["epoch"] == ["ok", "3"]
 
     with Ledger.open(args["ledger"]) as led:
         run = replay(led, "run")
