@@ -79,9 +79,9 @@ class ArgumentTypeError(DataflowError, TypeError):
 
 
 class PeerFailedError(DataflowError):
-    """A call that every rank makes together (``Consumer.checkpoint``) failed on another
-    rank; that rank raised its own error, and this one raises this instead of waiting
-    for it in a collective."""
+    """A call that every rank makes together (``Consumer.checkpoint``, ``Consumer.resume``)
+    failed on another rank; that rank raised its own error, and this one raises this
+    instead of waiting for it in a collective. Call it again on every rank."""
 
 
 class LedgerError(DataflowError):

@@ -18,10 +18,9 @@ import torch
 import xxhash
 
 from dataflow._contracts import FeatureSpec, dtype_name
-from dataflow._copy import byte_view, copy
+from dataflow._copy import byte_view as byte_view  # the core's, for the stores
+from dataflow._copy import copy as copy
 from dataflow._errors import CorruptFeatureError
-
-__all__ = ["byte_view", "copy"]  # the core's, for the stores beside the helpers below
 
 #: Alignment of every tensor in a byte layout (a cache line; enough for any dtype).
 ALIGN = 64
