@@ -344,6 +344,30 @@ def test_resume_sweeps_directories_the_ledger_never_recorded(tmp_path: Path, led
     assert sorted(p.name for p in (root / RUN).iterdir()) == [kept.name]
 
 
+def test_a_sweep_that_cannot_remove_a_directory_warns_and_resumes(
+    tmp_path: Path, led, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Rank 0 sweeps after the other ranks returned from their resume: it must not fail alone.
+    root = tmp_path / "ckpt"
+    manager, _, _ = _resumed(root, led, "a")
+    kept = manager.save(1, {})
+    unrecorded = root / RUN / "step-00000002-epoch-1"
+    shutil.copytree(kept, unrecorded)
+
+    def refuse(self: CheckpointManager, path: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(CheckpointManager, "_discard", refuse)
+    with caplog.at_level("WARNING", logger="training"):
+        manager, plan, _ = _resumed(root, led, "b")
+    assert plan.checkpoint.step == 1 and replay(led, RUN).epoch == 2
+    assert f"could not remove {unrecorded}" in caplog.text
+    assert "the next resume tries again" in caplog.text
+    monkeypatch.undo()
+    _resumed(root, led, "c")
+    assert sorted(p.name for p in (root / RUN).iterdir()) == [kept.name]
+
+
 # -- components and absent entries ------------------------------------------------------------
 def test_an_unknown_component_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"unknown: \['modle'\]"):

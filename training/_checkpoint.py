@@ -780,7 +780,11 @@ class CheckpointManager:
 
     def _sweep(self, consumer: Consumer) -> None:
         """Rank 0 after a resume: drop temporary and trash directories, and directories of
-        older epochs the ledger never recorded or recorded as removed."""
+        older epochs the ledger never recorded or recorded as removed.
+
+        Garbage collection, so it never fails the resume: the other ranks have returned
+        from theirs already. What it cannot remove is logged, and the next resume tries
+        again."""
         run_dir = self.run_dir
         if not run_dir.is_dir():
             return
@@ -796,7 +800,10 @@ class CheckpointManager:
             stale = parsed is not None and parsed[1] is not None and parsed[1] < state.epoch
             if stale and path.name not in recorded:
                 log.info("removing %s: no checkpoint the ledger can resume from", path)
-                self._discard(path)
+                try:
+                    self._discard(path)
+                except OSError as exc:
+                    log.warning("could not remove %s (%s); the next resume tries again", path, exc)
 
     # -- load internals -------------------------------------------------------------------
     def _attach(self, consumer: Consumer) -> None:
