@@ -792,7 +792,12 @@ class CheckpointManager:
         recorded = {
             Path(c.path).name for c in state.checkpoints if c.seq not in state.removed_checkpoints
         }
-        for path in run_dir.iterdir():
+        try:
+            entries = list(run_dir.iterdir())
+        except OSError as exc:
+            log.warning("could not list %s (%s); the next resume sweeps it", run_dir, exc)
+            return
+        for path in entries:
             if path.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(path, ignore_errors=True)
                 continue
