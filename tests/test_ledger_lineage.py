@@ -164,7 +164,10 @@ def test_an_unknown_checkpoint_is_refused(history, make_consumer, ledger, run_id
     with pytest.raises(UnknownCheckpointError, match=r"step 7.*\[1, 2\]"):
         make_consumer("second").resume(checkpoint=7)
     elsewhere = Consumer(ledger, history.store, run_id="other-run", consumer_id="x")
-    with pytest.raises(UnknownCheckpointError, match="ckpt/1"):
+    with (
+        pytest.warns(UserWarning, match=r"'other-run' has no events .* known runs: 'run'"),
+        pytest.raises(UnknownCheckpointError, match="ckpt/1"),
+    ):
         elsewhere.resume(checkpoint=history.state.checkpoints[0])
     assert ledger.head_seq(run_id) == head
     assert ledger.head_seq("other-run") == 0

@@ -112,8 +112,12 @@ def test_lost_and_corrupt_features_are_regenerated_and_trained_once(damaged, tmp
 
 def test_without_a_regenerate_fn_lost_samples_wait_for_a_producer(damaged, tmp_path) -> None:
     led, store = damaged
-    with pytest.warns(UserWarning, match="without a regenerate_fn, a producer must regenerate"):
+    with (
+        pytest.warns(UserWarning, match="without a regenerate_fn, a producer must regenerate"),
+        pytest.warns(UserWarning, match="reported lost and skipped") as skipped,
+    ):
         _trainer(led, store, tmp_path).run()
+    assert len([w for w in skipped if "reported lost and skipped" in str(w.message)]) == 4
     state = replay(led, RUN)
     assert set(state.lost) == {*GONE, ROTTEN} and set(state.regenerate) == {*GONE, ROTTEN}
     assert state.verify() == [] and state.dead == {}
