@@ -46,10 +46,11 @@ from dataflow import (
     StaleEpochError,
     UnknownCheckpointError,
 )
+from dataflow._dist import group_active
 from dataflow._durable import fsync_path
 from training._best import BestRecord
 from training._config import COMPONENTS, CheckpointConfig
-from training._dist import agree, dist_active
+from training._dist import agree
 from training._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -258,7 +259,7 @@ class CheckpointManager:
                 check_storable(rank_state, "rank_state")
             checked_metrics = _check_metrics(metrics)
             self._check_components(state, rank_state)
-            if world_size > 1 and not dist_active(world_size):
+            if world_size > 1 and not group_active(world_size):
                 raise InvalidArgumentError(
                     f"saving with world_size={world_size} needs torch.distributed initialized"
                 )
@@ -288,7 +289,7 @@ class CheckpointManager:
             "entries": {k: sorted(v) for k, v in entries.items()},
         }
         if self.config.async_save:
-            if dist_active(world_size) and self._async_group is None:
+            if group_active(world_size) and self._async_group is None:
                 self._async_group = dist.new_group(backend="gloo")
             job["state"] = _stage(state) if rank == 0 else None
             job["rank_state"] = None if rank_state is None else _stage(rank_state)

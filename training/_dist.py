@@ -9,12 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow._dist import flag_device
+from dataflow._dist import flag_device, group_active
 from training._errors import CheckpointError
-
-
-def dist_active(world_size: int) -> bool:
-    return world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
 def exchange(text: str, group: Any = None) -> list[str]:
@@ -52,7 +48,7 @@ def agree(
     waiting in a collective. The rank that failed re-raises its own error; the
     others raise a CheckpointError naming it.
     """
-    if not dist_active(world_size):
+    if not group_active(world_size):
         if error is not None:
             raise error
         return [payload]
