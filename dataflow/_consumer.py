@@ -720,7 +720,6 @@ class Consumer:
                 f"run moved to epoch {self.state.epoch}: a newer consumer resumed; stop this one"
             )
 
-    @_locked
     def lease(self, max_refs: int, *, timeout: float | None = 0.0) -> list[SampleRef]:
         """Take up to ``max_refs`` samples: requeued work first, then new commits.
 
@@ -731,8 +730,13 @@ class Consumer:
         rank is drained) for at least one; returns [] when nothing came.
         After ``NO_PRODUCER_WARNING_S`` (30 s) of waiting on a run to which no
         producer ever committed or closed, it warns once and goes on waiting.
+
+        It waits without the consumer's lock, so that other threads' calls go on
+        meanwhile: an ack from another thread returns the stream's credits that let
+        the producers send what this lease waits for.
         """
-        self._require_epoch()
+        with self._lock:
+            self._require_epoch()
         _check_int("max_refs", max_refs, minimum=1)
         check_timeout(timeout, none_means="wait until something comes or this rank is drained")
         started = time.monotonic()
@@ -758,36 +762,40 @@ class Consumer:
                     stacklevel=2,
                 )
             time.sleep(_POLL_S)
-            self._catch_up()
 
     def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
-        self._catch_up()
-        self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
-        held = self._still_reclaimed()
-        if held:  # before the seeded-order gate: these were leased already
-            refs = self._committed_refs(held[:max_refs])
-            self._reclaimed = tuple(held[max_refs:])
-            return refs
-        if self._seeded_order_waits():
-            return []
-        candidates = self._ready_to_lease(max_refs)
-        if candidates:
-            return self._lease_ids(candidates, streamed=False)
-        if self.stream is None or self._stream_ended():
-            return []
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if self._unmarked_closed():
-            # A closed producer still speaks here: look again once it may have gone silent.
-            wait = _POLL_S if wait is None else min(wait, _POLL_S)
+        with self._lock:
+            self._catch_up()
+            self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
+            held = self._still_reclaimed()
+            if held:  # before the seeded-order gate: these were leased already
+                refs = self._committed_refs(held[:max_refs])
+                self._reclaimed = tuple(held[max_refs:])
+                return refs
+            if self._seeded_order_waits():
+                return []
+            candidates = self._ready_to_lease(max_refs)
+            if candidates:
+                return self._lease_ids(candidates, streamed=False)
+            stream = self.stream
+            if stream is None or self._stream_ended():
+                return []
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self._unmarked_closed():
+                # A closed producer still speaks here: look again once it may have gone silent.
+                wait = _POLL_S if wait is None else min(wait, _POLL_S)
         try:
-            received = self.stream.receive(max_refs, timeout=wait)
+            # Without the lock (a receiver is thread-safe): acks from other threads, whose
+            # credits let the producers send, go on while this waits.
+            received = stream.receive(max_refs, timeout=wait)
         except StreamIdleError:
             if deadline is None:
                 raise
             return []  # lease(timeout=...) answers an idle stream with no refs
         if not received:
             return []
-        return self._lease_ids([r.sample_id for r in received], streamed=True)
+        with self._lock:
+            return self._lease_ids([r.sample_id for r in received], streamed=True)
 
     def _lease_ids(self, sample_ids: list[str], *, streamed: bool) -> list[SampleRef]:
         take: list[str] = []
