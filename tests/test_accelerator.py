@@ -1,5 +1,5 @@
-"""What only an accelerator exercises: collectives under NCCL, and a GPU's state
-through a checkpoint.
+"""What only an accelerator exercises: collectives under NCCL, a GPU's state
+through a checkpoint, and batches in pinned memory.
 
 The core's and training's collectives run on the device the backend communicates
 from: a CPU tensor fails under NCCL. One GPU admits a one-rank NCCL group only
@@ -22,7 +22,9 @@ import torch.distributed as dist
 from _gloo import free_port, join, start
 
 import training
-from training import CheckpointConfig, CheckpointManager
+from dataflow import Consumer, Ledger, Producer, replay
+from stores import LocalFeatureStore
+from training import CheckpointConfig, CheckpointManager, FeatureLoader, LoaderConfig
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (CI machines have no GPU)"
@@ -104,3 +106,62 @@ def test_a_models_gpu_weights_are_saved_as_they_were_at_save(
     assert torch.equal(restored.weight.cpu(), saved["weight"])
     assert state["optimizer"]["state"][0]["exp_avg"].shape == (4, 8)
     manager.close()
+
+
+def _samples(tmp_path: Path, n: int) -> tuple[Ledger, LocalFeatureStore, Consumer]:
+    ledger = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    store = LocalFeatureStore(f"pin-{tmp_path.name}")
+    producer = Producer(ledger, store, run_id="run")
+    for i in range(n):
+        producer.emit(f"s{i}", {"x": torch.full((3,), float(i)), "y": torch.tensor(i)})
+    producer.close()
+    consumer = Consumer(ledger, store, run_id="run", consumer_id="trainer")
+    consumer.resume()
+    return ledger, store, consumer
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value
+    return [t for item in items for t in _tensors(item)]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_pinned_batches_go_to_the_gpu_without_blocking(tmp_path: Path, prefetch: int) -> None:
+    ledger, _, consumer = _samples(tmp_path, 5)
+    config = LoaderConfig(batch_size=2, prefetch=prefetch, pin_memory=True)
+    seen = []
+    for step, batch in enumerate(FeatureLoader(consumer, config=config), start=1):
+        assert all(t.is_pinned() for t in batch.features.values())
+        on_gpu = {k: v.to("cuda", non_blocking=True) for k, v in batch.features.items()}
+        torch.cuda.synchronize()
+        seen += on_gpu["y"].tolist()
+        assert torch.equal(on_gpu["x"][:, 0].cpu(), on_gpu["y"].float().cpu())
+        consumer.ack(batch.refs, step=step)
+    assert seen == [0, 1, 2, 3, 4]
+    assert replay(ledger, "run").verify() == []
+
+
+def test_a_collate_fns_tensors_and_a_batch_with_lost_rows_are_pinned(tmp_path: Path) -> None:
+    _, store, consumer = _samples(tmp_path, 6)
+    store.delete(consumer.state.ref("s1"))
+
+    def pairs(samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+        return {"x": [s["x"] for s in samples], "xy": tuple((s["x"], s["y"]) for s in samples)}
+
+    custom = FeatureLoader(
+        consumer, config=LoaderConfig(batch_size=3, pin_memory=True), collate_fn=pairs
+    )
+    with pytest.warns(UserWarning, match="features gone"):
+        batch = custom.next_batch()
+    assert batch.sample_ids == ["s0", "s2"] and len(_tensors(batch.features)) == 6
+    assert all(t.is_pinned() for t in _tensors(batch.features))
+    consumer.nack(batch.refs, reason="again, stacked")
+    stacked = FeatureLoader(consumer, config=LoaderConfig(batch_size=3, pin_memory=True))
+    store.delete(consumer.state.ref("s3"))
+    with pytest.warns(UserWarning, match="features gone"):
+        batch = stacked.next_batch()
+    assert len(batch) == 2 and "s3" not in batch.sample_ids
+    assert batch.features["y"].tolist() == [int(sid[1:]) for sid in batch.sample_ids]
+    assert all(t.is_pinned() for t in batch.features.values())

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+import training._loader
 from dataflow import Consumer, Ledger, LedgerStateError, Producer, replay
 from stores import LocalFeatureStore
 from tests._writes import record_writes
@@ -166,11 +168,30 @@ def test_next_batch_needs_a_resumed_consumer(led, store) -> None:
         ({"names": ["x", ""]}, "names must hold non-empty strs"),
         ({"prefetch": -1}, "prefetch must be >= 0, got -1"),
         ({"prefetch": True}, "prefetch must be an int, got bool"),
+        ({"pin_memory": 1}, "pin_memory must be a bool, got 1"),
     ],
 )
 def test_loader_config_rejects_bad_values(config, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LoaderConfig(**config)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_pin_memory_without_an_accelerator_warns_once_and_loads_as_usual(
+    led, store, monkeypatch, prefetch: int
+) -> None:
+    monkeypatch.setattr(training._loader, "current_accelerator", lambda: None)
+    _emit(led, store, 5)
+    consumer = _consumer(led, store)
+    config = LoaderConfig(batch_size=2, prefetch=prefetch, pin_memory=True)
+    with pytest.warns(UserWarning, match=r"pin_memory=True\), but this machine has no acc"):
+        loader = FeatureLoader(consumer, config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once, not per batch
+        batches = _train_all(loader, consumer)
+    assert [b.sample_ids for b in batches] == [["s00", "s01"], ["s02", "s03"], ["s04"]]
+    assert torch.equal(batches[1].features["y"], torch.tensor([2, 3]))
+    assert replay(led, RUN).verify() == []
 
 
 def test_loader_rejects_bad_arguments(led, store) -> None:

@@ -116,6 +116,15 @@ class LoaderConfig:
     written in that thread too, those of up to N steps in one transaction (see
     ``FeatureLoader``). 0: lease, read and ack on the caller's thread, when asked."""
 
+    pin_memory: bool = False
+    """Read batches into page-locked (pinned) host memory, so that the step's copy to
+    the GPU, ``tensor.to("cuda", non_blocking=True)``, runs alongside the step's work, as
+    with ``torch.utils.data.DataLoader(pin_memory=True)``. Stacked features are read
+    straight into pinned batch tensors; a ``collate_fn``'s tensors are pinned after it
+    returns (in the prefetch thread, with ``prefetch``). On a machine without an
+    accelerator it pins nothing and warns once, as PyTorch's DataLoader does, so that
+    one script runs on both."""
+
     def __post_init__(self) -> None:
         _int_field("batch_size", self.batch_size, minimum=1)
         timeout = self.lease_timeout
@@ -136,6 +145,8 @@ class LoaderConfig:
                 raise InvalidArgumentError(f"names must hold non-empty strs, got {self.names!r}")
             object.__setattr__(self, "names", names)
         _int_field("prefetch", self.prefetch, minimum=0)
+        if not isinstance(self.pin_memory, bool):
+            raise InvalidArgumentError(f"pin_memory must be a bool, got {self.pin_memory!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dataflow import Consumer, CorruptFeatureError, InvalidArgumentError, SampleRef, StaleRefError
+from training._accelerator import current_accelerator
 from training._config import LoaderConfig
 
 Features = dict[str, torch.Tensor]
@@ -64,6 +65,18 @@ def collate(samples: list[Features]) -> dict[str, torch.Tensor | list[torch.Tens
         else:
             batch[name] = tensors
     return batch
+
+
+def pinned(value: Any) -> Any:
+    """``value`` with each tensor in it (in dicts, lists and tuples) in pinned memory."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_pinned() else value.pin_memory()
+    if isinstance(value, dict):
+        return {key: pinned(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = [pinned(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def check_position(position: int, batch_size: int) -> None:
@@ -165,6 +178,14 @@ class FeatureLoader:
         self.config = config
         self.collate_fn: CollateFn = collate if collate_fn is None else collate_fn
         self.on_lost = on_lost
+        #: Whether batches go to pinned memory: asked for, and an accelerator to pin for.
+        self._pin = config.pin_memory and current_accelerator() is not None
+        if config.pin_memory and not self._pin:
+            warnings.warn(
+                "LoaderConfig(pin_memory=True), but this machine has no accelerator: the "
+                "batches stay in ordinary memory",
+                stacklevel=2,
+            )
         self._pool: ThreadPoolExecutor | None = None
         #: The lease ahead in flight, and the batches it read that are not handed out yet.
         self._ahead: Future[list[_Read]] | None = None
@@ -411,9 +432,10 @@ class FeatureLoader:
         loaded, lost = _each_loaded(
             refs, lambda _, ref: samples.append(self.consumer.load(ref, names=names))
         )
-        return _Read(
-            [refs[row] for row in loaded], self.collate_fn(samples) if samples else None, lost
-        )
+        features = self.collate_fn(samples) if samples else None
+        if self._pin:
+            features = pinned(features)
+        return _Read([refs[row] for row in loaded], features, lost)
 
     def _batch_for(self, refs: Sequence[SampleRef]) -> dict[str, torch.Tensor] | None:
         """Empty batch tensors for ``refs`` when each feature read has one spec across
@@ -431,7 +453,9 @@ class FeatureLoader:
             ):
                 return None
         return {
-            name: torch.empty((len(refs), *first[name].shape), dtype=first[name].dtype)
+            name: torch.empty(
+                (len(refs), *first[name].shape), dtype=first[name].dtype, pin_memory=self._pin
+            )
             for name in names
         }
 
@@ -446,6 +470,8 @@ class FeatureLoader:
         if lost:  # rare: keep the rows that loaded
             kept = torch.tensor(loaded)
             batch = {name: tensor[kept] for name, tensor in batch.items()}
+            if self._pin:
+                batch = pinned(batch)
         return _Read([refs[row] for row in loaded], batch, lost)
 
     def _settle_lost(self, lost: list[tuple[SampleRef, str]]) -> None:

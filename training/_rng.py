@@ -8,16 +8,7 @@ from typing import Any
 import torch
 
 from dataflow import InvalidArgumentError
-
-
-def _accelerator() -> torch.device | None:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        device = accelerator.current_accelerator()
-        return torch.device(device.type, accelerator.current_device_index())
-    return None
+from training._accelerator import current_accelerator
 
 
 def rng_state() -> dict[str, Any]:
@@ -38,7 +29,7 @@ def rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
-    device = _accelerator()
+    device = current_accelerator()
     if device is not None:
         module = torch.get_device_module(device.type)
         state["accelerator"] = {"type": device.type, "state": module.get_rng_state(device.index)}
@@ -62,6 +53,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
             keys = n["keys"].numpy().astype(np.uint32)
             np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     saved = state.get("accelerator")
-    device = _accelerator()
+    device = current_accelerator()
     if saved is not None and device is not None and saved["type"] == device.type:
         torch.get_device_module(device.type).set_rng_state(saved["state"], device.index)
