@@ -442,7 +442,8 @@ def to_rows(got: dict[str, Any], *, streaming: bool = True) -> list[Row]:
         f"{_per_step_ms(data, 'cpu'):.1f} ms (from memory: {_per_step_ms(before, 'cpu'):.1f}). "
         f"Producers: {producer_cpu:.2f} CPU ms per sample, {producer_rate:,.0f} samples/s "
         + (
-            "while throttled by the credit window, on the ranks' cores"
+            "while throttled by the credit window, "
+            + ("on the ranks' cores" if (os.cpu_count() or 1) <= RANKS else "beside the ranks")
             if streaming
             else "before the ranks started (as on machines of their own)"
         )
