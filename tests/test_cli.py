@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import torch
 
 from dataflow import Consumer, Ledger, Producer
 from stores import LocalFeatureStore
+from tests._cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,15 +26,7 @@ def ckpt(root: Path, name: str) -> str:
 
 
 def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "DATAFLOW_LEDGER"}  # the default ledger
-    return subprocess.run(
-        [sys.executable, "-m", "dataflow.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=300,
-    )
+    return run_cli(*args, cwd=cwd)  # no $DATAFLOW_LEDGER: the default ledger
 
 
 @pytest.fixture

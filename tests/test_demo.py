@@ -7,25 +7,19 @@ import importlib.util
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dataflow import Ledger, replay
+from tests._cli import run_cli
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def _demo(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dataflow.cli", "demo", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
+    return run_cli("demo", *args, cwd=cwd)
 
 
 def _report(workdir: Path, result: subprocess.CompletedProcess[str]) -> dict[str, Any]:

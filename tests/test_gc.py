@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 
 from dataflow import Consumer, GcReport, Ledger, Producer, collect_garbage, replay
 from stores import SharedDirFeatureStore
+from tests._cli import run_cli
 
 RUN = "run"
 HOUR = 3600.0
@@ -91,13 +91,7 @@ def test_a_bad_grace_is_refused(leftovers, grace) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dataflow.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_cli(*args, timeout=120)
 
 
 def test_the_gc_command(leftovers, tmp_path: Path) -> None:

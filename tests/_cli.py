@@ -1,0 +1,26 @@
+"""The ``dataflow`` command run as a real subprocess, as an operator runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -m dataflow.cli ARGS``, its output captured. Without ``env``, the test's
+    environment less ``DATAFLOW_LEDGER``, so that only the arguments name a ledger."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "DATAFLOW_LEDGER"}
+    return subprocess.run(
+        [sys.executable, "-m", "dataflow.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
