@@ -194,6 +194,13 @@ def test_pin_memory_without_an_accelerator_warns_once_and_loads_as_usual(
     assert replay(led, RUN).verify() == []
 
 
+def test_pinning_leaves_tensors_on_a_device_where_they_are() -> None:
+    on_device = torch.empty(2, device="meta")  # pin_memory() of a non-CPU tensor raises
+    got = training._loader.pinned({"a": [on_device], "b": (on_device, 3), "c": "text"})
+    assert got["a"][0] is on_device and got["b"][0] is on_device
+    assert type(got["b"]) is tuple and got["b"][1] == 3 and got["c"] == "text"
+
+
 def test_loader_rejects_bad_arguments(led, store) -> None:
     consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
     with pytest.raises(ValueError, match=r"consumer must be a dataflow\.Consumer"):

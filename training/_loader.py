@@ -68,9 +68,10 @@ def collate(samples: list[Features]) -> dict[str, torch.Tensor | list[torch.Tens
 
 
 def pinned(value: Any) -> Any:
-    """``value`` with each tensor in it (in dicts, lists and tuples) in pinned memory."""
+    """``value`` with each CPU tensor in it (in dicts, lists and tuples) in pinned memory;
+    a tensor already on a device stays where it is."""
     if isinstance(value, torch.Tensor):
-        return value if value.is_pinned() else value.pin_memory()
+        return value if value.device.type != "cpu" or value.is_pinned() else value.pin_memory()
     if isinstance(value, dict):
         return {key: pinned(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
