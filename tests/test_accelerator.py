@@ -148,15 +148,20 @@ def test_a_collate_fns_tensors_and_a_batch_with_lost_rows_are_pinned(tmp_path: P
     store.delete(consumer.state.ref("s1"))
 
     def pairs(samples: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-        return {"x": [s["x"] for s in samples], "xy": tuple((s["x"], s["y"]) for s in samples)}
+        return {
+            "x": [s["x"] for s in samples],
+            "xy": tuple((s["x"], s["y"]) for s in samples),
+            "y_on_gpu": torch.stack([s["y"] for s in samples]).cuda(),  # stays there
+        }
 
     custom = FeatureLoader(
         consumer, config=LoaderConfig(batch_size=3, pin_memory=True), collate_fn=pairs
     )
     with pytest.warns(UserWarning, match="features gone"):
         batch = custom.next_batch()
-    assert batch.sample_ids == ["s0", "s2"] and len(_tensors(batch.features)) == 6
-    assert all(t.is_pinned() for t in _tensors(batch.features))
+    assert batch.sample_ids == ["s0", "s2"] and len(_tensors(batch.features)) == 7
+    assert batch.features["y_on_gpu"].is_cuda and batch.features["y_on_gpu"].tolist() == [0, 2]
+    assert all(t.is_pinned() for t in _tensors(batch.features) if not t.is_cuda)
     consumer.nack(batch.refs, reason="again, stacked")
     stacked = FeatureLoader(consumer, config=LoaderConfig(batch_size=3, pin_memory=True))
     store.delete(consumer.state.ref("s3"))
