@@ -36,6 +36,7 @@ from stores._registry import MOONCAKE_HINT
 
 OK, NOT_FOUND, ALREADY_EXISTS, BUFFER_TOO_SMALL, NOT_READY = 0, -704, -705, -600, -703
 NO_AVAILABLE_HANDLE = -200
+TRANSFER_FAIL = -800
 # A read whose transfer outlasted the read lease it was granted: its bytes may be torn.
 LEASE_EXPIRED = -707
 # What a write of a key that another client is writing at the same moment gets.
@@ -428,6 +429,13 @@ class _Client:
                     )
                 codes = got if isinstance(got, list) else (got,)
                 code = next(code for code in codes if code in _TRANSIENT)
+                if code == TRANSFER_FAIL and _answers(master):
+                    raise StoreUnavailableError(
+                        f"the Mooncake master at {master} answers, but moving the bytes failed "
+                        f"for {timeout:g}s (TRANSFER_FAIL, {code}): the process whose memory "
+                        "holds them may have died; once the master drops it (after its "
+                        "client_ttl) a read of what it held raises StaleRefError"
+                    )
                 what = f"no answer from the Mooncake master at {master} in {timeout:g}s"
                 mounted = self.mounted() if code == NO_AVAILABLE_HANDLE else True
                 raise _error(code, what, mounted=mounted)
