@@ -4,13 +4,19 @@ The restarted master has forgotten every object: the loads of the samples commit
 before the kill and not trained yet raise StaleRefError, the loader reports them lost,
 the Trainer's ``regenerate_fn`` puts them back, and the producer, restarted too, commits
 the rest against the new master. In the end the lineage verifies and every committed
-sample is trained exactly once, with its own features. Without Mooncake the tests skip,
-except under CI=true, where they fail.
+sample is trained exactly once, with its own features. A producer process killed while
+its mounted memory holds samples is the same story one machine smaller: its samples are
+unavailable until the master drops it, then stale, then regenerated. Without Mooncake
+the tests skip, except under CI=true, where they fail.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 import warnings
@@ -35,7 +41,13 @@ from dataflow import (
 from stores import MooncakeFeatureStore
 from stores.mooncake_master import MooncakeMaster
 from stores.testing import assert_same_tensor
-from training import CheckpointConfig, CheckpointManager, LoaderConfig, Trainer, TrainerConfig
+from training import (
+    CheckpointConfig,
+    CheckpointManager,
+    LoaderConfig,
+    Trainer,
+    TrainerConfig,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -209,3 +221,95 @@ def test_a_store_outlives_its_master(master: MooncakeMaster) -> None:
         prefix = f"{store.namespace}/@generations/"
         bases = [int(key[len(prefix) :]) for key in store._all_keys() if key.startswith(prefix)]
         assert any(base <= again.generation < base + (1 << 20) for base in bases)
+
+
+_PRODUCER_MACHINE = """
+import os, signal, sys, torch
+from dataflow import Ledger, Producer
+from stores import MooncakeFeatureStore
+from test_mooncake_restart import RUN, _features, _id
+master, metadata, admin, namespace, ledger_url = sys.argv[1:]
+store = MooncakeFeatureStore(
+    master, metadata=metadata, admin=admin, namespace=namespace, segment_size=16 << 20
+)
+Producer(Ledger.open(ledger_url), store, run_id=RUN, producer_id="doomed").emit_many(
+    (_id(i), _features(_id(i))) for i in range(2)
+)
+print("committed", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)  # the machine dies: its memory, and the samples, go
+"""
+
+
+def test_the_samples_of_a_producer_machine_that_died_are_regenerated_not_an_error(
+    mooncake_installed, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A producer process puts its samples into the memory it mounts and dies (SIGKILL).
+    # Reading them fails with StoreUnavailableError until the master drops the dead
+    # client (client_ttl), then with StaleRefError. The loader reads them again meanwhile
+    # instead of stopping the run; then they are lost, regenerated and trained once.
+    ledger_url = f"sqlite:///{tmp_path}/ledger.db"
+    namespace = f"dead-{uuid.uuid4().hex[:8]}"
+    with MooncakeMaster(extra_args=("-client_ttl=2",)) as master:
+        where = [master.master_address, master.metadata_url, master.admin_address]
+        doomed = subprocess.Popen(
+            [sys.executable, "-c", _PRODUCER_MACHINE, *where, namespace, ledger_url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
+        led = Ledger.open(ledger_url)
+        store = None
+        try:
+            # Its samples are in its memory: the only memory mounted when it put them.
+            assert doomed.stdout.readline() == "committed\n"
+            store = MooncakeFeatureStore(
+                where[0], metadata=where[1], admin=where[2], namespace=namespace,
+                segment_size=16 << 20, connect_timeout=2.0,
+            )  # fmt: skip
+            consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+            assert store.get(SampleRef.from_json(_commit_payload(led, _id(0))))["x"][0] == 0.0
+            doomed.stdin.write("\n")
+            doomed.stdin.flush()
+            assert doomed.wait(30) == -signal.SIGKILL
+            Producer(led, store, run_id=RUN, producer_id="doomed").close()  # its successor
+            seen: list[str] = []
+
+            def step_fn(batch: Any) -> None:
+                for sample_id, row in zip(batch.sample_ids, batch.features["x"], strict=True):
+                    assert bool((row == float(int(sample_id[1:]))).all()), sample_id
+                    seen.append(sample_id)
+
+            trainer = Trainer(
+                consumer,
+                step_fn=step_fn,
+                checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+                state_fn=lambda: {},
+                load_fn=lambda state: None,
+                regenerate_fn=_regenerate,
+                loader_config=LoaderConfig(batch_size=2, unavailable_timeout=60),
+            )
+            with (
+                caplog.at_level("WARNING", logger="training"),
+                pytest.warns(UserWarning, match="features gone") as lost,
+            ):
+                trainer.run()
+        finally:
+            if doomed.poll() is None:
+                doomed.kill()
+            if store is not None:
+                store.close()
+    assert any("reading it again" in r.getMessage() for r in caplog.records)
+    assert len(lost) == 2 and sorted(seen) == [_id(0), _id(1)]
+    state = replay(led, RUN)
+    events = list(led.events(RUN))
+    led.close()
+    assert state.verify() == [] and sorted(state.trained) == [_id(0), _id(1)]
+    assert sorted(e.sample_id for e in events if e.kind == Kind.LOST) == [_id(0), _id(1)]
+    assert state.lost == {} and state.attempts == {}
+
+
+def _commit_payload(led: Ledger, sample_id: str) -> str:
+    commit = next(e for e in led.events(RUN) if e.kind == Kind.COMMIT and e.sample_id == sample_id)
+    return json.dumps(commit.payload)

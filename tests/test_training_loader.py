@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import training._loader
-from dataflow import Consumer, Ledger, LedgerStateError, Producer, replay
+from dataflow import (
+    Consumer,
+    Ledger,
+    LedgerStateError,
+    Producer,
+    StoreUnavailableError,
+    replay,
+)
 from stores import LocalFeatureStore
 from tests._writes import record_writes
 from training import Batch, FeatureLoader, LoaderConfig, collate
@@ -169,6 +176,10 @@ def test_next_batch_needs_a_resumed_consumer(led, store) -> None:
         ({"prefetch": -1}, "prefetch must be >= 0, got -1"),
         ({"prefetch": True}, "prefetch must be an int, got bool"),
         ({"pin_memory": 1}, "pin_memory must be a bool, got 1"),
+        ({"unavailable_timeout": -1}, "unavailable_timeout must be a number of seconds >= 0"),
+        ({"unavailable_timeout": float("nan")}, "unavailable_timeout must be a number"),
+        ({"unavailable_timeout": "60"}, "got '60'"),
+        ({"unavailable_timeout": True}, "got True"),
     ],
 )
 def test_loader_config_rejects_bad_values(config, match: str) -> None:
@@ -199,6 +210,66 @@ def test_pinning_leaves_tensors_on_a_device_where_they_are() -> None:
     got = training._loader.pinned({"a": [on_device], "b": (on_device, 3), "c": "text"})
     assert got["a"][0] is on_device and got["b"][0] is on_device
     assert type(got["b"]) is tuple and got["b"][1] == 3 and got["c"] == "text"
+
+
+class _Flaky(LocalFeatureStore):
+    """A store whose server cannot serve ``failures`` reads (as while it restarts)."""
+
+    def __init__(self, name: str, failures: int) -> None:
+        super().__init__(name)
+        self.failures = failures
+
+    def _unavailable(self) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailableError(f"{self.uri} is restarting")
+
+    def _get(self, ref, names):
+        self._unavailable()
+        return super()._get(ref, names)
+
+    def _get_into(self, ref, out):
+        self._unavailable()
+        super()._get_into(ref, out)
+
+
+@pytest.mark.parametrize("collate_fn", [None, lambda samples: samples], ids=["stacked", "custom"])
+def test_a_read_the_store_cannot_serve_now_is_tried_again(
+    led, tmp_path, caplog, collate_fn
+) -> None:
+    flaky = _Flaky(f"flaky-{tmp_path.name}", failures=3)
+    _emit(led, flaky, 4)
+    consumer = _consumer(led, flaky)
+    loader = FeatureLoader(
+        consumer, config=LoaderConfig(batch_size=4, unavailable_timeout=60), collate_fn=collate_fn
+    )
+    with caplog.at_level("WARNING", logger="training"):
+        batch = loader.next_batch()
+    assert batch.sample_ids == ["s00", "s01", "s02", "s03"] and flaky.failures == 0
+    ys = batch.features["y"] if collate_fn is None else [s["y"] for s in batch.features]
+    assert [int(y) for y in ys] == [0, 1, 2, 3]
+    warned = [r.getMessage() for r in caplog.records if "reading it again" in r.getMessage()]
+    assert len(warned) == 1 and "'s00'" in warned[0] and "is restarting" in warned[0]
+    consumer.ack(batch.refs, step=1)
+    assert replay(led, RUN).verify() == [] and replay(led, RUN).lost == {}
+
+
+@pytest.mark.parametrize("patience", [0, 0.3])
+def test_a_store_that_stays_unavailable_raises_once_the_patience_ran_out(
+    led, tmp_path, patience: float
+) -> None:
+    down = _Flaky(f"down-{tmp_path.name}", failures=10**9)
+    _emit(led, down, 2)
+    consumer = _consumer(led, down)
+    loader = FeatureLoader(consumer, config=LoaderConfig(unavailable_timeout=patience))
+    with pytest.raises(StoreUnavailableError, match="is restarting") as raised:
+        loader.next_batch()
+    notes = getattr(raised.value, "__notes__", [])
+    assert notes == ([] if patience == 0 else [
+        "the loader read sample 's00' again for 0.3s (LoaderConfig.unavailable_timeout) and "
+        "its store could not serve it"
+    ])  # fmt: skip
+    assert not any(e.kind in ("lost", "nack") for e in led.events(RUN))  # nothing counted
 
 
 def test_loader_rejects_bad_arguments(led, store) -> None:

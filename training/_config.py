@@ -116,6 +116,14 @@ class LoaderConfig:
     written in that thread too, those of up to N steps in one transaction (see
     ``FeatureLoader``). 0: lease, read and ack on the caller's thread, when asked."""
 
+    unavailable_timeout: float = 120.0
+    """Seconds a sample's read may go on failing with ``StoreUnavailableError`` (the store's
+    server unreachable, or the machine whose memory holds the sample just died) before the
+    loader raises it; until then it reads again, with a logged warning. A dead machine's
+    samples turn stale once the store's server drops it (Mooncake: after the master's
+    client TTL, about 10 s): they are then reported lost and regenerated, and the run goes
+    on. 0 raises at once."""
+
     pin_memory: bool = False
     """Read batches into page-locked (pinned) host memory, so that the step's copy to
     the GPU, ``tensor.to("cuda", non_blocking=True)``, runs alongside the step's work, as
@@ -145,6 +153,11 @@ class LoaderConfig:
                 raise InvalidArgumentError(f"names must hold non-empty strs, got {self.names!r}")
             object.__setattr__(self, "names", names)
         _int_field("prefetch", self.prefetch, minimum=0)
+        patience = self.unavailable_timeout
+        if isinstance(patience, bool) or not isinstance(patience, int | float) or not patience >= 0:
+            raise InvalidArgumentError(
+                f"unavailable_timeout must be a number of seconds >= 0, got {patience!r}"
+            )
         if not isinstance(self.pin_memory, bool):
             raise InvalidArgumentError(f"pin_memory must be a bool, got {self.pin_memory!r}")
 

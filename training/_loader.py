@@ -13,7 +13,14 @@ from typing import Any
 
 import torch
 
-from dataflow import Consumer, CorruptFeatureError, InvalidArgumentError, SampleRef, StaleRefError
+from dataflow import (
+    Consumer,
+    CorruptFeatureError,
+    InvalidArgumentError,
+    SampleRef,
+    StaleRefError,
+    StoreUnavailableError,
+)
 from training._accelerator import current_accelerator
 from training._config import LoaderConfig
 
@@ -21,6 +28,8 @@ Features = dict[str, torch.Tensor]
 CollateFn = Callable[[list[Features]], Any]
 
 _POLL_S = 0.5
+#: The first and the longest pause between reads of a sample its store cannot serve now.
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.1, 2.0
 log = logging.getLogger("training")
 
 
@@ -107,15 +116,16 @@ class _Read:
 
 
 def _each_loaded(
-    refs: Sequence[SampleRef], load: Callable[[int, SampleRef], object]
+    refs: Sequence[SampleRef], load: Callable[[int, SampleRef], object], *, patience: float
 ) -> tuple[list[int], list[tuple[SampleRef, str]]]:
     """``load(row, ref)`` of each ref: the rows that loaded, and the refs whose features
-    are gone or corrupt, with why (the loader reports them lost)."""
+    are gone or corrupt, with why (the loader reports them lost). A load the store cannot
+    serve now goes on being tried for ``patience`` seconds (see :func:`_patiently`)."""
     loaded: list[int] = []
     lost: list[tuple[SampleRef, str]] = []
     for row, ref in enumerate(refs):
         try:
-            load(row, ref)
+            _patiently(load, row, ref, patience)
         except StaleRefError as exc:
             lost.append((ref, f"features gone: {exc}"))
         except CorruptFeatureError as exc:
@@ -123,6 +133,41 @@ def _each_loaded(
         else:
             loaded.append(row)
     return loaded, lost
+
+
+def _patiently(
+    load: Callable[[int, SampleRef], object], row: int, ref: SampleRef, patience: float
+) -> None:
+    """``load(row, ref)``, again while it raises StoreUnavailableError, for up to ``patience``
+    seconds: a store's server restarting, or a dead machine's samples until the server
+    drops it and they turn stale (which the loader reports lost, not as an error)."""
+    deadline: float | None = None
+    pause = _RETRY_FIRST_S
+    while True:
+        try:
+            load(row, ref)
+            return
+        except StoreUnavailableError as exc:
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + patience
+                if patience > 0:
+                    log.warning(
+                        "cannot read sample %r now (%s); reading it again for up to %gs "
+                        "(LoaderConfig.unavailable_timeout)",
+                        ref.sample_id,
+                        exc,
+                        patience,
+                    )
+            if now >= deadline:
+                if patience > 0:
+                    exc.add_note(
+                        f"the loader read sample {ref.sample_id!r} again for {patience:g}s "
+                        "(LoaderConfig.unavailable_timeout) and its store could not serve it"
+                    )
+                raise
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, _RETRY_MAX_S)
 
 
 class FeatureLoader:
@@ -431,7 +476,9 @@ class FeatureLoader:
         samples: list[Features] = []
         names = self.config.names
         loaded, lost = _each_loaded(
-            refs, lambda _, ref: samples.append(self.consumer.load(ref, names=names))
+            refs,
+            lambda _, ref: samples.append(self.consumer.load(ref, names=names)),
+            patience=self.config.unavailable_timeout,
         )
         features = self.collate_fn(samples) if samples else None
         if self._pin:
@@ -464,7 +511,9 @@ class FeatureLoader:
         """``_read`` straight into the rows of ``batch``: no tensor per sample, no stacking."""
         store = self.consumer.store
         loaded, lost = _each_loaded(
-            refs, lambda row, ref: store.get_into(ref, {n: t[row] for n, t in batch.items()})
+            refs,
+            lambda row, ref: store.get_into(ref, {n: t[row] for n, t in batch.items()}),
+            patience=self.config.unavailable_timeout,
         )
         if not loaded:
             return _Read([], None, lost)
