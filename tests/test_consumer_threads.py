@@ -5,16 +5,16 @@ checkpoints). While a lease waits for refs, on a stream or on the ledger, an ack
 from another thread goes through at once. On a stream whose window the rank's
 unacked refs fill, that ack is what returns the credits the producers need to
 send what the lease waits for: were the ack held up behind the lease, each
-would wait for the other until the lease's timeout. Real SQLite files, real
-ZeroMQ sockets (and the in-process MemoryStream), real threads.
+would wait for the other until the lease's timeout. Real SQLite files and a real
+PostgreSQL server (the ``ledger`` fixture), real ZeroMQ sockets (and the in-process
+MemoryStream), real threads.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,12 +47,6 @@ def _zmq() -> tuple[RefReceiver, RefSender, Callable[[], None]]:
     return receiver, sender, lambda: (sender.close(), receiver.close())
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    with Ledger.open(f"sqlite:///{tmp_path}/ledger.db") as led:
-        yield led
-
-
 def _ids(refs: list[SampleRef]) -> list[str]:
     return [ref.sample_id for ref in refs]
 
@@ -71,10 +65,9 @@ def _emit(producer: Producer, *sample_ids: str) -> None:
 
 @pytest.mark.parametrize("make_stream", [_memory, _zmq], ids=["memory", "zmq"])
 def test_an_ack_from_another_thread_frees_the_window_a_waiting_lease_needs(
-    ledger: Ledger, tmp_path: Path, make_stream: Callable[..., tuple]
+    ledger: Ledger, store: LocalFeatureStore, make_stream: Callable[..., tuple]
 ) -> None:
     receiver, sender, close = make_stream()
-    store = LocalFeatureStore(f"threads-{tmp_path.name}")
     consumer = Consumer(ledger, store, run_id="run", consumer_id="trainer", stream=receiver)
     consumer.resume()
     producer = Producer(ledger, store, run_id="run", stream=sender)
@@ -99,13 +92,11 @@ def test_an_ack_from_another_thread_frees_the_window_a_waiting_lease_needs(
     finally:
         consumer.close()
         close()
-        store.close()
 
 
 def test_an_ack_goes_through_while_another_thread_waits_on_the_ledger(
-    ledger: Ledger, tmp_path: Path
+    ledger: Ledger, store: LocalFeatureStore
 ) -> None:
-    store = LocalFeatureStore(f"threads-{tmp_path.name}")
     producer = Producer(ledger, store, run_id="run")
     _emit(producer, "s0")
     consumer = Consumer(ledger, store, run_id="run", consumer_id="trainer")
@@ -119,4 +110,3 @@ def test_an_ack_goes_through_while_another_thread_waits_on_the_ledger(
     waiting.join(2 * LEASE_TIMEOUT_S)
     assert [_ids(refs) for refs in got] == [["s1"]]
     assert replay(ledger, "run").trained == {"s0": 1}
-    store.close()

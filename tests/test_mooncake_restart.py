@@ -13,7 +13,6 @@ the tests skip, except under CI=true, where they fail.
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 import subprocess
 import sys
@@ -269,7 +268,7 @@ def test_the_samples_of_a_producer_machine_that_died_are_regenerated_not_an_erro
                 segment_size=16 << 20, connect_timeout=2.0,
             )  # fmt: skip
             consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
-            assert store.get(SampleRef.from_json(_commit_payload(led, _id(0))))["x"][0] == 0.0
+            assert store.get(replay(led, RUN).ref(_id(0)))["x"][0] == 0.0
             doomed.stdin.write("\n")
             doomed.stdin.flush()
             assert doomed.wait(30) == -signal.SIGKILL
@@ -309,8 +308,3 @@ def test_the_samples_of_a_producer_machine_that_died_are_regenerated_not_an_erro
     assert state.verify() == [] and sorted(state.trained) == [_id(0), _id(1)]
     assert sorted(e.sample_id for e in events if e.kind == Kind.LOST) == [_id(0), _id(1)]
     assert state.lost == {} and state.attempts == {}
-
-
-def _commit_payload(led: Ledger, sample_id: str) -> str:
-    commit = next(e for e in led.events(RUN) if e.kind == Kind.COMMIT and e.sample_id == sample_id)
-    return json.dumps(commit.payload)
