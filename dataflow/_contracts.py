@@ -480,6 +480,7 @@ class FeatureStore(ABC):
     Backends implement the private hooks ``_put``, ``_get``, ``_delete``,
     ``_exists`` and ``_scan``; optionally ``_put_many`` (by default ``_put``
     per sample), ``_get_into`` (by default ``_get`` and a copy),
+    ``_get_many_into`` (by default ``_get_into`` per item),
     ``_delete_stored`` (by default ``_delete`` of a ref without specs, which
     suits a store whose ``_delete`` needs only the sample id and the
     generation), ``_stats`` (by default summed over ``_scan``) and
@@ -558,34 +559,31 @@ class FeatureStore(ABC):
         unspecified bytes.
         """
         self._check_open()
-        self._check_ref(ref)
-        if not isinstance(out, Mapping):
-            raise InvalidRefError(
-                f"out must map feature names to tensors, got {type(out).__name__}"
-            )
-        import torch
+        self._get_into(ref, self._checked_out(ref, out))
 
-        for name, tensor in out.items():
-            spec = ref.specs.get(name)
-            if spec is None:
-                raise InvalidRefError(
-                    f"feature {name!r} is not in ref {ref.sample_id!r}; it has {sorted(ref.specs)}"
-                )
-            if not isinstance(tensor, torch.Tensor):
-                raise InvalidRefError(f"out[{name!r}] must be a torch.Tensor, got {tensor!r:.80}")
-            if (
-                tensor.dtype != spec.dtype
-                or tensor.shape != spec.shape
-                or not tensor.is_cpu
-                or not tensor.is_contiguous()
-            ):
-                raise InvalidRefError(
-                    f"out[{name!r}] is a {'' if tensor.is_contiguous() else 'non-contiguous '}"
-                    f"{dtype_name(tensor.dtype)} {list(tensor.shape)} tensor on "
-                    f"{tensor.device}; feature {name!r} of {ref.sample_id!r} needs a contiguous "
-                    f"{dtype_name(spec.dtype)} {list(spec.shape)} CPU tensor"
-                )
-        self._get_into(ref, dict(out))
+    def get_many_into(self, items: Iterable[tuple[SampleRef, Mapping[str, torch.Tensor]]]) -> None:
+        """:meth:`get_into` of each ``(ref, out)`` item, in fewer round trips where the
+        store can batch (Mooncake reads a whole batch in one).
+
+        Every item is checked before any is read. A failed read raises the
+        error that ``get_into`` of its item would (the first, in item order,
+        for a store that reads one at a time); after an error every item's
+        tensors hold unspecified bytes, so a caller that must know which
+        samples are readable reads them one by one with ``get_into``.
+        """
+        self._check_open()
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Iterable):
+            raise InvalidRefError(
+                f"get_many_into takes (ref, out) items, got {type(items).__name__}"
+            )
+        checked = []
+        for item in items:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidRefError(f"get_many_into takes (ref, out) pairs, got {item!r:.80}")
+            ref, out = item
+            checked.append((ref, self._checked_out(ref, out)))
+        if checked:
+            self._get_many_into(checked)
 
     def delete(self, ref: SampleRef) -> None:
         """Free ``ref``'s generation; deleting twice or deleting a gone ref is a no-op."""
@@ -670,6 +668,38 @@ class FeatureStore(ABC):
             validate_feature_name(name)
             self._check_tensor(name, tensor)
         return sample_id, dict(tensors), validate_metadata(metadata)  # type: ignore[return-value]
+
+    def _checked_out(self, ref: object, out: object) -> dict[str, torch.Tensor]:
+        """``out`` as a dict, checked for a read of ``ref`` into it (see ``get_into``)."""
+        self._check_ref(ref)
+        assert isinstance(ref, SampleRef)  # for the type checker: _check_ref raised otherwise
+        if not isinstance(out, Mapping):
+            raise InvalidRefError(
+                f"out must map feature names to tensors, got {type(out).__name__}"
+            )
+        import torch
+
+        for name, tensor in out.items():
+            spec = ref.specs.get(name)
+            if spec is None:
+                raise InvalidRefError(
+                    f"feature {name!r} is not in ref {ref.sample_id!r}; it has {sorted(ref.specs)}"
+                )
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRefError(f"out[{name!r}] must be a torch.Tensor, got {tensor!r:.80}")
+            if (
+                tensor.dtype != spec.dtype
+                or tensor.shape != spec.shape
+                or not tensor.is_cpu
+                or not tensor.is_contiguous()
+            ):
+                raise InvalidRefError(
+                    f"out[{name!r}] is a {'' if tensor.is_contiguous() else 'non-contiguous '}"
+                    f"{dtype_name(tensor.dtype)} {list(tensor.shape)} tensor on "
+                    f"{tensor.device}; feature {name!r} of {ref.sample_id!r} needs a contiguous "
+                    f"{dtype_name(spec.dtype)} {list(spec.shape)} CPU tensor"
+                )
+        return dict(out)
 
     def _guarded_scan(self, objects: Iterator[StoredObject]) -> Iterator[StoredObject]:
         try:
@@ -780,6 +810,10 @@ class FeatureStore(ABC):
         # per tensor: torch's copy_ crawls in its OpenMP region on a busy machine).
         for name, tensor in self._get(ref, list(out)).items():
             copy(out[name], tensor)
+
+    def _get_many_into(self, items: list[tuple[SampleRef, dict[str, torch.Tensor]]]) -> None:
+        for ref, out in items:
+            self._get_into(ref, out)
 
     def _all_or_none(self, batches: Iterable[list[SampleRef]]) -> list[SampleRef]:
         """The refs of every batch of puts, or none: when one raises, delete what came before."""

@@ -76,11 +76,13 @@ from stores._mooncake_client import (
     _Settings,
     _split_host_port,
 )
-from stores._pool import Chunk
+from stores._pool import Chunk, _view
 
 _READ_TRIES = 3
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HEAD_CAP = 16384
+#: The most bytes one read of get_many_into asks the pool for (more makes several reads).
+_MANY_BYTES = 64 << 20
 _HEAD_MAGIC = b"DFHEAD02"
 _HEAD_FAMILY = b"DFHEAD"
 _HEAD_SUM = struct.Struct("<Q")
@@ -243,6 +245,11 @@ def _read_layout(wanted: tuple[tuple[str, FeatureSpec], ...]) -> _ReadLayout:
     data = tuple(name for name in sorted(specs) if spans[name][1])
     views = {name: (spans[name][0], spec) for name, spec in wanted}
     return _ReadLayout(spans, data, _tensors.end_of(spans.values()), views)
+
+
+def _span(layout: _ReadLayout) -> int:
+    """The bytes of a chunk that a read of ``layout`` takes, its head included."""
+    return _tensors.align(layout.head_at + _HEAD_CAP)
 
 
 # -- the store ---------------------------------------------------------------
@@ -660,6 +667,42 @@ class MooncakeFeatureStore(FeatureStore):
         chunk = self._fetch(ref, read.data, read.spans, read.head_at)
         return self._client.pool.views(chunk, read.views)
 
+    def _get_many_into(self, items: list[tuple[SampleRef, dict[str, torch.Tensor]]]) -> None:
+        # One batch for every head and tensor of the items, read into one registered
+        # chunk and copied out (RDMA reads only registered memory); the chunk is
+        # leased once per batch size and reused. A batch ends before it would ask the
+        # pool for more than _MANY_BYTES, and before a sample id it already reads:
+        # the client fills only one buffer of a key that a batch names twice.
+        reads = []
+        for ref, out in items:
+            layout = _read_layout(tuple((name, ref.specs[name]) for name in out))
+            reads.append((ref, out, layout))
+        at = 0
+        while at < len(reads):
+            size, end, ids = 0, at, set()
+            while end < len(reads) and (
+                end == at
+                or (
+                    size + _span(reads[end][2]) <= _MANY_BYTES
+                    and reads[end][0].sample_id not in ids
+                )
+            ):
+                size += _span(reads[end][2])
+                ids.add(reads[end][0].sample_id)
+                end += 1
+            group = reads[at:end]
+            chunk, bases = self._fetch_many(
+                [(ref, layout.data, layout.spans, layout.head_at) for ref, _, layout in group]
+            )
+            try:
+                for (_, out, layout), base in zip(group, bases, strict=True):
+                    for name, target in out.items():
+                        offset, spec = layout.views[name]
+                        _tensors.copy(target, _view(chunk.tensor, base + offset, spec))
+            finally:
+                self._client.pool.release(chunk)
+            at = end
+
     def _fetch(
         self,
         ref: SampleRef,
@@ -668,54 +711,97 @@ class MooncakeFeatureStore(FeatureStore):
         head_at: int,
     ) -> Chunk:
         """Read the head and the ``data`` tensors of ``ref`` into one registered chunk."""
+        return self._fetch_many([(ref, data, spans, head_at)])[0]
+
+    def _fetch_many(
+        self, reads: list[tuple[SampleRef, Sequence[str], Mapping[str, tuple[int, int]], int]]
+    ) -> tuple[Chunk, list[int]]:
+        """Read the head and the ``data`` tensors of each ``(ref, data, spans, head_at)`` into
+        one registered chunk, in one batch; the chunk and where each ref's layout starts.
+
+        Each ref is checked as a get checks it; the first that fails raises."""
         client = self._client
-        record, *keys = self._keys(ref.sample_id, ref.generation, data)
-        keys.insert(0, self._head_key(ref.sample_id))
-        if client.removals.is_pending(record):
-            raise self._stale(ref, "deleted; its removal waits for a read lease")
-        chunk = client.pool.lease(head_at + _HEAD_CAP)
+        bases, total = [], 0
+        for ref, _data, _spans, head_at in reads:
+            record = self._keys(ref.sample_id, ref.generation, [])[0]
+            if client.removals.is_pending(record):
+                raise self._stale(ref, "deleted; its removal waits for a read lease")
+            bases.append(total)
+            total += _tensors.align(head_at + _HEAD_CAP)
+        chunk = client.pool.lease(total)
         try:
-            ptrs = [chunk.ptr + head_at, *(chunk.ptr + spans[name][0] for name in data)]
-            sizes = [_HEAD_CAP, *(spans[name][1] for name in data)]
+            keys: list[str] = []
+            ptrs: list[int] = []
+            sizes: list[int] = []
+            for (ref, data, spans, head_at), base in zip(reads, bases, strict=True):
+                keys.append(self._head_key(ref.sample_id))
+                keys += self._keys(ref.sample_id, ref.generation, list(data))[1:]
+                ptrs.append(chunk.ptr + base + head_at)
+                ptrs += [chunk.ptr + base + spans[name][0] for name in data]
+                sizes.append(_HEAD_CAP)
+                sizes += [spans[name][1] for name in data]
             codes = self._read_batch(keys, ptrs, sizes)
-            head_code = codes[0]
-            head = None
-            if head_code >= 0:
-                with contextlib.suppress(CorruptFeatureError):  # _read_record reads it again
-                    head = _decode_record(
-                        chunk.array[head_at : head_at + head_code].tobytes(), ref.sample_id, keys[0]
-                    )
-            elif head_code not in (BUFFER_TOO_SMALL, NOT_READY, NOT_FOUND):
-                raise _error(head_code, f"reading the head of {ref.sample_id!r}")
-            if head is None and head_code != NOT_FOUND:
-                head = self._read_record(keys[0], ref.sample_id)
-            # Only the generation the head names is readable: no head means
-            # deleted; a newer one, superseded; an older one, that this
-            # generation never became current (its put died or lost a race
-            # with another process's put), or was deleted and the id put
-            # again by a client whose block of generations is older.
-            if head is None:
-                raise self._stale(ref, "deleted")
-            if head.generation > ref.generation:
-                raise self._stale(ref, f"superseded by generation {head.generation}")
-            if head.generation < ref.generation:
-                raise self._stale(ref, f"not current: the head names {head.generation}")
-            if NOT_FOUND in codes[1:]:
-                raise self._stale(ref, "deleted or superseded")
-            for key, code, size in zip(keys[1:], codes[1:], sizes[1:], strict=True):
-                if code == BUFFER_TOO_SMALL or 0 <= code != size:
-                    raise CorruptFeatureError(
-                        f"{key}: read {code if code >= 0 else 'more than'} bytes, the ref's "
-                        f"spec says {size}; the object does not match the ref"
-                    )
-                if code < 0:
-                    raise _error(code, f"reading {key}")
-            if self._checksums:
-                self._verify(ref, head, data, spans, keys[1:], chunk)
+            at = 0
+            for (ref, data, spans, head_at), base in zip(reads, bases, strict=True):
+                n = 1 + len(data)
+                self._check_fetched(
+                    ref, data, spans, base, head_at, keys[at : at + n], codes[at : at + n],
+                    sizes[at : at + n], chunk,
+                )  # fmt: skip
+                at += n
         except BaseException:
             client.pool.release(chunk)
             raise
-        return chunk
+        return chunk, bases
+
+    def _check_fetched(
+        self,
+        ref: SampleRef,
+        data: Sequence[str],
+        spans: Mapping[str, tuple[int, int]],
+        base: int,
+        head_at: int,
+        keys: list[str],
+        codes: list[int],
+        sizes: list[int],
+        chunk: Chunk,
+    ) -> None:
+        """Raise unless ``ref``'s head and tensors, read at ``base`` of ``chunk``, are its own."""
+        head_code = codes[0]
+        head = None
+        if head_code >= 0:
+            with contextlib.suppress(CorruptFeatureError):  # _read_record reads it again
+                at = base + head_at
+                head = _decode_record(
+                    chunk.array[at : at + head_code].tobytes(), ref.sample_id, keys[0]
+                )
+        elif head_code not in (BUFFER_TOO_SMALL, NOT_READY, NOT_FOUND):
+            raise _error(head_code, f"reading the head of {ref.sample_id!r}")
+        if head is None and head_code != NOT_FOUND:
+            head = self._read_record(keys[0], ref.sample_id)
+        # Only the generation the head names is readable: no head means
+        # deleted; a newer one, superseded; an older one, that this
+        # generation never became current (its put died or lost a race
+        # with another process's put), or was deleted and the id put
+        # again by a client whose block of generations is older.
+        if head is None:
+            raise self._stale(ref, "deleted")
+        if head.generation > ref.generation:
+            raise self._stale(ref, f"superseded by generation {head.generation}")
+        if head.generation < ref.generation:
+            raise self._stale(ref, f"not current: the head names {head.generation}")
+        if NOT_FOUND in codes[1:]:
+            raise self._stale(ref, "deleted or superseded")
+        for key, code, size in zip(keys[1:], codes[1:], sizes[1:], strict=True):
+            if code == BUFFER_TOO_SMALL or 0 <= code != size:
+                raise CorruptFeatureError(
+                    f"{key}: read {code if code >= 0 else 'more than'} bytes, the ref's "
+                    f"spec says {size}; the object does not match the ref"
+                )
+            if code < 0:
+                raise _error(code, f"reading {key}")
+        if self._checksums:
+            self._verify(ref, head, data, spans, base, keys[1:], chunk)
 
     @staticmethod
     def _verify(
@@ -723,10 +809,12 @@ class MooncakeFeatureStore(FeatureStore):
         head: _Record,
         data: Sequence[str],
         spans: Mapping[str, tuple[int, int]],
+        base: int,
         keys: list[str],
         chunk: Chunk,
     ) -> None:
-        """Check the tensors ``data`` read into ``chunk`` against the head's checksums."""
+        """Check the tensors ``data`` read into ``chunk`` (at ``base``) against the head's
+        checksums."""
         for name, key in zip(data, keys, strict=True):
             if name not in head.checksums:
                 raise CorruptFeatureError(
@@ -734,6 +822,7 @@ class MooncakeFeatureStore(FeatureStore):
                     f"lists features {head.names}, not {name!r}; {_FIX}"
                 )
             at, size = spans[name]
+            at += base
             written = head.checksums[name]
             _tensors.verify(
                 chunk.array[at : at + size],

@@ -360,6 +360,74 @@ class FeatureStoreContract:
         with pytest.raises(StaleRefError):  # as get(ref, names=[]) does
             store.get_into(old, {})
 
+    @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_name)
+    def test_get_many_into_reads_each_item_as_get_into_would(
+        self, store: FeatureStore, dtype: torch.dtype
+    ) -> None:
+        tensors = [sample_tensor((3, 5), dtype, seed=seed) for seed in range(4)]
+        refs = [
+            store.put(_fresh_id(), {"x": t, "n": torch.tensor(i), "none": torch.empty(0)})
+            for i, t in enumerate(tensors)
+        ]
+        batch = torch.zeros(4, 3, 5, dtype=dtype)
+        whole = {  # other bits than the sample's, in every feature
+            name: sample_tensor(tuple(t.shape), t.dtype, seed=99)
+            for name, t in store.get(refs[0]).items()
+        }
+        items = [(ref, {"x": row}) for ref, row in zip(reversed(refs), batch, strict=True)]
+        store.get_many_into([*items, (refs[0], whole), (refs[1], {})])  # refs[0] twice
+        for row, tensor in zip(batch, reversed(tensors), strict=True):
+            assert_same_tensor(row, tensor)
+        assert_same_tensors(whole, store.get(refs[0]))
+        store.get_many_into([])
+        store.get_many_into(iter([(refs[2], {"n": torch.tensor(0)})]))  # any iterable
+
+    def test_get_many_into_reads_many_large_samples(self, store: FeatureStore) -> None:
+        tensors = [sample_tensor((1024, 1100), torch.float32, seed=s) for s in range(3)]
+        refs = [store.put(_fresh_id(), {"big": t}) for t in tensors]
+        outs = [{"big": torch.zeros(1024, 1100)} for _ in refs]
+        store.get_many_into(list(zip(refs, outs, strict=True)))
+        for out, tensor in zip(outs, tensors, strict=True):
+            assert_same_tensor(out["big"], tensor)
+
+    def test_get_many_into_raises_for_a_stale_ref_among_good_ones(
+        self, store: FeatureStore
+    ) -> None:
+        good = store.put(_fresh_id(), {"x": torch.tensor([1, 2])})
+        sample_id = _fresh_id()
+        old = store.put(sample_id, {"x": torch.tensor([1, 2])})
+        store.put(sample_id, {"x": torch.tensor([3, 4])})
+        gone = store.put(_fresh_id(), {"x": torch.tensor([5, 6])})
+        store.delete(gone)
+        for bad in (old, gone):
+            items = [(good, {"x": torch.zeros(2, dtype=torch.int64)})]
+            with pytest.raises(StaleRefError, match=bad.sample_id):
+                store.get_many_into([*items, (bad, {"x": torch.zeros(2, dtype=torch.int64)})])
+        out = torch.zeros(2, dtype=torch.int64)
+        store.get_many_into([(good, {"x": out})])  # the store still serves the good one
+        assert out.tolist() == [1, 2]
+
+    def test_get_many_into_checks_every_item_before_reading_any(self, store: FeatureStore) -> None:
+        ref = store.put(_fresh_id(), {"x": torch.arange(6.0).reshape(2, 3)})
+        first = torch.zeros(2, 3)
+        for bad_item, match in (
+            ((ref, {"x": torch.zeros(3, 2)}), "'x'"),
+            ((ref, {"y": torch.zeros(2, 3)}), "'y' is not in ref"),
+            ((ref, [torch.zeros(2, 3)]), "out must map"),
+            ((ref,), r"\(ref, out\) pairs"),
+            ([ref, {"x": torch.zeros(2, 3)}], r"\(ref, out\) pairs"),
+            (("not-a-ref", {"x": torch.zeros(2, 3)}), "expected a SampleRef"),
+        ):
+            with pytest.raises(InvalidRefError, match=match):
+                store.get_many_into([(ref, {"x": first}), bad_item])  # type: ignore[list-item]
+            assert not first.any(), f"read before {bad_item!r:.60} was refused"
+        for not_items in ({ref.sample_id: {"x": first}}, "ab", ref):
+            with pytest.raises(InvalidRefError, match="get_many_into takes"):
+                store.get_many_into(not_items)  # type: ignore[arg-type]
+        other = SampleRef(ref.sample_id, "mem://elsewhere", ref.generation, ref.specs)
+        with pytest.raises(StoreError, match="belongs to store"):
+            store.get_many_into([(other, {"x": first})])
+
     def test_larger_sample(self, store: FeatureStore) -> None:
         tensors = {
             "big": sample_tensor((1024, 1024), torch.float32, seed=3),

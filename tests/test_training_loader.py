@@ -233,6 +233,39 @@ class _Flaky(LocalFeatureStore):
         super()._get_into(ref, out)
 
 
+class _Counting(LocalFeatureStore):
+    """A store that counts its batch reads and its single reads."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.batches: list[int] = []
+        self.singles = 0
+
+    def _get_many_into(self, items):
+        self.batches.append(len(items))
+        super()._get_many_into(items)
+
+    def _get_into(self, ref, out):
+        self.singles += 1
+        super()._get_into(ref, out)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_stacked_batch_is_read_in_one_call_of_the_store(led, tmp_path, prefetch) -> None:
+    counting = _Counting(f"counting-{tmp_path.name}")
+    _emit(led, counting, 10)
+    consumer = _consumer(led, counting)
+    loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=4, prefetch=prefetch))
+    got = []
+    while (batch := loader.next_batch()) is not None:
+        got += batch.features["y"].tolist()
+        consumer.ack(batch.refs, step=len(got))
+    assert got == list(range(10))
+    assert counting.batches == [4, 4, 2]  # one store call a batch (Mooncake: one round trip)
+    assert counting.singles == 10  # the default _get_many_into reads each item
+    loader.close()
+
+
 @pytest.mark.parametrize("collate_fn", [None, lambda samples: samples], ids=["stacked", "custom"])
 def test_a_read_the_store_cannot_serve_now_is_tried_again(
     led, tmp_path, caplog, collate_fn
@@ -266,8 +299,8 @@ def test_a_store_that_stays_unavailable_raises_once_the_patience_ran_out(
         loader.next_batch()
     notes = getattr(raised.value, "__notes__", [])
     assert notes == ([] if patience == 0 else [
-        "the loader read sample 's00' again for 0.3s (LoaderConfig.unavailable_timeout) and "
-        "its store could not serve it"
+        "the loader read samples 's00', 's01' again for 0.3s (LoaderConfig.unavailable_timeout) "
+        "and its store could not serve it"
     ])  # fmt: skip
     assert not any(e.kind in ("lost", "nack") for e in led.events(RUN))  # nothing counted
 

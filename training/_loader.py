@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 import warnings
@@ -125,7 +126,7 @@ def _each_loaded(
     lost: list[tuple[SampleRef, str]] = []
     for row, ref in enumerate(refs):
         try:
-            _patiently(load, row, ref, patience)
+            _patiently(functools.partial(load, row, ref), _named([ref]), patience)
         except StaleRefError as exc:
             lost.append((ref, f"features gone: {exc}"))
         except CorruptFeatureError as exc:
@@ -135,17 +136,16 @@ def _each_loaded(
     return loaded, lost
 
 
-def _patiently(
-    load: Callable[[int, SampleRef], object], row: int, ref: SampleRef, patience: float
-) -> None:
-    """``load(row, ref)``, again while it raises StoreUnavailableError, for up to ``patience``
+def _patiently(attempt: Callable[[], object], what: str, patience: float) -> None:
+    """``attempt()``, again while it raises StoreUnavailableError, for up to ``patience``
     seconds: a store's server restarting, or a dead machine's samples until the server
-    drops it and they turn stale (which the loader reports lost, not as an error)."""
+    drops it and they turn stale (which the loader reports lost, not as an error).
+    ``what`` names the samples it reads, for the log and the error's note."""
     deadline: float | None = None
     pause = _RETRY_FIRST_S
     while True:
         try:
-            load(row, ref)
+            attempt()
             return
         except StoreUnavailableError as exc:
             now = time.monotonic()
@@ -153,21 +153,28 @@ def _patiently(
                 deadline = now + patience
                 if patience > 0:
                     log.warning(
-                        "cannot read sample %r now (%s); reading it again for up to %gs "
+                        "cannot read %s now (%s); reading it again for up to %gs "
                         "(LoaderConfig.unavailable_timeout)",
-                        ref.sample_id,
+                        what,
                         exc,
                         patience,
                     )
             if now >= deadline:
                 if patience > 0:
                     exc.add_note(
-                        f"the loader read sample {ref.sample_id!r} again for {patience:g}s "
+                        f"the loader read {what} again for {patience:g}s "
                         "(LoaderConfig.unavailable_timeout) and its store could not serve it"
                     )
                 raise
             time.sleep(min(pause, deadline - now))
             pause = min(2 * pause, _RETRY_MAX_S)
+
+
+def _named(refs: Sequence[SampleRef]) -> str:
+    """``sample 'a'``, or ``samples 'a', 'b', 'c' and 5 more``."""
+    ids = ", ".join(repr(ref.sample_id) for ref in refs[:3])
+    more = f" and {len(refs) - 3} more" if len(refs) > 3 else ""
+    return f"sample {ids}" if len(refs) == 1 else f"samples {ids}{more}"
 
 
 class FeatureLoader:
@@ -509,12 +516,17 @@ class FeatureLoader:
 
     def _read_into(self, refs: Sequence[SampleRef], batch: dict[str, torch.Tensor]) -> _Read:
         """``_read`` straight into the rows of ``batch``: no tensor per sample, no stacking."""
-        store = self.consumer.store
-        loaded, lost = _each_loaded(
-            refs,
-            lambda row, ref: store.get_into(ref, {n: t[row] for n, t in batch.items()}),
-            patience=self.config.unavailable_timeout,
-        )
+        store, patience = self.consumer.store, self.config.unavailable_timeout
+        rows = [{n: t[row] for n, t in batch.items()} for row in range(len(refs))]
+        items = list(zip(refs, rows, strict=True))
+        try:  # the whole batch in one read (Mooncake: one round trip)
+            _patiently(lambda: store.get_many_into(items), _named(refs), patience)
+        except (StaleRefError, CorruptFeatureError):  # which? read each, report those lost
+            loaded, lost = _each_loaded(
+                refs, lambda row, ref: store.get_into(ref, rows[row]), patience=patience
+            )
+        else:
+            loaded, lost = list(range(len(refs))), []
         if not loaded:
             return _Read([], None, lost)
         if lost:  # rare: keep the rows that loaded
