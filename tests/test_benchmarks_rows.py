@@ -77,6 +77,7 @@ def test_store_rows(workdir):
     }
     if mooncake:
         expected["store mooncake:// put+get / pickle, 256 KiB"] = ("MiB/s", ">= 2")
+        expected["store mooncake:// put+get / pickle, batched, 256 KiB"] = ("MiB/s", ">= 2")
     expected["store mem:// put+get / copy, 256 KiB"] = ("MiB/s", None)
     check(rows, expected)
     assert rows[0].baseline == f"{bench_stores.RAW_FILE}, 256 KiB"
