@@ -285,7 +285,7 @@ def batched_contenders(store: MooncakeFeatureStore) -> list[Contender]:
         for _ in keys:
             buffer = io.BytesIO()
             torch.save(sample, buffer)
-            values.append(buffer.getvalue())
+            values.append(buffer.getbuffer())  # no copy, as the single put
         code = client.raw.put_batch(keys, values, client.config)
         if code != 0:
             raise RuntimeError(f"Mooncake put_batch of {len(keys)} keys failed with {code}")
