@@ -673,24 +673,17 @@ class MooncakeFeatureStore(FeatureStore):
         # leased once per batch size and reused. A batch ends before it would ask the
         # pool for more than _MANY_BYTES, and before a sample id it already reads:
         # the client fills only one buffer of a key that a batch names twice.
-        reads = []
+        groups: list[list[tuple[SampleRef, dict[str, torch.Tensor], _ReadLayout]]] = []
+        size, ids = 0, set()
         for ref, out in items:
             layout = _read_layout(tuple((name, ref.specs[name]) for name in out))
-            reads.append((ref, out, layout))
-        at = 0
-        while at < len(reads):
-            size, end, ids = 0, at, set()
-            while end < len(reads) and (
-                end == at
-                or (
-                    size + _span(reads[end][2]) <= _MANY_BYTES
-                    and reads[end][0].sample_id not in ids
-                )
-            ):
-                size += _span(reads[end][2])
-                ids.add(reads[end][0].sample_id)
-                end += 1
-            group = reads[at:end]
+            if not groups or size + _span(layout) > _MANY_BYTES or ref.sample_id in ids:
+                groups.append([])
+                size, ids = 0, set()
+            groups[-1].append((ref, out, layout))
+            size += _span(layout)
+            ids.add(ref.sample_id)
+        for group in groups:
             chunk, bases = self._fetch_many(
                 [(ref, layout.data, layout.spans, layout.head_at) for ref, _, layout in group]
             )
@@ -701,7 +694,6 @@ class MooncakeFeatureStore(FeatureStore):
                         _tensors.copy(target, _view(chunk.tensor, base + offset, spec))
             finally:
                 self._client.pool.release(chunk)
-            at = end
 
     def _fetch(
         self,
@@ -721,21 +713,19 @@ class MooncakeFeatureStore(FeatureStore):
 
         Each ref is checked as a get checks it; the first that fails raises."""
         client = self._client
-        bases, total = [], 0
-        for ref, _data, _spans, head_at in reads:
-            record = self._keys(ref.sample_id, ref.generation, [])[0]
+        bases, total, keys = [], 0, []
+        for ref, data, _spans, head_at in reads:
+            record, *data_keys = self._keys(ref.sample_id, ref.generation, list(data))
             if client.removals.is_pending(record):
                 raise self._stale(ref, "deleted; its removal waits for a read lease")
+            keys += [self._head_key(ref.sample_id), *data_keys]
             bases.append(total)
             total += _tensors.align(head_at + _HEAD_CAP)
         chunk = client.pool.lease(total)
         try:
-            keys: list[str] = []
             ptrs: list[int] = []
             sizes: list[int] = []
-            for (ref, data, spans, head_at), base in zip(reads, bases, strict=True):
-                keys.append(self._head_key(ref.sample_id))
-                keys += self._keys(ref.sample_id, ref.generation, list(data))[1:]
+            for (_ref, data, spans, head_at), base in zip(reads, bases, strict=True):
                 ptrs.append(chunk.ptr + base + head_at)
                 ptrs += [chunk.ptr + base + spans[name][0] for name in data]
                 sizes.append(_HEAD_CAP)

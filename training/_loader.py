@@ -126,7 +126,7 @@ def _each_loaded(
     lost: list[tuple[SampleRef, str]] = []
     for row, ref in enumerate(refs):
         try:
-            _patiently(functools.partial(load, row, ref), _named([ref]), patience)
+            _patiently(functools.partial(load, row, ref), [ref], patience)
         except StaleRefError as exc:
             lost.append((ref, f"features gone: {exc}"))
         except CorruptFeatureError as exc:
@@ -136,11 +136,11 @@ def _each_loaded(
     return loaded, lost
 
 
-def _patiently(attempt: Callable[[], object], what: str, patience: float) -> None:
+def _patiently(attempt: Callable[[], object], refs: Sequence[SampleRef], patience: float) -> None:
     """``attempt()``, again while it raises StoreUnavailableError, for up to ``patience``
     seconds: a store's server restarting, or a dead machine's samples until the server
     drops it and they turn stale (which the loader reports lost, not as an error).
-    ``what`` names the samples it reads, for the log and the error's note."""
+    ``refs`` are the samples it reads, named in the log and the error's note."""
     deadline: float | None = None
     pause = _RETRY_FIRST_S
     while True:
@@ -155,14 +155,14 @@ def _patiently(attempt: Callable[[], object], what: str, patience: float) -> Non
                     log.warning(
                         "cannot read %s now (%s); reading it again for up to %gs "
                         "(LoaderConfig.unavailable_timeout)",
-                        what,
+                        _named(refs),
                         exc,
                         patience,
                     )
             if now >= deadline:
                 if patience > 0:
                     exc.add_note(
-                        f"the loader read {what} again for {patience:g}s "
+                        f"the loader read {_named(refs)} again for {patience:g}s "
                         "(LoaderConfig.unavailable_timeout) and its store could not serve it"
                     )
                 raise
@@ -520,7 +520,7 @@ class FeatureLoader:
         rows = [{n: t[row] for n, t in batch.items()} for row in range(len(refs))]
         items = list(zip(refs, rows, strict=True))
         try:  # the whole batch in one read (Mooncake: one round trip)
-            _patiently(lambda: store.get_many_into(items), _named(refs), patience)
+            _patiently(lambda: store.get_many_into(items), refs, patience)
         except (StaleRefError, CorruptFeatureError):  # which? read each, report those lost
             loaded, lost = _each_loaded(
                 refs, lambda row, ref: store.get_into(ref, rows[row]), patience=patience
