@@ -249,7 +249,9 @@ def test_the_samples_of_a_producer_machine_that_died_are_regenerated_not_an_erro
     # instead of stopping the run; then they are lost, regenerated and trained once.
     ledger_url = f"sqlite:///{tmp_path}/ledger.db"
     namespace = f"dead-{uuid.uuid4().hex[:8]}"
-    with MooncakeMaster(extra_args=("-client_ttl=2",)) as master:
+    # The store gives up on a call well before the master drops the dead client: else the
+    # first read could already find the samples gone and never be read again.
+    with MooncakeMaster(extra_args=("-client_ttl=6",)) as master:
         where = [master.master_address, master.metadata_url, master.admin_address]
         doomed = subprocess.Popen(
             [sys.executable, "-c", _PRODUCER_MACHINE, *where, namespace, ledger_url],
@@ -265,7 +267,7 @@ def test_the_samples_of_a_producer_machine_that_died_are_regenerated_not_an_erro
             assert doomed.stdout.readline() == "committed\n"
             store = MooncakeFeatureStore(
                 where[0], metadata=where[1], admin=where[2], namespace=namespace,
-                segment_size=16 << 20, connect_timeout=2.0,
+                segment_size=16 << 20, connect_timeout=0.5,
             )  # fmt: skip
             consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer")
             assert store.get(replay(led, RUN).ref(_id(0)))["x"][0] == 0.0
