@@ -13,6 +13,7 @@ import torch
 import training._loader
 from dataflow import (
     Consumer,
+    InvalidRefError,
     Ledger,
     LedgerStateError,
     Producer,
@@ -20,6 +21,7 @@ from dataflow import (
     replay,
 )
 from stores import LocalFeatureStore
+from stores.testing import assert_same_tensor
 from tests._writes import record_writes
 from training import Batch, FeatureLoader, LoaderConfig, collate
 
@@ -263,6 +265,39 @@ def test_a_stacked_batch_is_read_in_one_call_of_the_store(led, tmp_path, prefetc
     assert got == list(range(10))
     assert counting.batches == [4, 4, 2]  # one store call a batch (Mooncake: one round trip)
     assert counting.singles == 10  # the default _get_many_into reads each item
+    loader.close()
+
+
+@pytest.mark.parametrize("names", [None, ("x", "y")])
+def test_ragged_samples_for_a_collate_fn_are_read_in_one_call_of_the_store(
+    led, tmp_path, names
+) -> None:
+    counting = _Counting(f"counting-{tmp_path.name}")
+    _emit(led, counting, 7, ragged=True)
+    consumer = _consumer(led, counting)
+    config = LoaderConfig(batch_size=3, names=names)
+    loader = FeatureLoader(consumer, config=config, collate_fn=lambda samples: samples)
+    seen = []
+    while (batch := loader.next_batch()) is not None:
+        for sample_id, sample in zip(batch.sample_ids, batch.features, strict=True):
+            i = int(sample_id[1:])
+            assert sorted(sample) == sorted(names or ("x", "y", "mask"))
+            assert_same_tensor(sample["x"], torch.full((2 + i % 3,), float(i)))
+            assert_same_tensor(sample["y"], torch.tensor(i))
+            seen.append(sample_id)
+        consumer.ack(batch.refs, step=len(seen))
+    assert seen == [f"s{i:02d}" for i in range(7)]
+    assert counting.batches == [3, 3, 1]  # one store call a batch, ragged or not
+    loader.close()
+
+
+def test_a_collate_fn_loader_names_the_feature_a_sample_lacks(led, tmp_path) -> None:
+    store = LocalFeatureStore(f"lacking-{tmp_path.name}")
+    _emit(led, store, 2)
+    config = LoaderConfig(batch_size=2, names=("x", "nope"))
+    loader = FeatureLoader(_consumer(led, store), config=config, collate_fn=lambda s: s)
+    with pytest.raises(InvalidRefError, match="'nope'"):
+        loader.next_batch()
     loader.close()
 
 

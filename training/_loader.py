@@ -177,6 +177,20 @@ def _named(refs: Sequence[SampleRef]) -> str:
     return f"sample {ids}" if len(refs) == 1 else f"samples {ids}{more}"
 
 
+def _empty_features(
+    refs: Sequence[SampleRef], names: Sequence[str] | None
+) -> list[dict[str, torch.Tensor]] | None:
+    """Empty tensors for the features ``names`` (all, when None) of each ref, as its
+    specs say; None when a ref lacks one of ``names``."""
+    outs = []
+    for ref in refs:
+        wanted = list(ref.specs) if names is None else names
+        if any(name not in ref.specs for name in wanted):
+            return None
+        outs.append({n: torch.empty(ref.specs[n].shape, dtype=ref.specs[n].dtype) for n in wanted})
+    return outs
+
+
 class FeatureLoader:
     """Iterates over leased, loaded, collated batches until the run is finished for this rank.
 
@@ -480,13 +494,18 @@ class FeatureLoader:
         batch = self._batch_for(refs) if self.collate_fn is collate else None
         if batch is not None:
             return self._read_into(refs, batch)
-        samples: list[Features] = []
         names = self.config.names
-        loaded, lost = _each_loaded(
-            refs,
-            lambda _, ref: samples.append(self.consumer.load(ref, names=names)),
-            patience=self.config.unavailable_timeout,
-        )
+        outs = _empty_features(refs, names)
+        if outs is None:  # a ref lacks a feature asked for: the store's get says which
+            samples: list[Features] = []
+            loaded, lost = _each_loaded(
+                refs,
+                lambda _, ref: samples.append(self.consumer.load(ref, names=names)),
+                patience=self.config.unavailable_timeout,
+            )
+        else:  # each sample in tensors of its own, for collate_fn, in one read
+            loaded, lost = self._read_rows(refs, outs)
+            samples = [outs[row] for row in loaded]
         features = self.collate_fn(samples) if samples else None
         if self._pin:
             features = pinned(features)
@@ -516,17 +535,8 @@ class FeatureLoader:
 
     def _read_into(self, refs: Sequence[SampleRef], batch: dict[str, torch.Tensor]) -> _Read:
         """``_read`` straight into the rows of ``batch``: no tensor per sample, no stacking."""
-        store, patience = self.consumer.store, self.config.unavailable_timeout
         rows = [{n: t[row] for n, t in batch.items()} for row in range(len(refs))]
-        items = list(zip(refs, rows, strict=True))
-        try:  # the whole batch in one read (Mooncake: one round trip)
-            _patiently(lambda: store.get_many_into(items), refs, patience)
-        except (StaleRefError, CorruptFeatureError):  # which? read each, report those lost
-            loaded, lost = _each_loaded(
-                refs, lambda row, ref: store.get_into(ref, rows[row]), patience=patience
-            )
-        else:
-            loaded, lost = list(range(len(refs))), []
+        loaded, lost = self._read_rows(refs, rows)
         if not loaded:
             return _Read([], None, lost)
         if lost:  # rare: keep the rows that loaded
@@ -535,6 +545,20 @@ class FeatureLoader:
             if self._pin:
                 batch = pinned(batch)
         return _Read([refs[row] for row in loaded], batch, lost)
+
+    def _read_rows(
+        self, refs: Sequence[SampleRef], outs: list[dict[str, torch.Tensor]]
+    ) -> tuple[list[int], list[tuple[SampleRef, str]]]:
+        """Read each ref into its ``outs`` row: the rows that loaded, and the lost refs."""
+        store, patience = self.consumer.store, self.config.unavailable_timeout
+        items = list(zip(refs, outs, strict=True))
+        try:  # the whole batch in one read (Mooncake: one round trip)
+            _patiently(lambda: store.get_many_into(items), refs, patience)
+        except (StaleRefError, CorruptFeatureError):  # which? read each, report those lost
+            return _each_loaded(
+                refs, lambda row, ref: store.get_into(ref, outs[row]), patience=patience
+            )
+        return list(range(len(refs))), []
 
     def _settle_lost(self, lost: list[tuple[SampleRef, str]]) -> None:
         if not lost:
