@@ -514,3 +514,32 @@ def test_a_ref_whose_head_was_removed_is_stale(cluster):
         with pytest.raises(StaleRefError, match="deleted"):
             store.get(ref)
         assert not store.exists(ref)
+
+
+def test_a_loader_reads_a_batch_of_ragged_samples_in_one_round_trip(cluster, monkeypatch, tmp_path):
+    from dataflow import Consumer, Ledger, Producer
+    from training import FeatureLoader, LoaderConfig
+
+    monkeypatch.setattr(_mooncake_client, "_CLAIM_CHECK_S", 3600.0)
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    with cluster.store() as store:
+        producer = Producer(led, store, run_id="r")
+        producer.emit_many((f"s{i}", {"ids": torch.arange(1 + i)}) for i in range(6))
+        producer.close()
+        consumer = Consumer(led, store, run_id="r", consumer_id="trainer")
+        consumer.resume()
+        loader = FeatureLoader(
+            consumer, config=LoaderConfig(batch_size=3), collate_fn=lambda samples: samples
+        )
+        counting = _CountingClient(store._client.raw)
+        monkeypatch.setattr(store._client, "raw", counting)
+        seen = []
+        while (batch := loader.next_batch()) is not None:
+            for sample_id, sample in zip(batch.sample_ids, batch.features, strict=True):
+                assert_same_tensor(sample["ids"], torch.arange(1 + int(sample_id[1:])))
+                seen.append(sample_id)
+            consumer.ack(batch.refs, step=len(seen))
+        loader.close()
+        assert sorted(seen) == [f"s{i}" for i in range(6)]
+        assert counting.calls == {"batch_get_into": 2}  # one a batch of 3 ragged samples
+    led.close()
