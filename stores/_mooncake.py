@@ -37,7 +37,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,6 +250,23 @@ def _read_layout(wanted: tuple[tuple[str, FeatureSpec], ...]) -> _ReadLayout:
 def _span(layout: _ReadLayout) -> int:
     """The bytes of a chunk that a read of ``layout`` takes, its head included."""
     return _tensors.align(layout.head_at + _HEAD_CAP)
+
+
+def _chunk_bytes(
+    chunk: Chunk, base: int, spans: Mapping[str, tuple[int, int]]
+) -> Callable[[str], np.ndarray]:
+    """The bytes of each tensor read into ``chunk`` at ``base``, by name."""
+
+    def of(name: str) -> np.ndarray:
+        at, size = spans[name]
+        return chunk.array[base + at : base + at + size]
+
+    return of
+
+
+def _tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> Callable[[str], np.ndarray]:
+    """The bytes of each of ``tensors`` (contiguous, on the CPU), by name."""
+    return lambda name: _tensors.byte_view(tensors[name]).numpy()
 
 
 # -- the store ---------------------------------------------------------------
@@ -668,11 +685,13 @@ class MooncakeFeatureStore(FeatureStore):
         return self._client.pool.views(chunk, read.views)
 
     def _get_many_into(self, items: list[tuple[SampleRef, dict[str, torch.Tensor]]]) -> None:
-        # One batch for every head and tensor of the items, read into one registered
-        # chunk and copied out (RDMA reads only registered memory); the chunk is
-        # leased once per batch size and reused. A batch ends before it would ask the
-        # pool for more than _MANY_BYTES, and before a sample id it already reads:
-        # the client fills only one buffer of a key that a batch names twice.
+        # One batch for every head and tensor of the items. Over TCP Mooncake writes
+        # into any memory, so the tensors go straight into the given ones and only the
+        # heads into a registered chunk; RDMA reads only registered memory, so there
+        # everything goes into one chunk and is copied out (the chunk is leased once
+        # per batch size and reused). A batch ends before it would ask the pool for
+        # more than _MANY_BYTES, and before a sample id it already reads: the client
+        # fills only one buffer of a key that a batch names twice.
         groups: list[list[tuple[SampleRef, dict[str, torch.Tensor], _ReadLayout]]] = []
         size, ids = 0, set()
         for ref, out in items:
@@ -684,9 +703,12 @@ class MooncakeFeatureStore(FeatureStore):
             size += _span(layout)
             ids.add(ref.sample_id)
         for group in groups:
-            chunk, bases = self._fetch_many(
-                [(ref, layout.data, layout.spans, layout.head_at) for ref, _, layout in group]
-            )
+            reads = [(ref, layout.data, layout.spans, layout.head_at) for ref, _, layout in group]
+            if not self._stage_puts:  # TCP
+                chunk, _ = self._fetch_many(reads, into=[out for _, out, _ in group])
+                self._client.pool.release(chunk)
+                continue
+            chunk, bases = self._fetch_many(reads)
             try:
                 for (_, out, layout), base in zip(group, bases, strict=True):
                     for name, target in out.items():
@@ -706,10 +728,14 @@ class MooncakeFeatureStore(FeatureStore):
         return self._fetch_many([(ref, data, spans, head_at)])[0]
 
     def _fetch_many(
-        self, reads: list[tuple[SampleRef, Sequence[str], Mapping[str, tuple[int, int]], int]]
+        self,
+        reads: list[tuple[SampleRef, Sequence[str], Mapping[str, tuple[int, int]], int]],
+        into: list[dict[str, torch.Tensor]] | None = None,
     ) -> tuple[Chunk, list[int]]:
         """Read the head and the ``data`` tensors of each ``(ref, data, spans, head_at)`` into
         one registered chunk, in one batch; the chunk and where each ref's layout starts.
+        With ``into`` (TCP only), each read's tensors go into its dict's tensors instead,
+        and the chunk holds the heads alone.
 
         Each ref is checked as a get checks it; the first that fails raises."""
         client = self._client
@@ -720,23 +746,32 @@ class MooncakeFeatureStore(FeatureStore):
                 raise self._stale(ref, "deleted; its removal waits for a read lease")
             keys += [self._head_key(ref.sample_id), *data_keys]
             bases.append(total)
-            total += _tensors.align(head_at + _HEAD_CAP)
+            total += _HEAD_CAP if into is not None else _tensors.align(head_at + _HEAD_CAP)
         chunk = client.pool.lease(total)
         try:
             ptrs: list[int] = []
             sizes: list[int] = []
-            for (_ref, data, spans, head_at), base in zip(reads, bases, strict=True):
-                ptrs.append(chunk.ptr + base + head_at)
-                ptrs += [chunk.ptr + base + spans[name][0] for name in data]
+            heads: list[int] = []  # where each head goes in the chunk
+            found: list[Callable[[str], np.ndarray]] = []  # where each read's tensors go
+            for i, (_ref, data, spans, head_at) in enumerate(reads):
+                base = bases[i]
+                heads.append(base if into is not None else base + head_at)
+                ptrs.append(chunk.ptr + heads[-1])
+                if into is None:
+                    ptrs += [chunk.ptr + base + spans[name][0] for name in data]
+                    found.append(_chunk_bytes(chunk, base, spans))
+                else:
+                    ptrs += [into[i][name].data_ptr() for name in data]
+                    found.append(_tensor_bytes(into[i]))
                 sizes.append(_HEAD_CAP)
                 sizes += [spans[name][1] for name in data]
             codes = self._read_batch(keys, ptrs, sizes)
             at = 0
-            for (ref, data, spans, head_at), base in zip(reads, bases, strict=True):
+            for i, (ref, data, _spans, _head_at) in enumerate(reads):
                 n = 1 + len(data)
                 self._check_fetched(
-                    ref, data, spans, base, head_at, keys[at : at + n], codes[at : at + n],
-                    sizes[at : at + n], chunk,
+                    ref, data, chunk.array[heads[i] : heads[i] + _HEAD_CAP], keys[at : at + n],
+                    codes[at : at + n], sizes[at : at + n], found[i],
                 )  # fmt: skip
                 at += n
         except BaseException:
@@ -748,23 +783,19 @@ class MooncakeFeatureStore(FeatureStore):
         self,
         ref: SampleRef,
         data: Sequence[str],
-        spans: Mapping[str, tuple[int, int]],
-        base: int,
-        head_at: int,
+        head_bytes: np.ndarray,
         keys: list[str],
         codes: list[int],
         sizes: list[int],
-        chunk: Chunk,
+        tensor_bytes: Callable[[str], np.ndarray],
     ) -> None:
-        """Raise unless ``ref``'s head and tensors, read at ``base`` of ``chunk``, are its own."""
+        """Raise unless ``ref``'s head (read into ``head_bytes``) and its ``data`` tensors
+        (``tensor_bytes(name)``: the bytes read for a tensor) are its own."""
         head_code = codes[0]
         head = None
         if head_code >= 0:
             with contextlib.suppress(CorruptFeatureError):  # _read_record reads it again
-                at = base + head_at
-                head = _decode_record(
-                    chunk.array[at : at + head_code].tobytes(), ref.sample_id, keys[0]
-                )
+                head = _decode_record(head_bytes[:head_code].tobytes(), ref.sample_id, keys[0])
         elif head_code not in (BUFFER_TOO_SMALL, NOT_READY, NOT_FOUND):
             raise _error(head_code, f"reading the head of {ref.sample_id!r}")
         if head is None and head_code != NOT_FOUND:
@@ -791,31 +822,26 @@ class MooncakeFeatureStore(FeatureStore):
             if code < 0:
                 raise _error(code, f"reading {key}")
         if self._checksums:
-            self._verify(ref, head, data, spans, base, keys[1:], chunk)
+            self._verify(ref, head, data, keys[1:], tensor_bytes)
 
     @staticmethod
     def _verify(
         ref: SampleRef,
         head: _Record,
         data: Sequence[str],
-        spans: Mapping[str, tuple[int, int]],
-        base: int,
         keys: list[str],
-        chunk: Chunk,
+        tensor_bytes: Callable[[str], np.ndarray],
     ) -> None:
-        """Check the tensors ``data`` read into ``chunk`` (at ``base``) against the head's
-        checksums."""
+        """Check the tensors ``data`` (``tensor_bytes(name)``) against the head's checksums."""
         for name, key in zip(data, keys, strict=True):
             if name not in head.checksums:
                 raise CorruptFeatureError(
                     f"{key}: the head of sample {ref.sample_id!r} generation {ref.generation} "
                     f"lists features {head.names}, not {name!r}; {_FIX}"
                 )
-            at, size = spans[name]
-            at += base
             written = head.checksums[name]
             _tensors.verify(
-                chunk.array[at : at + size],
+                tensor_bytes(name),
                 written,
                 sample_id=ref.sample_id,
                 name=name,

@@ -193,6 +193,13 @@ def test_short_read_is_corrupt(cluster):
         )
         with pytest.raises(CorruptFeatureError, match=_data_key(store, ref, "x")):
             store.get(shorter)
+        # Read straight into the caller's tensor (TCP): nothing past it is written.
+        guarded = torch.full((600,), -1.0)
+        with pytest.raises(CorruptFeatureError, match=_data_key(store, ref, "x")):
+            store.get_many_into([(shorter, {"x": guarded[:500]})])
+        assert (guarded[500:] == -1.0).all()
+        with pytest.raises(CorruptFeatureError, match="read 4000 bytes"):
+            store.get_many_into([(longer, {"x": torch.zeros(2000)})])
 
 
 def test_get_returns_registered_memory_and_recycles_it(cluster):
@@ -470,6 +477,8 @@ def test_a_flipped_byte_names_the_key_and_what_to_do(cluster):
         message = rf"(?s){key}.*feature 'a' of sample 'flip'.*checksum.*put it again"
         with pytest.raises(CorruptFeatureError, match=message):
             store.get(ref)
+        with pytest.raises(CorruptFeatureError, match=message):  # read straight into `out`
+            store.get_many_into([(ref, {"a": torch.zeros(1000)})])
 
 
 def test_a_corrupt_generation_in_the_head_is_corrupt_not_stale(cluster):
