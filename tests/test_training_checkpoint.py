@@ -356,11 +356,27 @@ def test_a_fenced_off_trainer_saves_nothing(tmp_path: Path, led, store) -> None:
 
 
 # -- bad inputs --------------------------------------------------------------------------------
-@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None, 2**63])
 def test_save_rejects_a_bad_step(tmp_path: Path, step: object) -> None:
-    with pytest.raises(ValueError, match=f"step must be .*{step!r}"):
+    with pytest.raises(ValueError, match=f"step must .*{step!r}"):
         _manager(tmp_path).save(step, {})
     assert _step_dirs(tmp_path) == []
+
+
+def test_a_step_past_64_bits_is_refused_before_anything_is_written(
+    tmp_path: Path, led, store
+) -> None:
+    manager = _manager(tmp_path)
+    manager.resume(_consumer(led, store))
+    with pytest.raises(ValueError, match=r"step must fit in 64 bits \(<= 2\*\*63 - 1\)"):
+        manager.save(2**63, {})
+    assert not (tmp_path / "ckpt" / RUN).exists() or _step_dirs(tmp_path) == []
+    assert replay(led, RUN).checkpoints == []
+
+
+def test_is_best_rejects_a_metric_too_large_for_a_float(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is too large for a float"):
+        _manager(tmp_path).is_best({ACC: 10**400})
 
 
 @pytest.mark.parametrize(
@@ -371,6 +387,7 @@ def test_save_rejects_a_bad_step(tmp_path: Path, step: object) -> None:
         ({}, {ACC: "high"}, "metric 'eval/simulated_acc_len' must be a number, got 'high'"),
         ({}, {1: 1.0}, "metric names must be strs, got 1"),
         ({}, {ACC: True}, "must be a number, got True"),
+        ({}, {ACC: 10**400}, "metric 'eval/simulated_acc_len' is too large for a float"),
     ],
 )
 def test_save_rejects_bad_state_or_metrics(
@@ -435,6 +452,7 @@ def test_resume_rejects_bad_arguments(tmp_path: Path, led, store) -> None:
         ({"best_mode": "avg"}, "best_mode must be one of"),
         ({"best_metric": ""}, "best_metric must be a non-empty str"),
         ({"keep_best": 1}, "keep_best must be a bool"),
+        ({"root": "ckpt\x00x"}, r"root 'ckpt\\x00x' holds the control character '\\x00'"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path: Path, config: dict[str, Any], match: str) -> None:
@@ -442,10 +460,22 @@ def test_config_rejects_bad_values(tmp_path: Path, config: dict[str, Any], match
         CheckpointConfig(**{"root": tmp_path, **config})
 
 
+def test_a_root_with_dot_dot_saves_checkpoints_the_ledger_records(
+    tmp_path: Path, led, store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    manager = CheckpointManager(CheckpointConfig(root="../ckpt", run_id=RUN))
+    manager.resume(_consumer(led, store))
+    saved = manager.save(1, {})
+    assert saved == tmp_path / "ckpt" / RUN / "step-00000001-epoch-1"
+    assert [c.path for c in replay(led, RUN).checkpoints] == [str(saved)]
+
+
 def test_config_is_keyword_only_and_frozen(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         CheckpointConfig(tmp_path)  # type: ignore[misc]
     config = CheckpointConfig(root=str(tmp_path / "x" / ".." / "ckpt"))
-    assert config.root == (tmp_path / "x" / ".." / "ckpt").absolute()
+    assert config.root == tmp_path / "ckpt"  # '..' folded away: the ledger refuses it
     with pytest.raises(AttributeError):
         config.keep_latest_k = 3  # type: ignore[misc]

@@ -211,12 +211,31 @@ def test_runs_sharing_a_root_never_touch_each_other(tmp_path: Path) -> None:
         "a%2F..%2Fb-latest",
         "a-latest",
     ]
-    for run_id in ("x-latest", "x-best", ".hidden", ".."):
+    for run_id in ("x-latest", "x-best", ".hidden", "..", "x.best_meta.json"):
         manager = _manager(root, run_id=run_id)
         manager.save(1, {})
         assert manager.run_dir.parent == root
-        assert not manager.run_dir.name.endswith(("-latest", "-best"))
+        assert not manager.run_dir.name.endswith(("-latest", "-best", ".best_meta.json"))
         assert not manager.run_dir.name.startswith(".")
+
+
+@pytest.mark.parametrize("first", ["x", "x.best_meta.json"])
+def test_a_run_id_never_names_another_runs_best_record(tmp_path: Path, first: str) -> None:
+    # Run "x" keeps its best record in {root}/x.best_meta.json, beside the runs' directories.
+    root = tmp_path / "ckpt"
+    order = [first, "x.best_meta.json" if first == "x" else "x"]
+    runs = {run_id: _manager(root, run_id=run_id) for run_id in order}
+    for step, manager in enumerate(runs.values(), start=1):
+        manager.save(step, _w(step), metrics={ACC: float(step)})
+    assert (root / "x.best_meta.json").is_file()
+    assert json.loads((root / "x.best_meta.json").read_text())["run_id"] == "x"
+    for run_id, manager in runs.items():
+        assert [c.path.parent for c in manager.saved()] == [manager.run_dir]
+        assert manager.best() is not None and manager.best().metrics is not None
+        assert (
+            json.loads((root / f"{manager.run_dir.name}.best_meta.json").read_text())["run_id"]
+            == run_id
+        )
 
 
 def test_run_id_must_match_the_consumers(tmp_path: Path, led) -> None:
@@ -330,6 +349,37 @@ def test_a_removed_best_is_replaced_by_the_next_best(tmp_path: Path, led) -> Non
     manager.save(2, {}, metrics={ACC: 0.1})  # rewinds the abandoned best
     assert os.readlink(root / f"{RUN}-best") == f"{RUN}/step-00000001-epoch-1"
     assert json.loads((root / f"{RUN}.best_meta.json").read_text())["score"] == 0.5
+
+
+def test_the_best_step_saved_again_is_scored_by_its_new_metrics(tmp_path: Path) -> None:
+    # Without a ledger, saving a step again replaces its directory, so a record of the
+    # replaced files' score would name a checkpoint that no longer scores so.
+    root = tmp_path / "ckpt"
+    manager = _manager(root, run_id=RUN)
+    manager.save(5, _w(5.0), metrics={ACC: 0.9})
+    manager.save(5, _w(55.0), metrics={ACC: 0.1})
+    manager.save(6, _w(6.0), metrics={ACC: 0.5})
+    assert manager.best().step == 6
+    assert json.loads((root / f"{RUN}.best_meta.json").read_text())["score"] == 0.5
+    assert os.readlink(root / f"{RUN}-best") == f"{RUN}/step-00000006"
+    for fresh in (manager, _manager(root, run_id=RUN)):
+        assert fresh.is_best({ACC: 0.6}) and not fresh.is_best({ACC: 0.4})
+
+
+def test_checkpoints_saved_without_a_ledger_are_not_rewound(tmp_path: Path, led) -> None:
+    # The rewind removes what an abandoned lineage saved; a checkpoint saved without a
+    # ledger belongs to no lineage, and the ledger could not record its removal.
+    root = tmp_path / "ckpt"
+    plain = _manager(root, run_id=RUN)
+    for step in (10, 20):
+        plain.save(step, _w(step), metrics={ACC: step / 100})
+    manager, plan, _ = _resumed(root, led, "a")
+    assert plan.checkpoint is None
+    manager.save(1, _w(1.0))
+    assert sorted(p.name for p in (root / RUN).iterdir()) == [
+        "step-00000001-epoch-1", "step-00000010", "step-00000020",
+    ]  # fmt: skip
+    assert replay(led, RUN).removed_checkpoints == {}
 
 
 def test_resume_sweeps_directories_the_ledger_never_recorded(tmp_path: Path, led) -> None:

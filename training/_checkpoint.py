@@ -83,6 +83,7 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 #: What an absent (None) entry is stored as, so every save writes the same entries.
 ABSENT = {"__dataflow_training__": "absent"}
+_MAX_STEP = 2**63 - 1  # the ledger's step column is a 64-bit integer
 Which = int | str | os.PathLike[str] | SavedCheckpoint | Checkpoint | None
 
 
@@ -91,6 +92,8 @@ def _check_step(step: object) -> int:
         raise InvalidArgumentError(f"step must be an int, got {type(step).__name__} {step!r}")
     if step < 0:
         raise InvalidArgumentError(f"step must be >= 0, got {step}")
+    if step > _MAX_STEP:
+        raise InvalidArgumentError(f"step must fit in 64 bits (<= 2**63 - 1), got {step}")
     return step
 
 
@@ -109,7 +112,12 @@ def _check_metrics(metrics: object) -> dict[str, float] | None:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise InvalidArgumentError(f"metric {name!r} must be a number, got {value!r}")
-        checked[name] = float(value)
+        try:
+            checked[name] = float(value)
+        except OverflowError:
+            raise InvalidArgumentError(
+                f"metric {name!r} is too large for a float: {value!r:.40}"
+            ) from None
     return checked
 
 
@@ -710,7 +718,11 @@ class CheckpointManager:
         if rank == 0:
             try:
                 point(self._pointer("latest"), final)
-                if self._beats_best(job["metrics"], strict=False):
+                if self._best.path == final:
+                    # The same step saved again (no ledger): the record scored the files
+                    # this save replaced, so the manifests decide afresh.
+                    self._best.set(self.best())
+                elif self._beats_best(job["metrics"], strict=False):
                     self._best.set(read_manifest(final))
                 self._retain(final, job["step"])
             except Exception as exc:
@@ -741,7 +753,10 @@ class CheckpointManager:
         if consumer is not None:
             lineage = {Path(c.path).name for c in consumer.state.lineage_checkpoints()}
             for c in saved:
-                if c.step >= step and c.path != just_written and c.path.name not in lineage:
+                # Only checkpoints of some lineage (named with their epoch) are rewound:
+                # one saved without a ledger belongs to none, so retention alone decides.
+                abandoned = c.epoch is not None and c.path.name not in lineage
+                if c.step >= step and c.path != just_written and abandoned:
                     doomed[c.path] = "rewind"
         k = self.config.keep_latest_k
         if k:

@@ -60,7 +60,14 @@ class CheckpointConfig:
             object.__setattr__(self, "root", os.fspath(self.root))
         if not isinstance(self.root, str) or not self.root.strip():
             raise InvalidArgumentError(f"root must be a non-empty path, got {self.root!r}")
-        object.__setattr__(self, "root", Path(self.root).expanduser().absolute())
+        if not self.root.isprintable():
+            bad = next(c for c in self.root if not c.isprintable())
+            raise InvalidArgumentError(
+                f"root {self.root!r} holds the control character {bad!r}; pass a plain path"
+            )
+        # abspath also folds '..' away: the ledger refuses a checkpoint path with one,
+        # which it would find out only after the files were written.
+        object.__setattr__(self, "root", Path(os.path.abspath(os.path.expanduser(self.root))))
         if self.run_id is not None and (
             not isinstance(self.run_id, str) or not 0 < len(self.run_id) <= 256
         ):

@@ -47,9 +47,9 @@ def run_dir_name(run_id: str) -> str:
     escaped = "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in run_id)
     if escaped.startswith("."):
         escaped = "%2E" + escaped[1:]
-    for suffix in ("-latest", "-best"):
+    for suffix in ("-latest", "-best", ".best_meta.json"):  # what sits beside the runs
         if escaped.endswith(suffix):
-            escaped = escaped[: -len(suffix)] + "%2D" + suffix[1:]
+            escaped = escaped[: -len(suffix)] + f"%{ord(suffix[0]):02X}" + suffix[1:]
     return escaped
 
 
