@@ -552,7 +552,8 @@ class FeatureStore(ABC):
         """Read the features of ``ref`` named in ``out`` into its tensors, in place.
 
         Each ``out[name]`` must be a contiguous CPU tensor of the feature's dtype
-        and shape (a row of a batch tensor qualifies), so a loader can read a
+        and shape, not a lazy conjugate or negative view (a row of a batch tensor
+        qualifies), so a loader can read a
         batch's samples straight into the batch, without a tensor per sample
         and a copy to stack them. The same checks and errors as :meth:`get`
         (StaleRefError, CorruptFeatureError); after an error the tensors hold
@@ -687,6 +688,12 @@ class FeatureStore(ABC):
                 )
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidRefError(f"out[{name!r}] must be a torch.Tensor, got {tensor!r:.80}")
+            if tensor.is_conj() or tensor.is_neg():
+                raise InvalidRefError(
+                    f"out[{name!r}] is a lazily {'conjugated' if tensor.is_conj() else 'negated'}"
+                    " view, which a read cannot write through; pass a plain tensor (e.g. "
+                    "torch.empty_like(out), or out.resolve_conj().resolve_neg())"
+                )
             if (
                 tensor.dtype != spec.dtype
                 or tensor.shape != spec.shape

@@ -137,14 +137,30 @@ class _Record:
     created: float  # seconds since the epoch
     nbytes: int  # tensor bytes
     checksums: dict[str, str | None]  # name -> xxh3 of each non-empty tensor, by name
+    # name -> [dtype, shape] of every feature (_spec_doc); None in heads written before
+    # dataflow recorded them, which are read unchecked.
+    specs: dict[str, Any] | None = None
 
     @property
     def names(self) -> list[str]:
         return list(self.checksums)
 
 
+def _spec_doc(specs: Mapping[str, FeatureSpec]) -> dict[str, Any]:
+    """``specs`` as a record holds them (and as JSON reads them back: lists)."""
+    return {
+        name: [_tensors.dtype_str(spec.dtype), list(spec.shape)]
+        for name, spec in sorted(specs.items())
+    }
+
+
 def _encode_record(
-    sample_id: str, generation: int, created: float, nbytes: int, sums: dict[str, str | None]
+    sample_id: str,
+    generation: int,
+    created: float,
+    nbytes: int,
+    sums: dict[str, str | None],
+    specs: Mapping[str, FeatureSpec],
 ) -> bytes:
     doc = {
         "sample_id": sample_id,
@@ -152,6 +168,7 @@ def _encode_record(
         "created": created,
         "nbytes": nbytes,
         "xxh3": sums,
+        "specs": _spec_doc(specs),
     }
     body = _RECORD_ENCODER.encode(doc).encode()
     return _HEAD_MAGIC + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body)) + body
@@ -180,12 +197,13 @@ def _decode_record(data: bytes, sample_id: str, key: str) -> _Record:
     try:
         doc = _RECORD_DECODER.decode(body.decode())
         generation, checksums = doc["generation"], doc["xxh3"]
-        created, nbytes = doc["created"], doc["nbytes"]
+        created, nbytes, specs = doc["created"], doc["nbytes"], doc.get("specs")
         if not (
             isinstance(generation, int)
             and isinstance(checksums, dict)
             and isinstance(created, (int, float))
             and isinstance(nbytes, int)
+            and (specs is None or isinstance(specs, dict))
         ):
             raise TypeError("bad field types")
     except (ValueError, KeyError, TypeError) as exc:
@@ -193,7 +211,7 @@ def _decode_record(data: bytes, sample_id: str, key: str) -> _Record:
     if doc.get("sample_id") != sample_id:
         raise corrupt(f"it names sample {doc.get('sample_id')!r}")
     sums = {str(name): value for name, value in checksums.items()}
-    return _Record(generation, float(created), nbytes, sums)
+    return _Record(generation, float(created), nbytes, sums, specs)
 
 
 @dataclass
@@ -267,6 +285,18 @@ def _chunk_bytes(
 def _tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> Callable[[str], np.ndarray]:
     """The bytes of each of ``tensors`` (contiguous, on the CPU), by name."""
     return lambda name: _tensors.byte_view(tensors[name]).numpy()
+
+
+def _specs_differ(ref: SampleRef, stored: dict[str, Any], key: str) -> CorruptFeatureError:
+    """The error for a ref whose specs are not those its sample was put with."""
+    said = _spec_doc(ref.specs)
+    name = next(n for n in sorted({*said, *stored}) if said.get(n) != stored.get(n))
+    has = "not stored" if name not in stored else "{} {}".format(*stored[name])
+    says = "no such feature" if name not in said else "{} {}".format(*said[name])
+    return CorruptFeatureError(
+        f"{key}: feature {name!r} of sample {ref.sample_id!r} is {has}, the ref says {says}: "
+        "the ref does not describe what was put; read it through the ref that put returned"
+    )
 
 
 # -- the store ---------------------------------------------------------------
@@ -474,13 +504,17 @@ class MooncakeFeatureStore(FeatureStore):
             return _Put(sample_id, specs, [], [], [], {}, 0, [])
         chunk = self._client.pool.lease(_tensors.end_of(spans.values()))
         sources, sums = [], {}
-        for name in names:
-            offset, nbytes = spans[name]
-            target = chunk.tensor[offset : offset + nbytes].view(specs[name].dtype)
-            _tensors.copy(target.view(specs[name].shape), tensors[name])
-            sources.append(chunk.ptr + offset)
-            data = chunk.array[offset : offset + nbytes]
-            sums[name] = _tensors.checksum(data) if self._checksums else None
+        try:
+            for name in names:
+                offset, nbytes = spans[name]
+                target = chunk.tensor[offset : offset + nbytes].view(specs[name].dtype)
+                _tensors.copy(target.view(specs[name].shape), tensors[name])
+                sources.append(chunk.ptr + offset)
+                data = chunk.array[offset : offset + nbytes]
+                sums[name] = _tensors.checksum(data) if self._checksums else None
+        except BaseException:
+            self._client.pool.release(chunk)
+            raise
         return _Put(sample_id, specs, names, sources, sizes, sums, sum(sizes), [], chunk)
 
     def _commit(self, puts: list[_Put]) -> list[int]:
@@ -504,7 +538,7 @@ class MooncakeFeatureStore(FeatureStore):
         generations = client.generations(self.namespace).take(floors)
         created = time.time()
         records = [
-            _encode_record(put.sample_id, generation, created, put.nbytes, put.sums)
+            _encode_record(put.sample_id, generation, created, put.nbytes, put.sums, put.specs)
             for put, generation in zip(puts, generations, strict=True)
         ]
         for put, record in zip(puts, records, strict=True):
@@ -821,6 +855,8 @@ class MooncakeFeatureStore(FeatureStore):
                 )
             if code < 0:
                 raise _error(code, f"reading {key}")
+        if head.specs is not None and head.specs != _spec_doc(ref.specs):
+            raise _specs_differ(ref, head.specs, keys[0])  # the same bytes as another tensor
         if self._checksums:
             self._verify(ref, head, data, keys[1:], tensor_bytes)
 

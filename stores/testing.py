@@ -351,6 +351,19 @@ class FeatureStoreContract:
         with pytest.raises(InvalidRefError, match="out must map"):
             store.get_into(ref, [torch.zeros(2, 3)])  # type: ignore[arg-type]
 
+    def test_get_into_a_lazy_conjugate_view_is_refused(self, store: FeatureStore) -> None:
+        # Contiguous, of the right dtype and shape, yet no read can write through it.
+        stored = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+        ref = store.put(_fresh_id(), {"z": stored})
+        base = torch.zeros(2, dtype=torch.complex64)
+        with pytest.raises(InvalidRefError, match=r"out\['z'\] is a lazily conjugated view"):
+            store.get_into(ref, {"z": base.conj()})
+        with pytest.raises(InvalidRefError, match="lazily conjugated"):
+            store.get_many_into([(ref, {"z": base.conj()})])
+        assert not base.any()  # nothing was read into it
+        store.get_into(ref, {"z": base})
+        assert torch.equal(base, stored)
+
     def test_get_into_a_stale_ref_raises(self, store: FeatureStore) -> None:
         sample_id = _fresh_id()
         old = store.put(sample_id, {"x": torch.tensor([1, 2])})
@@ -406,6 +419,35 @@ class FeatureStoreContract:
         out = torch.zeros(2, dtype=torch.int64)
         store.get_many_into([(good, {"x": out})])  # the store still serves the good one
         assert out.tolist() == [1, 2]
+
+    @pytest.mark.parametrize(
+        "spec",
+        [
+            FeatureSpec((2, 3), torch.int32),  # another dtype, the same bytes
+            FeatureSpec((3, 2), torch.float32),  # another shape
+            FeatureSpec((6,), torch.float32),  # the same elements, flat
+        ],
+    )
+    def test_a_ref_whose_specs_are_not_what_was_put_is_corrupt(
+        self, store: FeatureStore, spec: FeatureSpec
+    ) -> None:
+        # A ref made by hand must never reinterpret the stored bytes as another tensor.
+        ref = store.put(_fresh_id(), {"x": torch.arange(6.0).reshape(2, 3)})
+        forged = SampleRef(ref.sample_id, ref.store, ref.generation, {"x": spec}, {})
+        reads: list[Callable[[], object]] = [
+            lambda: store.get(forged),
+            lambda: store.get_into(forged, {"x": torch.zeros(spec.shape, dtype=spec.dtype)}),
+            lambda: store.get_many_into(
+                [
+                    (ref, {"x": torch.zeros(2, 3)}),
+                    (forged, {"x": torch.zeros(spec.shape, dtype=spec.dtype)}),
+                ]
+            ),
+        ]
+        for read in reads:
+            with pytest.raises(CorruptFeatureError, match=ref.sample_id):
+                read()
+        assert store.get(ref)["x"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
     def test_get_many_into_checks_every_item_before_reading_any(self, store: FeatureStore) -> None:
         ref = store.put(_fresh_id(), {"x": torch.arange(6.0).reshape(2, 3)})

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import xxhash
 
 from dataflow import (
     CorruptFeatureError,
@@ -28,7 +29,7 @@ from dataflow import (
     StoreUnavailableError,
 )
 from stores import MooncakeFeatureStore, _mooncake_client, mooncake_master, open_store
-from stores._mooncake import _encode_record
+from stores._mooncake import _HEAD_MAGIC, _HEAD_SUM, _decode_record, _encode_record
 from stores._mooncake_client import _Generations
 from stores.mooncake_master import MooncakeMaster, find_master_binary, free_port, port_open
 from stores.testing import FeatureStoreContract, assert_same_tensor
@@ -180,6 +181,40 @@ def test_empty_tensors_store_no_key(cluster):
         assert not _key_exists(cluster, _data_key(store, ref, "e"))
 
 
+def test_a_ref_whose_specs_differ_from_the_heads_names_the_feature(cluster):
+    with cluster.store() as store:
+        ref = store.put("s", {"x": torch.ones(2, 3), "e": torch.empty(0, 4)})
+        x, e = FeatureSpec((2, 3), torch.float32), FeatureSpec((0, 4), torch.float32)
+        as_int = FeatureSpec((2, 3), torch.int32)
+        for specs, match in (
+            ({"x": as_int, "e": e}, r"'x' .* is float32 \[2, 3\], the ref says int32 \[2, 3\]"),
+            ({"x": FeatureSpec((6,), torch.float32), "e": e}, r"'x' .* the ref says float32 \[6\]"),
+            ({"x": x, "e": FeatureSpec((4, 0), torch.float32)}, r"'e' .* is float32 \[0, 4\]"),
+            ({"x": x}, r"'e' .* is float32 \[0, 4\], the ref says no such feature"),
+        ):  # fmt: skip
+            forged = SampleRef(ref.sample_id, ref.store, ref.generation, specs)
+            with pytest.raises(CorruptFeatureError, match=match):
+                store.get(forged)
+
+
+def test_a_head_from_before_specs_were_recorded_is_read_unchecked(cluster):
+    # Heads written by an older dataflow have no "specs": they read as they always did.
+    with cluster.store() as store:
+        ref = store.put("s", {"x": torch.arange(4.0)})
+        raw, config = cluster.anchor._client.raw, cluster.anchor._client.config
+        head_key = store._head_key("s")
+        head = _decode_record(raw.get(head_key), "s", head_key)
+        assert head.specs == {"x": ["float32", [4]]}
+        body = json.dumps(
+            {"sample_id": "s", "generation": ref.generation, "created": head.created,
+             "nbytes": 16, "xxh3": head.checksums}
+        ).encode()  # fmt: skip
+        old_head = _HEAD_MAGIC + _HEAD_SUM.pack(xxhash.xxh3_64_intdigest(body)) + body
+        assert raw.upsert(head_key, old_head, config) == 0
+        assert _decode_record(raw.get(head_key), "s", head_key).specs is None
+        assert store.get(ref)["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_short_read_is_corrupt(cluster):
     with cluster.store() as store:
         ref = store.put("s", {"x": torch.ones(1000)})
@@ -318,7 +353,9 @@ def test_a_generation_left_behind_is_listed_and_freed_alone(cluster):
         current = store.put("s", {"x": torch.ones(8)})
         left = current.generation + 5
         tensor = torch.full((4,), 3.0)
-        record = _encode_record("s", left, time.time() - 3600, 16, {"x": None})
+        record = _encode_record(
+            "s", left, time.time() - 3600, 16, {"x": None}, {"x": FeatureSpec((4,), torch.float32)}
+        )
         raw, config = cluster.anchor._client.raw, cluster.anchor._client.config
         keys = store._keys("s", left, ["x"])
         assert raw.upsert(keys[0], record, config) == 0
