@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -408,6 +409,113 @@ def test_a_resume_may_change_the_batch_size_where_it_divides_the_position(
     assert replay(parts["led"], RUN).verify() == []
 
 
+def _plain_trainer(
+    led: Ledger, store: LocalFeatureStore, ckpt: Path, name: str, *, batch_size: int, **kw: Any
+) -> Trainer:
+    """A seeded trainer that checkpoints every step and trains nothing real."""
+    seen = kw.pop("seen", [])
+    return Trainer(
+        Consumer(led, store, run_id=RUN, consumer_id=name, order_seed=3),
+        step_fn=lambda batch: seen.extend(batch.sample_ids),
+        checkpoints=CheckpointManager(CheckpointConfig(root=ckpt)),
+        state_fn=lambda: {"w": torch.zeros(1)},
+        load_fn=lambda state: None,
+        config=TrainerConfig(checkpoint_every=1, max_steps=kw.pop("max_steps", None)),
+        loader_config=LoaderConfig(batch_size=batch_size),
+        **kw,
+    )
+
+
+def _emitted(tmp_path: Path, n: int) -> tuple[Ledger, LocalFeatureStore]:
+    led = Ledger.open(f"sqlite:///{tmp_path}/plain.db")
+    store = LocalFeatureStore()
+    producer = Producer(led, store, run_id=RUN)
+    producer.emit_many((f"s{i:02d}", _features(i)) for i in range(n))
+    producer.close()
+    return led, store
+
+
+@pytest.mark.parametrize(("batch_size", "ok"), [(4, True), (5, True), (3, False)])
+def test_a_seeded_run_resumes_from_a_position_its_short_last_batch_left(
+    tmp_path: Path, batch_size: int, ok: bool
+) -> None:
+    # 10 samples in batches of 4: the final checkpoint's position is 10, no multiple of 4.
+    led, store = _emitted(tmp_path, 10)
+    first = _plain_trainer(led, store, tmp_path / "ckpt", "first", batch_size=4)
+    assert first.run() == 3 and first.position == 10
+    again = _plain_trainer(led, store, tmp_path / "ckpt", "again", batch_size=batch_size)
+    if not ok:  # another batch size still has to divide the position
+        with pytest.raises(training.IncompatibleCheckpointError, match="batch_size=3"):
+            again.resume()
+        return
+    again.resume()
+    assert (again.step, again.position) == (3, 10)
+    assert again.run() == 3
+    assert replay(led, RUN).verify() == []
+
+
+def test_a_seeded_run_resumes_after_a_batch_that_lost_a_sample(tmp_path: Path) -> None:
+    led, store = _emitted(tmp_path, 16)
+    seen: list[str] = []
+    regenerate = {"regenerate_fn": lambda ids: ((sid, _features(int(sid[1:]))) for sid in ids)}
+    first = _plain_trainer(
+        led, store, tmp_path / "ckpt", "first", batch_size=4, max_steps=2, seen=seen, **regenerate
+    )
+    first.resume()
+    lost = next(first.consumer.state.pending_for(0))
+    store.delete(replay(led, RUN).ref(lost))
+    with pytest.warns(UserWarning, match=lost):
+        assert first.run() == 2
+    assert first.position == 7  # the first batch was one short
+    again = _plain_trainer(
+        led, store, tmp_path / "ckpt", "again", batch_size=4, seen=seen, **regenerate
+    )
+    again.run()
+    run = replay(led, RUN)
+    assert run.verify() == [] and len(run.trained) == 16
+    assert sorted(seen) == sorted(run.trained)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_trainer_resumed_again_in_its_process_hands_out_nothing_of_the_old_epoch(
+    tmp_path: Path, grad_accum: int
+) -> None:
+    led, store = _emitted(tmp_path, 20)
+    seen: list[str] = []
+    calls = {"n": 0}
+
+    def step_fn(batch: training.Batch) -> None:
+        calls["n"] += 1
+        if calls["n"] == 4:  # once the lease ahead has read its batches, as it may have
+            ahead = trainer.loader._ahead
+            while ahead is not None and not ahead.done():
+                time.sleep(0.01)
+            raise RuntimeError("the step failed")
+        seen.extend(batch.sample_ids)
+
+    trainer = Trainer(
+        Consumer(led, store, run_id=RUN, consumer_id="t"),
+        step_fn=step_fn,
+        optimizer_fn=lambda step: None,
+        checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+        state_fn=lambda: {"w": torch.zeros(1)},
+        load_fn=lambda state: None,
+        config=TrainerConfig(checkpoint_every=1, grad_accum=grad_accum),
+        loader_config=LoaderConfig(batch_size=2, prefetch=2),
+    )
+    with pytest.raises(RuntimeError, match="the step failed"):
+        trainer.run()
+    assert trainer.loader._ahead is not None  # batches of the old epoch, read ahead
+    trained_before = set(replay(led, RUN).trained)
+    trainer.resume()
+    trainer.run()
+    run = replay(led, RUN)
+    assert run.verify() == [] and len(run.trained) == 20
+    # The new epoch trained each sample the checkpoint had not, once, and nothing else.
+    resumed = seen[len(trained_before) + 2 * (grad_accum == 2) :]
+    assert sorted(resumed) == sorted(set(run.trained) - trained_before)
+
+
 def test_feature_loader_state_dict(parts) -> None:
     consumer = parts["consumer"]
     consumer.resume()
@@ -424,10 +532,12 @@ def test_feature_loader_state_dict(parts) -> None:
     assert arrival.position == 3
     # A seeded order: a place in the rank's queue, where batches must line up.
     consumer.order_seed = 7
-    with pytest.raises(ValueError, match="not a multiple of batch_size=2"):
-        training.FeatureLoader(consumer, config=LoaderConfig(batch_size=2)).load_state_dict(
-            {"position": 3}
-        )
+    seeded = training.FeatureLoader(consumer, config=LoaderConfig(batch_size=2))
+    for state in ({"position": 3}, {"position": 3, "batch_size": 3}):
+        with pytest.raises(ValueError, match="not a multiple of batch_size=2"):
+            seeded.load_state_dict(state)
+    seeded.load_state_dict({"position": 3, "batch_size": 2})  # its own batch size: any
+    assert seeded.position == 3
     for bad in ({}, {"position": "3"}, [3]):
         with pytest.raises(ValueError, match="not a FeatureLoader state"):
             other.load_state_dict(bad)  # type: ignore[arg-type]

@@ -90,11 +90,14 @@ def pinned(value: Any) -> Any:
     return value
 
 
-def check_position(position: int, batch_size: int) -> None:
-    """A saved position must fall on a batch boundary of the batch size resumed with."""
+def check_position(position: int, batch_size: int, *, saved_batch_size: object = None) -> None:
+    """A saved position must fall on a batch boundary of a batch size other than the
+    saved one (``saved_batch_size``) that a run resumes with. With the saved batch
+    size any position continues the saved run: a short last batch, or one that
+    lost a sample, leaves a position that is no multiple of it."""
     if isinstance(position, bool) or not isinstance(position, int) or position < 0:
         raise InvalidArgumentError(f"position must be an int >= 0, got {position!r}")
-    if position % batch_size:
+    if batch_size != saved_batch_size and position % batch_size:
         divisors = [d for d in range(1, min(position, 64) + 1) if position % d == 0]
         raise InvalidArgumentError(
             f"the saved data position, {position} samples, is not a multiple of "
@@ -362,19 +365,34 @@ class FeatureLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a saved position.
 
-        With a seeded order the position is a place in this rank's queue, so the
-        batch size may change only where it divides it (batches must line up with
-        the saved run's). In arrival order it only counts what was handed out (a
-        stream's batches may be short); the ledger alone says what is left.
+        With a seeded order the position is a place in this rank's queue, so
+        another batch size than the saved one may be used only where it divides
+        it (batches must line up with the saved run's). In arrival order it only
+        counts what was handed out (a stream's batches may be short); the ledger
+        alone says what is left.
         """
         if not isinstance(state, dict) or not isinstance(state.get("position"), int):
             raise InvalidArgumentError(f"not a FeatureLoader state: {state!r:.100}")
-        check_position(state["position"], self.config.batch_size if self._seeded else 1)
+        check_position(
+            state["position"],
+            self.config.batch_size if self._seeded else 1,
+            saved_batch_size=state.get("batch_size") if self._seeded else 1,
+        )
         self.position = state["position"]
 
     @property
     def _seeded(self) -> bool:
         return self.consumer.order_seed is not None
+
+    def _restart(self) -> None:
+        """Before the consumer resumes again (``Trainer.resume``): write the acks given,
+        wait for the lease ahead, and drop every batch read ahead. They belong to the
+        old epoch, whose leases the resume gives back to the queue."""
+        self.close()
+        self._ahead = None
+        self._ahead_acks = ([], None)
+        self._ready.clear()
+        self._counted = None
 
     def close(self) -> None:
         """Stop the prefetch thread once the acks given to it are written (refs it leased

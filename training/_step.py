@@ -65,6 +65,12 @@ class StepHelper:
         self._refs: list[SampleRef] = []
         self._boundary = False
 
+    def _restart(self) -> None:
+        """Drop the optimizer step in progress (the consumer resumes: its refs go back)."""
+        self._refs = []
+        self.micro_batches = 0
+        self._boundary = False
+
     @property
     def pending_refs(self) -> tuple[SampleRef, ...]:
         """The refs of the optimizer step in progress, not yet acked."""

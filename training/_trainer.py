@@ -249,6 +249,10 @@ class Trainer:
         self._resumed_position = 0
         self._resumed_rank_state = None
         self._new_rank, self._fresh_seed = False, None
+        # Resumed again in this process (a run() raised): nothing read ahead, and no
+        # micro-batch of an unfinished step, may cross into the new epoch.
+        self.loader._restart()
+        self.helper._restart()
         plan, state = self.checkpoints.resume(
             self.consumer,
             checkpoint,
@@ -370,7 +374,11 @@ class Trainer:
             # order only a count (a stream's batches may be short).
             seeded = self.consumer.order_seed is not None
             try:
-                check_position(data["position"], self.loader.config.batch_size if seeded else 1)
+                check_position(
+                    data["position"],
+                    self.loader.config.batch_size if seeded else 1,
+                    saved_batch_size=data.get("batch_size") if seeded else 1,
+                )
             except ValueError as exc:
                 raise IncompatibleCheckpointError(
                     f"cannot resume rank {self.consumer.rank} of run {self.consumer.run_id!r}: "
