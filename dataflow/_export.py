@@ -75,12 +75,18 @@ def export_parquet(
     row each, SAMPLES_SCHEMA), folded from the same pass over the log; both files
     appear together, at the end. Streams in batches, so the events never sit in
     memory at once. Payloads stay JSON text. Each path must name a file in an existing
-    directory (IsADirectoryError, FileNotFoundError before anything is written).
+    directory that is new or an earlier export (IsADirectoryError, FileNotFoundError,
+    FileExistsError before anything is written): never the ledger, or any other file.
     ``progress`` is called with the seq reached after each batch.
     """
     targets = [_check_target(path)]
     if samples_path is not None:
         targets.append(_check_target(samples_path))
+        if targets[1].absolute() == targets[0].absolute():
+            raise FileExistsError(
+                errno.EEXIST,
+                f"cannot export the events and the samples to the same file {str(path)!r}",
+            )
     tmps = [t.with_name(f".{t.name}.tmp-{os.getpid()}") for t in targets]
     state = None
     if samples_path is not None:
@@ -127,7 +133,25 @@ def _check_target(path: str | os.PathLike[str]) -> Path:
             f"cannot export to {str(target)!r}: its directory {target.absolute().parent} "
             "does not exist; create it first",
         )
+    if target.exists() and not _is_parquet(target):
+        # Only an earlier export is replaced: the path may name the ledger itself.
+        raise FileExistsError(
+            errno.EEXIST,
+            f"cannot export to {str(target)!r}: it exists and is not a Parquet file (a "
+            "ledger, or another program's file?); name a new file, or remove that one first",
+        )
     return target
+
+
+def _is_parquet(path: Path) -> bool:
+    """Whether ``path`` holds a Parquet file: its magic bytes at both ends."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(-4, os.SEEK_END)
+            return head == b"PAR1" and f.read(4) == b"PAR1"
+    except OSError:  # shorter than 8 bytes, or unreadable
+        return False
 
 
 def _write_events(

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -74,6 +75,10 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    if value > threading.TIMEOUT_MAX:  # what a sleep or a wait can take
+        raise argparse.ArgumentTypeError(
+            f"expected at most {threading.TIMEOUT_MAX:.0f} seconds, got {text!r}"
+        )
     return value
 
 
@@ -550,8 +555,13 @@ def cmd_events(args: argparse.Namespace) -> int:
     else:
         _check_run(ledger, args.run)
         source = ledger.events(args.run, after_seq=args.after, upto_seq=args.upto)
+    upto = args.upto
     for event in source:
+        if upto is not None and event.seq > upto:  # a run's seqs may skip past it
+            break
         print(json.dumps(event.to_dict(), sort_keys=True), flush=True)
+        if upto is not None and event.seq >= upto:  # --follow: stop there, not at the next
+            break
     return 0
 
 

@@ -414,6 +414,39 @@ def test_export_no_samples_and_the_out_option(
     assert code == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["events.parquet"]
 
 
+def test_export_never_replaces_a_file_that_is_no_earlier_export(
+    capsys: pytest.CaptureFixture[str], crashed: str, tmp_path: Path
+) -> None:
+    ledger = tmp_path / "ledger.db"
+    shutil.copy(crashed.removeprefix("sqlite:///"), ledger)
+    url, before = f"sqlite:///{ledger}", ledger.read_bytes()
+    (tmp_path / "notes.txt").write_text("mine\n")
+    for target in (ledger, tmp_path / "notes.txt"):
+        code, _, err = cli(capsys, "export", "--ledger", url, "--run", "r1", str(target))
+        assert code == 1 and "exists and is not a Parquet file" in err, err
+    assert ledger.read_bytes() == before and (tmp_path / "notes.txt").read_text() == "mine\n"
+    assert cli(capsys, "runs", "--ledger", url) == (0, "r1\n", "")
+    out = tmp_path / "r1.parquet"
+    for _ in range(2):  # an earlier export is replaced
+        assert cli(capsys, "export", "--ledger", url, "--run", "r1", str(out))[0] == 0
+    assert pq.read_table(out).num_rows == Ledger.open(url, create=False).head_seq("r1")
+
+
+def test_export_refuses_one_file_for_events_and_samples(crashed: str, tmp_path: Path) -> None:
+    from dataflow._export import export_parquet
+
+    target = tmp_path / "r1.parquet"
+    with Ledger.open(crashed, create=False) as led, pytest.raises(FileExistsError, match="same"):
+        export_parquet(led, "r1", target, samples_path=tmp_path / "." / "r1.parquet")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_events_follow_stops_at_upto(capsys: pytest.CaptureFixture[str], crashed: str) -> None:
+    args = ("events", "--ledger", crashed, "--run", "r1", "--upto", "2", "--follow")
+    code, out, _ = cli(capsys, *args, "--timeout", "30")  # stops at seq 2, not after 30 s
+    assert code == 0 and [json.loads(line)["seq"] for line in out.splitlines()] == [1, 2]
+
+
 # -- DATAFLOW_LEDGER and python -m dataflow --------------------------------------------
 
 
@@ -571,6 +604,12 @@ BAD_INPUTS = [
     ),
     ("count-alone", ["status", "--run", "r1", "--count", "2"], 2, "add --follow"),
     ("interval-zero", ["status", "--run", "r1", "--follow", "--interval", "0"], 2, "> 0"),
+    (
+        "interval-huge",
+        ["status", "--run", "r1", "--follow", "--interval", "1e10"],
+        2,
+        "--interval: expected at most",
+    ),
     ("export-no-file", ["export", "--run", "r1"], 2, "name the file to write once"),
     (
         "export-two-files",
