@@ -56,6 +56,11 @@ def collect_garbage(
     commit is on its way), so a collection is safe while the run is live, as long as
     ``grace`` exceeds the longest gap between a producer's put and its commit. A
     generation put again meanwhile is never freed (``delete_stored``).
+
+    The ledger's refs name their store by URI. A store that no ref names but that
+    holds a generation which refs naming another URI keep alive is that store reached
+    by another path (moved, or mounted elsewhere): InvalidArgumentError, before any
+    such generation is removed.
     """
     if not isinstance(store, FeatureStore):
         raise ArgumentTypeError(f"store must be a FeatureStore, got {type(store).__name__}")
@@ -67,6 +72,7 @@ def collect_garbage(
     ):
         raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
     live: set[tuple[str, int]] = set()
+    elsewhere: dict[tuple[str, int], str] = {}  # kept alive in a store of another URI
     for run_id in ledger.runs():
         state = replay(ledger, run_id)
         stored = [s for s in state.committed if s not in state.released and s not in state.lost]
@@ -74,11 +80,22 @@ def collect_garbage(
             for sample_id, ref in state.refs(stored[start : start + _CHUNK]).items():
                 if ref.store == store.uri:
                     live.add((sample_id, ref.generation))
+                else:
+                    elsewhere[(sample_id, ref.generation)] = ref.store
     horizon = time.time() - grace
     removed = nbytes = kept = young = 0
     for obj in store.scan():
-        if (obj.sample_id, obj.generation) in live:
+        key = (obj.sample_id, obj.generation)
+        if key in live:
             kept += 1
+        elif not live and key in elsewhere:
+            raise InvalidArgumentError(
+                f"store {store.uri} holds sample {obj.sample_id!r} generation "
+                f"{obj.generation}, which the ledger keeps alive in store {elsewhere[key]}, "
+                f"and no ref names {store.uri}: it looks like that store reached by another "
+                "path (moved, or mounted elsewhere). Stopped before removing anything the "
+                f"ledger keeps alive; collect it by the URI its refs name ({elsewhere[key]})"
+            )
         elif obj.created > horizon:
             young += 1
         elif dry_run or store.delete_stored(obj):

@@ -619,8 +619,19 @@ def _open_store(uri: str) -> Any:
     from stores import open_store
 
     parts = urlsplit(uri)
-    if parts.scheme == "dir" and not os.path.isdir(unquote(parts.path)):
-        raise _Failure(f"no shared-directory store at {unquote(parts.path)} (check --store)")
+    if parts.scheme == "dir":
+        root = unquote(parts.path)
+        if not os.path.isdir(root):
+            raise _Failure(f"no shared-directory store at {root} (check --store)")
+        if not os.path.isdir(os.path.join(root, "samples")):  # opening it would lay one out
+            raise _Failure(
+                f"{root} is no shared-directory store: it has no samples/ (check --store)"
+            )
+    if parts.scheme == "mem":
+        raise _Failure(
+            f"{uri} is an in-process store: it lives in the process that made it, and no other "
+            "process can collect it (name a shared-directory or Mooncake store)"
+        )
     return open_store(uri)
 
 

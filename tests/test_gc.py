@@ -90,6 +90,18 @@ def test_a_bad_grace_is_refused(leftovers, grace) -> None:
         collect_garbage(led, store, grace=grace)  # type: ignore[arg-type]
 
 
+def test_a_store_reached_by_another_path_is_not_collected(leftovers, tmp_path: Path) -> None:
+    # The ledger's refs name the store by its URI; the same directory, moved, is named by
+    # none of them, and everything it holds would look like garbage.
+    led, store, sizes = leftovers
+    store.close()
+    (tmp_path / "features").rename(tmp_path / "moved")
+    moved = SharedDirFeatureStore(tmp_path / "moved")
+    with pytest.raises(ValueError, match=r"keeps alive in store dir://.*/features, and no ref"):
+        collect_garbage(led, moved, grace=60)
+    assert {"s2", "s3"} <= {o.sample_id for o in moved.scan()}  # what it keeps alive stays
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return run_cli(*args, timeout=120)
 
@@ -116,12 +128,19 @@ def test_the_gc_command(leftovers, tmp_path: Path) -> None:
         ({"--store": "dir:///nonexistent/features"}, 1, "no shared-directory store at"),
         ({"--grace": "-1"}, 2, "--grace: expected a number of seconds"),
         ({"--store": "nosuch://x"}, 1, "nosuch"),
+        ({"--store": "mem://x"}, 1, "mem://x is an in-process store"),
+        ({"--store": "dir://{tmp}/notes"}, 1, "notes is no shared-directory store"),
     ],
 )
-def test_gc_bad_input_is_one_line(leftovers, change, code, message) -> None:
+def test_gc_bad_input_is_one_line(leftovers, tmp_path: Path, change, code, message) -> None:
     led, store, sizes = leftovers
+    notes = tmp_path / "notes"  # a directory that is no store: gc must not lay one out there
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine\n")
+    change = {key: value.format(tmp=tmp_path) for key, value in change.items()}
     options = {"--ledger": led.url, "--run": RUN, "--store": store.uri} | change
     result = _cli("gc", *(x for pair in options.items() for x in pair))
     assert result.returncode == code, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert len(list(store.scan())) == len(sizes)  # nothing removed
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
