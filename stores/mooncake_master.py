@@ -137,10 +137,12 @@ class MooncakeMaster:
         binary = self.binary or find_master_binary()
         args = [
             str(binary),
+            f"-rpc_address={self.host}",  # without it the master listens on every interface
             f"-rpc_port={self.rpc_port}",
             "-enable_http_metadata_server=true",
             f"-http_metadata_server_host={self.host}",
             f"-http_metadata_server_port={self.http_port}",
+            f"-metrics_host={self.host}",
             f"-metrics_port={self.metrics_port}",
             "-logtostderr",
         ]

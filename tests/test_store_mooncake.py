@@ -13,6 +13,7 @@ import textwrap
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,6 +274,25 @@ def test_master_helper_starts_and_stops_a_master(cluster):
         assert "-default_kv_lease_ttl=200" in master.command()
     assert not master.running and not port_open("127.0.0.1", master.rpc_port)
     master.stop()  # idempotent
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses a socket listens on at ``port``, from /proc/net/tcp."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, at = local.split(":")
+        if state == "0A" and int(at, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
+
+
+def test_the_master_helper_listens_on_loopback_only(cluster):
+    with MooncakeMaster(lease_ttl_ms=200) as master:
+        # The RPC and the admin (metrics) servers; Mooncake's HTTP metadata server binds
+        # every interface whatever -http_metadata_server_host says (docs/store-mooncake.md).
+        for port in (master.rpc_port, master.metrics_port):
+            assert _listening_addresses(port) == {"127.0.0.1"}, port
 
 
 def test_a_master_that_exits_is_reported_with_its_log(tmp_path):
