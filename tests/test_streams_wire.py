@@ -219,6 +219,10 @@ def repeat_key(data: bytes, key: str, value: str) -> bytes:
             "malformed",
         ),
         ([repeat_key(with_ref(metadata={"k": 1}), "k", "2")], "malformed"),
+        # numbers no ref may hold: 1e999 is valid JSON that reads as inf
+        ([with_ref(metadata={"k": 1.5}).replace(b"1.5", b"1e999")], "malformed"),
+        ([with_ref(metadata={"k": 1.5}).replace(b"1.5", b"-1e999")], "malformed"),
+        ([with_ref(metadata={"k": 1.5}).replace(b"1.5", b"NaN")], "malformed"),
         # beyond the wire's limits on what a ref describes
         ([with_spec([2**62, 2**62])], "malformed"),
         ([with_spec([2**48, 2])], "malformed"),

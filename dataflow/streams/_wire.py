@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 
 from dataflow._contracts import (
@@ -115,7 +116,17 @@ def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return obj
 
 
-_decoder = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_object)
+def _finite(text: str) -> float:
+    # 1e999 is valid JSON that Python reads as inf, which no ref may hold.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
+
+
+_decoder = json.JSONDecoder(
+    parse_constant=_no_constant, parse_float=_finite, object_pairs_hook=_object
+)
 
 
 def _loads(data: bytes) -> object:
