@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import struct
 import time
 import warnings
 import zlib
@@ -626,6 +627,14 @@ class Ledger:
         older schema opened read-only, or holds a snapshot at that seq already.
         """
         _check_run_id(run_id)
+        from dataflow._projection import RunState
+
+        if not isinstance(state, RunState):
+            raise ArgumentTypeError(f"state must be a RunState, got {type(state).__name__}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise InvalidArgumentError(
+                f"keep must be an int >= 1 (the snapshot just saved counts), got {keep!r}"
+            )
         if state.run_id != run_id:
             raise InvalidArgumentError(f"the state is of run {state.run_id!r}, not {run_id!r}")
         if (self._schema_version or SCHEMA_VERSION) < 2 or state.head_seq == 0:
@@ -693,7 +702,10 @@ class Ledger:
             else:
                 try:
                     state = _snapshot.decode(run_id, bytes(body), ref_source=self)
-                except (ValueError, KeyError, TypeError, IndexError, zlib.error) as exc:
+                except (
+                    ValueError, KeyError, TypeError, IndexError, AttributeError,
+                    OverflowError, struct.error, zlib.error,
+                ) as exc:  # fmt: skip
                     why = f"it cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
                 else:
                     if state.head_seq == seq:

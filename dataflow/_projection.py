@@ -941,7 +941,14 @@ class RunState:
         self.trained = {}
         self.attempts = {}
         self._order_args = (number, seed, seq)
-        self._refill(self._data_epoch_order(number, seed, seq), requeued=True)
+        order = self._data_epoch_order(number, seed, seq)
+        if self.leased:  # start_data_epoch refuses this: a damaged or hand-made log
+            self.violations.append(
+                f"seq {seq}: data epoch {number} starts while {len(self.leased)} samples are "
+                f"leased (e.g. {next(iter(self.leased))!r}); they stay leased"
+            )
+            order = [sid for sid in order if sid not in self.leased]
+        self._refill(order, requeued=True)
 
     def releasable_at(self, step: int) -> list[str]:
         """Ids trained at or before ``step`` in this lineage whose features are still stored."""

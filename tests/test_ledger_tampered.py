@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, Producer, replay
+from dataflow._inspect import summary
+from dataflow._ledger import NewEvent
 from stores import LocalFeatureStore
 
 RUN = "run"
@@ -124,3 +126,28 @@ def test_lease_refuses_an_unreadable_commit_before_leasing_anything(tmp_path: Pa
         cons.lease(4)
     assert led.head_seq(RUN) == head  # no lease written: nothing stranded
     assert [r.sample_id for r in cons.lease(2)] == ["s0", "s1"]  # the intact ones still lease
+
+
+def test_a_data_epoch_started_while_a_sample_is_leased_is_reported(tmp_path: Path) -> None:
+    # Consumer.start_data_epoch refuses this; a damaged or hand-made log may hold it.
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+
+    def ref(sample_id: str) -> str:  # as a SampleRef writes its JSON
+        fields = {"generation": 0, "metadata": {}, "sample_id": sample_id, "specs": {}}
+        return json.dumps({**fields, "store": "x"}, separators=(",", ":"), sort_keys=True)
+
+    with led.write("r", "raw") as tx:
+        tx.append([
+            NewEvent("commit", "p", "a", payload=ref("a"), revision=0),
+            NewEvent("commit", "p", "b", payload=ref("b"), revision=0),
+            NewEvent("resume", "c", epoch=1, payload=json.dumps({"world_size": 2})),
+            NewEvent("lease", "c", "a", epoch=1),
+            NewEvent("data_epoch", "c", epoch=1, payload=json.dumps({"data_epoch": 1, "seed": 1})),
+            NewEvent("nack", "c", "a", epoch=1, payload=json.dumps({"retryable": True, "rank": 1})),
+            NewEvent("lease", "c", "a", epoch=1),
+        ])  # fmt: skip
+    state = replay(led, "r")
+    assert state.verify() == [
+        "seq 5: data epoch 1 starts while 1 samples are leased (e.g. 'a'); they stay leased"
+    ]
+    assert state.pending == ["b"] and summary(state)["pending"] == 1

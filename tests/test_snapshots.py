@@ -10,7 +10,9 @@ version-1 ledger.
 from __future__ import annotations
 
 import sqlite3
+import struct
 import warnings
+import zlib
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,14 @@ def _damage(ledger: Ledger, run_id: str, **values: object) -> None:
         conn.execute(update(snapshots).where(snapshots.c.run_id == run_id).values(**values))
 
 
+def _signed(body: bytes) -> dict[str, object]:
+    return {"body": body, "digest": _snapshot.digest(body)}
+
+
+def _segment(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
 @pytest.mark.parametrize(
     "damage, why",
     [
@@ -135,6 +145,10 @@ def _damage(ledger: Ledger, run_id: str, **values: object) -> None:
             },
             "runs past the end",
         ),
+        # digests that match bodies a writer bug could leave: a cut length prefix, and a
+        # header that is JSON but no object
+        (_signed(b"DFSNAP01\x01\x02\x03"), r"cannot be read \(error"),
+        (_signed(b"DFSNAP01" + _segment(zlib.compress(b"[1, 2]"))), "AttributeError"),
     ],
 )
 def test_a_damaged_snapshot_falls_back_to_the_full_replay_with_a_warning(
@@ -179,6 +193,12 @@ def test_bad_input_to_snapshots_is_refused(ledger, run_id, emit):
     state = replay(ledger, run_id)
     with pytest.raises(ValueError, match="of run 'run', not 'other'"):
         ledger.save_snapshot("other", state)
+    for keep in (0, -1, 2.5, "2", True, None):
+        with pytest.raises(ValueError, match=f"keep must be an int >= 1 .*got {keep!r}"):
+            ledger.save_snapshot(run_id, state, keep=keep)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="state must be a RunState, got NoneType"):
+        ledger.save_snapshot(run_id, None)  # type: ignore[arg-type]
+    assert ledger.load_snapshot(run_id) is None  # nothing was saved
     with pytest.raises(ValueError, match="upto_seq"):
         ledger.load_snapshot(run_id, upto_seq=-1)
     with pytest.raises(TypeError, match="snapshots must be a bool"):
