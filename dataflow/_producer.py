@@ -191,7 +191,10 @@ class Producer:
         """Commit refs whose features are already in the store, in one transaction.
 
         Returns each ref, or None where its id was already committed; those
-        fresh features are deleted again. If the commit fails, or the stream
+        fresh features are deleted again (or, where this put superseded the
+        committed ones in the store, committed as the next revision; if that
+        write fails it is logged, and a consumer later reports the sample lost
+        and it is regenerated). If the commit fails, or the stream
         would refuse a ref (``RefSender.check``), every ref's features are
         deleted and the error propagates: a call that raises committed
         nothing, one that returns committed everything it returned.
@@ -232,13 +235,23 @@ class Producer:
             for ref in refs:
                 if newest[ref.sample_id] is not ref:
                     self.store.delete(ref)  # an older put of an id repeated in this batch
-        for sid, (revision, payload) in known.items():
-            self._settle_duplicate(newest[sid], revision, ref_from_ledger(payload))
         results = [
             ref if newest[ref.sample_id] is ref and ref.sample_id not in known else None
             for ref in refs
         ]
         self._send(fresh)
+        # After the fresh refs are committed and sent, so that this call never raises
+        # having committed some: a duplicate that cannot be settled is only logged.
+        for sid, (revision, payload) in known.items():
+            try:
+                self._settle_duplicate(newest[sid], revision, ref_from_ledger(payload))
+            except Exception as exc:
+                log.warning(
+                    "sample %r of run %r was committed by another producer first and our put "
+                    "may have replaced its features; recording ours failed (%s): if they "
+                    "are gone, a consumer reports the sample lost and it is regenerated",
+                    sid, self.run_id, exc,
+                )  # fmt: skip
         return results
 
     def _append_commits(self, payloads: dict[str, str]) -> dict[str, tuple[int, str]]:

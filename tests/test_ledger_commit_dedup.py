@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import uuid
 
 import pytest
@@ -137,6 +138,29 @@ def test_a_duplicate_of_a_regenerated_sample_elsewhere_reports_the_newest_revisi
         assert Producer(ledger, elsewhere, run_id=run_id, producer_id="p2").commit([ours]) == [None]
         assert settled == [("a", 1, newest)]
         assert not elsewhere.exists(ours)
+
+
+def test_a_duplicate_that_cannot_be_settled_never_fails_the_commit(
+    ledger, store, run_id, monkeypatch, caplog
+):
+    # "A call that raises committed nothing": settling a duplicate writes to the ledger
+    # after the fresh refs are in, so a failure there is logged, not raised.
+    Producer(ledger, store, run_id=run_id, producer_id="p1").commit([put(store, "a", 1)])
+    ours, fresh = put(store, "a", 2), put(store, "b")  # ours superseded p1's features of a
+    real, calls = ledger.write, []
+
+    def write(run: str, what: str):  # the second transaction (the settling) fails
+        calls.append(what)
+        if len(calls) == 2:
+            raise OperationalError("the ledger went away")
+        return real(run, what)
+
+    monkeypatch.setattr(ledger, "write", write)
+    late = Producer(ledger, store, run_id=run_id, producer_id="p2")
+    with caplog.at_level(logging.WARNING, logger="dataflow"):
+        assert late.commit([ours, fresh]) == [None, fresh]
+    assert "'a'" in caplog.text and "recording ours failed (the ledger went away)" in caplog.text
+    assert commits(ledger, run_id) == [("a", 0, "p1"), ("b", 0, "p2")]
 
 
 def test_a_commit_that_fails_deletes_every_put_and_commits_nothing(ledger_url, store, run_id):
