@@ -93,7 +93,7 @@ def test_a_bad_grace_is_refused(leftovers, grace) -> None:
 def test_a_store_reached_by_another_path_is_not_collected(leftovers, tmp_path: Path) -> None:
     # The ledger's refs name the store by its URI; the same directory, moved, is named by
     # none of them, and everything it holds would look like garbage.
-    led, store, sizes = leftovers
+    led, store, _ = leftovers
     store.close()
     (tmp_path / "features").rename(tmp_path / "moved")
     moved = SharedDirFeatureStore(tmp_path / "moved")
