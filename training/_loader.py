@@ -331,6 +331,8 @@ class FeatureLoader:
         self._send_acks()
         acks, self._acks = self._acks, []
         failed = [exc for future in acks if (exc := future.exception()) is not None]
+        for exc in failed[1:]:  # one is raised; the others would be lost unseen
+            log.warning("an ack of consumer %r failed too: %s", self.consumer.consumer_id, exc)
         if failed:
             raise failed[0]
 
@@ -491,7 +493,13 @@ class FeatureLoader:
         with ``wait`` (then it waits for the lease ahead to end)."""
         if self._ahead is not None and (wait or not self._ready):
             ahead, self._ahead = self._ahead, None
-            self._ready.extend(ahead.result())
+            written = self._ahead_acks[1]
+            try:
+                self._ready.extend(ahead.result())
+            except BaseException:
+                if written is not None and written in self._acks and written.done():
+                    self._acks.remove(written)  # its failure is raised here: not again
+                raise
 
     def _send_acks(self) -> None:
         """Pass the acks not yet written to the thread, as one transaction."""
