@@ -619,7 +619,7 @@ def _open_store(uri: str) -> Any:
     from stores import open_store
 
     parts = urlsplit(uri)
-    if parts.scheme == "dir":
+    if parts.scheme == "dir" and not parts.netloc:  # dir://x/y: the store says what is wrong
         root = unquote(parts.path)
         if not os.path.isdir(root):
             raise _Failure(f"no shared-directory store at {root} (check --store)")

@@ -129,6 +129,7 @@ def test_the_gc_command(leftovers, tmp_path: Path) -> None:
         ({"--grace": "-1"}, 2, "--grace: expected a number of seconds"),
         ({"--store": "nosuch://x"}, 1, "nosuch"),
         ({"--store": "mem://x"}, 1, "mem://x is an in-process store"),
+        ({"--store": "dir://tmp/x"}, 1, "is not a dir:// URI; use dir:///ABSOLUTE/PATH"),
         ({"--store": "dir://{tmp}/notes"}, 1, "notes is no shared-directory store"),
     ],
 )
