@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sqlite3
 from collections.abc import Iterator
 
@@ -117,14 +118,19 @@ def _migrate(conn: Connection, version: int) -> None:
     conn.execute(update(schema_info).where(schema_info.c.id == 1).values(version=version))
 
 
+def _masked(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part (if any) hidden."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
 def backend_for(url: str) -> Backend:
     try:
         backend = make_url(url).get_backend_name()
-    except sa_exc.ArgumentError as exc:
+    except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: e.g. a bad port
         raise InvalidArgumentError(
-            f"cannot parse ledger URL {url!r}: use sqlite:///PATH or "
+            f"cannot parse ledger URL {_masked(url)!r} ({exc}): use sqlite:///PATH or "
             "postgresql+psycopg://USER@HOST/DB"
-        ) from exc
+        ) from None
     if backend == "sqlite":
         from dataflow._sqlite import SQLiteBackend
 
@@ -134,7 +140,8 @@ def backend_for(url: str) -> Backend:
 
         return PostgresBackend()
     raise InvalidArgumentError(
-        f"unsupported ledger URL {url!r}: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        f"unsupported ledger URL {_masked(url)!r}: use sqlite:///PATH or "
+        "postgresql+psycopg://USER@HOST/DB"
     )
 
 

@@ -707,6 +707,15 @@ def test_a_refused_ack_leaves_the_valid_part_leased_too(world):
             id="unknown-scheme",
         ),
         pytest.param("redis://localhost", ValueError, "'redis://localhost'", id="redis"),
+        pytest.param(
+            "postgresql+psycopg://u:secret@[::1/db",
+            ValueError,
+            r"cannot parse ledger URL 'postgresql\+psycopg://u:\*\*\*@\[::1/db' \(invalid",
+            id="broken-ipv6-host-password-hidden",
+        ),
+        pytest.param(
+            "postgresql+psycopg://u@h:port/db", ValueError, "'postgresql", id="port-not-a-number"
+        ),
         pytest.param("not a url", ValueError, "'not a url'", id="not-a-url"),
         pytest.param("", ValueError, "''", id="empty"),
         pytest.param(42, TypeError, "got int", id="int"),
