@@ -96,6 +96,9 @@ def test_no_crash_trains_everything_without_a_resume(tmp_path: Path) -> None:
         pytest.param(
             ["--store", "mem://features"], 2, "lives in one process", id="store-in-memory"
         ),
+        pytest.param(
+            ["--store", "s3://bucket"], 2, "no store is registered for 's3'", id="store-unknown"
+        ),
         pytest.param(["--samples", "10"], 2, "--samples: must be from 64", id="few-samples"),
         pytest.param(["--ledger", "sqlite://"], 2, "in-memory SQLite", id="ledger-in-memory"),
     ],

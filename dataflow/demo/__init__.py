@@ -94,6 +94,13 @@ class DemoOptions:
                     f"--store {self.store} lives in one process, and the demo's producers and "
                     "ranks are separate processes; pass dir:///PATH or mooncake://HOST:PORT?..."
                 )
+            from stores import known_schemes
+
+            if scheme not in known_schemes():  # before anything starts, not in a producer
+                raise ValueError(
+                    f"--store {self.store}: no store is registered for {scheme!r} (known: "
+                    f"{', '.join(known_schemes())}); pass dir:///PATH or mooncake://HOST:PORT?..."
+                )
         if self.start_mooncake_master and not (self.store or "").startswith("mooncake://"):
             raise ValueError(
                 "--start-mooncake-master starts the master of a mooncake:// store, but the "
