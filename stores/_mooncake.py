@@ -147,10 +147,16 @@ class _Record:
 
 
 def _spec_doc(specs: Mapping[str, FeatureSpec]) -> dict[str, Any]:
-    """``specs`` as a record holds them (and as JSON reads them back: lists)."""
+    """``specs`` as a record holds them (and as JSON reads them back: lists). Every
+    read compares a ref's with its head's; samples of one run share their specs, so
+    most reads find it made (never change what it returns)."""
+    return _spec_doc_of(tuple(specs.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_doc_of(items: tuple[tuple[str, FeatureSpec], ...]) -> dict[str, Any]:
     return {
-        name: [_tensors.dtype_str(spec.dtype), list(spec.shape)]
-        for name, spec in sorted(specs.items())
+        name: [_tensors.dtype_str(spec.dtype), list(spec.shape)] for name, spec in sorted(items)
     }
 
 
