@@ -666,6 +666,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         mode=args.mode,
         json_path=args.json,
         start_postgres=args.start_postgres,
+        targets=None if args.targets is None else tuple(args.targets),
     )
     return 0 if clean(run_chaos(options)) else 1
 
@@ -931,6 +932,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="alternate",
         help="alternate (default: every other trial offline, in the seeded order, its weights "
         "compared with an uninterrupted run), or every trial streaming, or every one offline",
+    )
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="kill only these, taken in turn in this order: producer, rank, ranks, "
+        "mooncake_master (with --store mooncake://), postgres (with --start-postgres) "
+        "(default: all of them that the other options allow)",
     )
     return parser
 

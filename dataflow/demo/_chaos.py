@@ -95,6 +95,15 @@ class ChaosOptions:
     json_path: str | None = None
     start_postgres: bool = False
     """Start a durable PostgreSQL server for the ledger, and kill it as a target too."""
+    targets: tuple[str, ...] | None = None
+    """Only these kill targets, taken in turn in this order; None: every target the
+    other options allow (see :meth:`available_targets`)."""
+
+    def available_targets(self) -> tuple[str, ...]:
+        """The kill targets these options allow, in their default order."""
+        targets = (*TARGETS, MASTER) if (self.store or "").startswith("mooncake://") else TARGETS
+        # The server first: two trials already kill it once.
+        return (POSTGRES, *targets) if self.start_postgres else targets
 
     def __post_init__(self) -> None:
         if self.start_postgres and self.ledger is not None:
@@ -122,6 +131,25 @@ class ChaosOptions:
             )
         if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
             raise ValueError(f"--workdir {self.workdir} is a file; pass a directory")
+        if self.targets is not None:
+            self._check_targets(self.targets)
+
+    def _check_targets(self, targets: object) -> None:
+        if isinstance(targets, str) or not isinstance(targets, tuple) or not targets:
+            raise ValueError(f"--targets must name at least one target, got {targets!r}")
+        allowed = self.available_targets()
+        for target in targets:
+            if target in allowed:
+                continue
+            why = {
+                MASTER: " (a master is a target with --store mooncake:// only)",
+                POSTGRES: " (the server is a target with --start-postgres only)",
+            }.get(target, "")
+            raise ValueError(
+                f"--targets {target!r} is no target here{why}; pass some of {', '.join(allowed)}"
+            )
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"--targets names a target twice: {' '.join(targets)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,9 +548,7 @@ class Chaos:
         self.workdir = Path(options.workdir).absolute()
         self._reference: str | None = None
         self.mooncake = (options.store or "").startswith("mooncake://")
-        self.targets = (*TARGETS, MASTER) if self.mooncake else TARGETS
-        if options.start_postgres:  # first: two trials already kill it once
-            self.targets = (POSTGRES, *self.targets)
+        self.targets = options.targets or options.available_targets()
         self.ledger_url = options.ledger
         self.postgres: Any = None  # the PostgresServer chaos started (--start-postgres)
 
