@@ -433,6 +433,20 @@ def test_load_names_what_is_missing(tmp_path: Path) -> None:
         manager.load(1.0)
 
 
+def test_a_saved_checkpoint_whose_step_was_saved_again_is_refused(tmp_path: Path) -> None:
+    manager = _manager(tmp_path)
+    manager.save(1, {"w": torch.zeros(2)})
+    listed = manager.latest()
+    assert listed is not None
+    assert torch.equal(manager.load(listed)["w"], torch.zeros(2))
+    manager.save(1, {"w": torch.ones(2)})  # the same step saved again: other files
+    with pytest.raises(CorruptCheckpointError, match="changed since this SavedCheckpoint"):
+        manager.load(listed)
+    with pytest.raises(CorruptCheckpointError, match="list the checkpoints again"):
+        manager.load_rank_state(listed, rank=0)
+    assert torch.equal(manager.load(manager.latest())["w"], torch.ones(2))
+
+
 def test_resume_rejects_bad_arguments(tmp_path: Path, led, store) -> None:
     manager = _manager(tmp_path)
     with pytest.raises(ValueError, match=r"consumer must be a dataflow\.Consumer"):

@@ -426,8 +426,10 @@ class CheckpointManager:
 
         ``which``: None or ``"latest"`` (the most recent save; when corrupt, the next
         older intact one, with a warning), ``"best"``, a step (its most recent save),
-        a directory, a ``SavedCheckpoint`` or a ``dataflow.Checkpoint`` (checked against
-        the digest the ledger recorded). Reads with ``weights_only=True``, onto the CPU.
+        a directory, a ``SavedCheckpoint`` (its directory must still hold the save it was
+        listed with: ``CorruptCheckpointError`` once the step was saved again) or a
+        ``dataflow.Checkpoint`` (checked against the digest the ledger recorded). Reads
+        with ``weights_only=True``, onto the CPU.
         """
         return self._load_state(self._find(which, rank=None))
 
@@ -949,7 +951,7 @@ class CheckpointManager:
                     f"{self.config.best_metric!r}"
                 )
         elif isinstance(which, SavedCheckpoint):
-            saved = read_manifest(which.path)
+            saved = read_manifest(which.path, expected_digest=which.digest or None, listed=True)
         elif isinstance(which, Checkpoint):
             saved = read_manifest(self._locate(which), expected_digest=which.digest)
         elif isinstance(which, str | os.PathLike):

@@ -95,8 +95,12 @@ class SavedCheckpoint:
         return rank_file(0) in self.manifest.get("files", {})
 
 
-def read_manifest(path: Path, *, expected_digest: str | None = None) -> SavedCheckpoint:
-    """The checkpoint in directory ``path``; its manifest checked against ``expected_digest``."""
+def read_manifest(
+    path: Path, *, expected_digest: str | None = None, listed: bool = False
+) -> SavedCheckpoint:
+    """The checkpoint in directory ``path``; its manifest checked against ``expected_digest``
+    (the ledger's record, or with ``listed`` the digest of a ``SavedCheckpoint`` listed
+    before: the directory must still hold that save)."""
     file = path / MANIFEST_FILE
     try:
         raw = file.read_bytes()
@@ -108,6 +112,12 @@ def read_manifest(path: Path, *, expected_digest: str | None = None) -> SavedChe
         raise CorruptCheckpointError(f"checkpoint {path} has no {MANIFEST_FILE}") from None
     digest = hashlib.sha256(raw).hexdigest()
     if expected_digest is not None and digest != expected_digest:
+        if listed:
+            raise CorruptCheckpointError(
+                f"{file} changed since this SavedCheckpoint was listed (sha256 {digest[:16]}..., "
+                f"listed {expected_digest[:16]}...): the step was saved again, or the files "
+                "replaced; list the checkpoints again (saved(), latest(), best())"
+            )
         raise CorruptCheckpointError(
             f"{file} does not match the ledger's record (sha256 {digest[:16]}..., recorded "
             f"{expected_digest[:16]}...): this directory holds other bytes than the checkpoint "
