@@ -295,10 +295,35 @@ def test_the_best_record_is_reloaded_on_construction(tmp_path: Path) -> None:
     assert not _manager(root, run_id=RUN).is_best({ACC: 5.0})
 
 
+def test_a_best_record_of_a_checkpoint_that_is_gone_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A crash after retention removed the best checkpoint, before the record was updated.
+    root = tmp_path / "ckpt"
+    manager = _manager(root, run_id=RUN)
+    manager.save(1, {}, metrics={ACC: 5.0})
+    manager.save(2, {}, metrics={ACC: 2.0})
+    shutil.rmtree(root / RUN / "step-00000001")
+    with caplog.at_level("WARNING", logger="training"):
+        manager = _manager(root, run_id=RUN)
+    assert any(
+        "its checkpoint" in r.getMessage() and "is gone" in r.getMessage() for r in caplog.records
+    )
+    assert manager.is_best({ACC: 3.0})  # beats the step 2 that is left, not the gone 5.0
+    assert not manager.is_best({ACC: 1.0})
+    manager.save(3, {}, metrics={ACC: 3.0})
+    assert json.loads((root / f"{RUN}.best_meta.json").read_text())["step"] == 3
+    assert manager.best() is not None and manager.best().step == 3
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [
         ("{broken", "ignoring the corrupt best record"),
+        (
+            json.dumps({"run_id": RUN, "metric": ACC, "mode": "max", "score": 9.0, "step": 1}),
+            "ignoring the corrupt best record .*: path None",
+        ),
         ('{"score": "high", "step": 1}', "ignoring the corrupt best record"),
         (
             json.dumps({"run_id": "other", "metric": ACC, "mode": "max", "score": 9.0, "step": 1}),

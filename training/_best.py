@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import warnings
@@ -12,6 +13,8 @@ from typing import Any
 
 from dataflow import InvalidArgumentError
 from training._layout import SavedCheckpoint, point, unpoint, write_atomic
+
+log = logging.getLogger(__name__)
 
 
 class BestRecord:
@@ -101,6 +104,19 @@ class BestRecord:
                 f"ignoring the best record {file}: it is for (run, metric, mode) {theirs}, "
                 f"this manager tracks {mine}",
                 stacklevel=4,
+            )
+            return None
+        path = meta.get("path")
+        if not isinstance(path, str):
+            warnings.warn(f"ignoring the corrupt best record {file}: path {path!r}", stacklevel=4)
+            return None
+        if not (self.root / path).is_dir():
+            # A crash between removing the best checkpoint and updating this record.
+            log.warning(
+                "ignoring the best record %s: its checkpoint %s is gone; the checkpoints' "
+                "manifests decide the best",
+                file,
+                path,
             )
             return None
         return meta
