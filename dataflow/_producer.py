@@ -195,9 +195,11 @@ class Producer:
         committed ones in the store, committed as the next revision; if that
         write fails it is logged, and a consumer later reports the sample lost
         and it is regenerated). If the commit fails, or the stream
-        would refuse a ref (``RefSender.check``), every ref's features are
-        deleted and the error propagates: a call that raises committed
-        nothing, one that returns committed everything it returned.
+        would refuse a ref (``RefSender.check``), the features of every ref
+        the ledger does not hold are deleted and the error propagates: a call
+        that raises committed nothing, one that returns committed everything
+        it returned. (A ref the ledger holds was committed by an earlier call
+        whose outcome was unknown, see below: its features stay.)
 
         One exception: when the database fails while committing, it may have
         committed all the same. The commit is then tried once more, and the
@@ -224,8 +226,7 @@ class Producer:
         except CommitOutcomeUnknownError:
             raise  # the refs may be committed: their features must stay
         except BaseException:
-            for ref in refs:
-                self.store.delete(ref)
+            self._delete_uncommitted(refs)
             raise
         if not known and len(newest) == len(refs):  # the common case: every ref is new
             self._send(refs)
@@ -253,6 +254,27 @@ class Producer:
                     sid, self.run_id, exc,
                 )  # fmt: skip
         return results
+
+    def _delete_uncommitted(self, refs: list[SampleRef]) -> None:
+        """After a failed commit: delete the features of the refs the ledger does not hold.
+
+        A ref an earlier call may have committed (its outcome unknown, and this call the
+        retry the docs ask for) keeps its features. When the ledger cannot say, every
+        ref's features stay, for ``dataflow gc`` to remove those never committed.
+        """
+        try:
+            held = self.ledger.commits(self.run_id, [ref.sample_id for ref in refs])
+        except Exception as exc:
+            log.warning(
+                "a commit of %d refs to run %r failed, and the ledger cannot say which it "
+                "holds (%s): their features stay; `dataflow gc` removes those never committed",
+                len(refs), self.run_id, exc,
+            )  # fmt: skip
+            return
+        for ref in refs:
+            committed = held.get(ref.sample_id)
+            if committed is None or committed[1] != _ref_json(ref):
+                self.store.delete(ref)
 
     def _append_commits(self, payloads: dict[str, str]) -> dict[str, tuple[int, str]]:
         """Commit revision 0 of each id the run lacks; what the others hold (see ``commit``).

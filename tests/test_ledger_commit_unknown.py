@@ -14,7 +14,9 @@ import torch
 from dataflow import (
     CommitOutcomeUnknownError,
     Kind,
+    Ledger,
     OperationalError,
+    Producer,
     SampleRef,
     replay,
 )
@@ -99,3 +101,43 @@ def test_ledger_write_calls_a_failed_commit_unknown_and_a_failed_body_not(
     with pytest.raises(OperationalError) as got, ledger.write(run_id, "test"):
         raise OperationalError("the body failed")
     assert not isinstance(got.value, CommitOutcomeUnknownError)
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_a_retry_that_fails_keeps_the_features_an_unknown_commit_may_have_committed(
+    ledger_url, store, run_id, monkeypatch, landed
+):
+    # The documented recovery from CommitOutcomeUnknownError is to commit the same refs
+    # again; that retry failing in its turn (the ledger still busy) must not delete the
+    # features of refs the first call did commit.
+    with (
+        Ledger.open(ledger_url) as holder,
+        Ledger.open(ledger_url, busy_timeout=0.05) as ledger,
+    ):
+        dialect = ledger._engine.dialect
+        real, left = type(dialect).do_commit, [2]
+
+        def do_commit(dbapi_connection) -> None:
+            if left[0] <= 0:
+                return real(dialect, dbapi_connection)
+            left[0] -= 1
+            if landed:
+                real(dialect, dbapi_connection)
+            raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
+
+        monkeypatch.setattr(dialect, "do_commit", do_commit)
+        producer = Producer(ledger, store, run_id=run_id)
+        refs = put(store, "a", "b")
+        with pytest.raises(CommitOutcomeUnknownError):
+            producer.commit(refs)
+        fresh = put(store, "c")
+        with holder.write(run_id, "holding the run's lock"), pytest.raises(OperationalError):
+            producer.commit([*refs, *fresh])  # the retry: its wait for the lock runs out
+        # What the ledger holds keeps its features; what it does not is deleted.
+        assert [store.exists(r) for r in refs] == [landed, landed]
+        assert not store.exists(fresh[0])
+        assert commits(ledger, run_id) == ([("a", 0), ("b", 0)] if landed else [])
+        if landed:
+            assert producer.commit(refs) == [None, None]  # once it answers: already in
+            assert replay(ledger, run_id).committed == {r.sample_id: r for r in refs}
+            assert all(store.get(r)["x"].shape == (3,) for r in refs)
