@@ -224,7 +224,10 @@ class Backlog:
         restored = self.ledger.load_snapshot(self.run_id)
         if restored is None:
             return
+        # The counts by kind go on from the run's start, not from the snapshot.
+        counts = self.ledger.kind_counts(self.run_id, upto_seq=restored.head_seq)
         self.state = restored
+        self.kinds.update(counts)
 
     def _sizes(self, sample_ids: list[str]) -> None:
         """Fill in the sizes of ``sample_ids`` from their commits in the ledger."""

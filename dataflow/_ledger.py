@@ -735,6 +735,16 @@ class Ledger:
                 or 0
             )
 
+    def kind_counts(self, run_id: str, *, upto_seq: int | None = None) -> dict[str, int]:
+        """How many events of each kind the run holds (with ``seq <= upto_seq``)."""
+        _check_run_id(run_id)
+        _check_seq("upto_seq", upto_seq, optional=True)
+        query = select(events.c.kind, func.count()).where(events.c.run_id == run_id)
+        if upto_seq is not None:
+            query = query.where(events.c.seq <= upto_seq)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            return {kind: count for kind, count in conn.execute(query.group_by(events.c.kind))}
+
     def runs(self) -> list[str]:
         """Every run id this ledger holds, sorted."""
         with translate_errors("listing runs"), self._engine.connect() as conn:

@@ -322,6 +322,7 @@ def test_bad_producer_options_are_refused(ledger, store, options, error, match):
         ),
         pytest.param(lambda led, store, i: list(led.events(i)), id="events"),
         pytest.param(lambda led, store, i: led.head_seq(i), id="head_seq"),
+        pytest.param(lambda led, store, i: led.kind_counts(i), id="kind_counts"),
         pytest.param(lambda led, store, i: replay(led, i), id="replay"),
     ],
 )
@@ -853,6 +854,12 @@ def test_bad_busy_timeouts_are_refused(sqlite_url, busy_timeout):
             id="follow-poll-none",
         ),
         pytest.param(lambda w: w.ledger.head_seq(7), ValueError, "got 7", id="head_seq-run"),
+        pytest.param(
+            lambda w: w.ledger.kind_counts(w.run_id, upto_seq=-1),
+            ValueError,
+            "got -1",
+            id="kind_counts-upto",
+        ),
         pytest.param(lambda w: w.ledger.commits("", ["a"]), ValueError, "got ''", id="commits-run"),
         pytest.param(
             lambda w: w.ledger.commits(w.run_id, "abc"),

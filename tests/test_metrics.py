@@ -239,3 +239,29 @@ def test_importing_dataflow_leaves_prometheus_client_out() -> None:
     code = "import sys, dataflow; print('prometheus_client' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_event_counts_go_on_from_the_run_s_start_after_a_snapshot(sqlite_url) -> None:
+    # A collector that starts from the run's snapshot folds only the tail: its counts by
+    # kind must still be the run's totals, not those of the events after the snapshot.
+    led = Ledger.open(sqlite_url)
+    store = LocalFeatureStore()
+    prod = Producer(led, store, run_id=RUN)
+    for i in range(6):
+        prod.emit(f"s{i}", features(i))
+    cons = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+    cons.resume()
+    cons.ack(cons.lease(4), step=1)
+    cons.checkpoint(1, ckpt("step-1"))
+    assert led.save_snapshot(RUN, replay(led, RUN))
+    snapshot_seq = led.load_snapshot(RUN).head_seq
+    cons.ack(cons.lease(2), step=2)  # the tail after the snapshot
+    assert led.head_seq(RUN) > snapshot_seq
+    registry = CollectorRegistry()
+    metrics = RunMetrics(led, RUN, registry=registry)
+    for kind, count in ledger_kinds(led).items():
+        got = registry.get_sample_value("dataflow_events_total", {"run": RUN, "kind": kind})
+        assert got == count, kind
+    assert metrics._backlog.kinds == ledger_kinds(led)
+    assert led.kind_counts(RUN) == dict(ledger_kinds(led))
+    assert led.kind_counts(RUN, upto_seq=snapshot_seq)[Kind.ACK] == 4
