@@ -125,9 +125,16 @@ class RunMetrics:
             buckets=APPEND_BUCKETS,
             registry=None,
         )
-        _subscribe(self)
         if registry is not None:
-            registry.register(self)
+            _check_registry(registry)
+            try:
+                registry.register(self)
+            except ValueError as exc:  # prometheus_client: "Duplicated timeseries ..."
+                raise InvalidArgumentError(
+                    f"{exc}: the registry already serves a RunMetrics (one run per registry); "
+                    "give each run a registry of its own"
+                ) from None
+        _subscribe(self)
 
     def close(self) -> None:
         """Stop timing this process's appends (the collector can still be scraped)."""
@@ -302,6 +309,13 @@ def _serve(
     prometheus = _prometheus()
     if registry is None:
         registry = prometheus.CollectorRegistry()
+    _check_registry(registry)
+    for collector in collectors:
+        if not callable(getattr(collector, "collect", None)):
+            raise ArgumentTypeError(
+                f"serve_metrics serves collectors (e.g. a RunMetrics), got "
+                f"{type(collector).__name__} {collector!r:.100}"
+            )
     registered = []
     try:
         for collector in collectors:
@@ -320,6 +334,14 @@ def _serve(
             registry.unregister(collector)
         raise
     return MetricsServer(httpd, thread, registry, owned)
+
+
+def _check_registry(registry: object) -> None:
+    if not callable(getattr(registry, "register", None)):
+        raise ArgumentTypeError(
+            "registry must be a prometheus_client.CollectorRegistry or None, got "
+            f"{type(registry).__name__} {registry!r:.100}"
+        )
 
 
 def serve_run_metrics(

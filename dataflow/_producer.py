@@ -160,13 +160,19 @@ class Producer:
         ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
         """
         check_wait(block, timeout)
-        items = [tuple(item) for item in samples]
-        for item in items:
-            if len(item) not in (2, 3):
+        if not isinstance(samples, Iterable) or isinstance(samples, str | bytes | Mapping):
+            raise ArgumentTypeError(
+                "emit_many takes an iterable of (sample_id, tensors[, metadata]) items, got "
+                f"{type(samples).__name__} {samples!r:.100}"
+            )
+        items = []
+        for item in samples:
+            if not isinstance(item, tuple | list) or len(item) not in (2, 3):
                 raise ArgumentTypeError(
-                    f"emit_many takes (sample_id, tensors[, metadata]), got {item!r}"
+                    f"emit_many takes (sample_id, tensors[, metadata]) items, got {item!r:.100}"
                 )
             validate_sample_id(item[0])
+            items.append(tuple(item))
         known = self.ledger.commits(self.run_id, [item[0] for item in items])
         if self._gate is not None:
             fresh = [item for item in items if item[0] not in known]

@@ -258,6 +258,15 @@ def test_refs_are_frozen_and_round_trip_through_json():
         pytest.param(
             lambda w: w.producer.emit_many([("g",)]), TypeError, r"\('g',\)", id="emit_many-item"
         ),
+        pytest.param(
+            lambda w: w.producer.emit_many(None), TypeError, "got NoneType", id="emit_many-none"
+        ),
+        pytest.param(
+            lambda w: w.producer.emit_many([5]), TypeError, "items, got 5", id="emit_many-int-item"
+        ),
+        pytest.param(
+            lambda w: w.producer.emit_many({"g": ONE}), TypeError, "got dict", id="emit_many-dict"
+        ),
         pytest.param(lambda w: w.producer.commit(["a"]), TypeError, "got str", id="commit-ids"),
         pytest.param(
             lambda w: w.producer.commit(w.trainer.state.ref("c")),

@@ -16,7 +16,17 @@ from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse f
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from dataflow import Consumer, Kind, Ledger, Producer, RunMetrics, replay, serve_metrics
+from dataflow import (
+    ArgumentTypeError,
+    Consumer,
+    InvalidArgumentError,
+    Kind,
+    Ledger,
+    Producer,
+    RunMetrics,
+    replay,
+    serve_metrics,
+)
 from stores import LocalFeatureStore, SharedDirFeatureStore
 
 RUN = "run"
@@ -185,7 +195,7 @@ def test_one_run_per_registry_and_a_user_registry_is_served(sqlite_url) -> None:
     led = Ledger.open(sqlite_url)
     registry = CollectorRegistry()
     RunMetrics(led, RUN, registry=registry)
-    with pytest.raises(ValueError, match="Duplicated"):
+    with pytest.raises(InvalidArgumentError, match=r"Duplicated.*one run per registry"):
         RunMetrics(led, "other", registry=registry)
     with serve_metrics(0, registry=registry) as server:
         assert ("dataflow_lag_refs", (("run", RUN),)) in scrape(server.url)
@@ -265,3 +275,18 @@ def test_the_event_counts_go_on_from_the_run_s_start_after_a_snapshot(sqlite_url
     assert metrics._backlog.kinds == ledger_kinds(led)
     assert led.kind_counts(RUN) == dict(ledger_kinds(led))
     assert led.kind_counts(RUN, upto_seq=snapshot_seq)[Kind.ACK] == 4
+
+
+def test_what_is_no_registry_or_no_collector_is_refused_naming_it(sqlite_url) -> None:
+    led = Ledger.open(sqlite_url)
+    with pytest.raises(
+        ArgumentTypeError, match=r"registry must be a prometheus_client.*got str 'x'"
+    ):
+        RunMetrics(led, RUN, registry="x")
+    with pytest.raises(ArgumentTypeError, match=r"registry must be .* got int 5"):
+        serve_metrics(0, registry=5)
+    with pytest.raises(ArgumentTypeError, match=r"serves collectors .* got int 5"):
+        serve_metrics(0, 5)
+    # Nothing was left registered or served: the next server starts cleanly.
+    with serve_metrics(0, RunMetrics(led, RUN)) as server:
+        assert ("dataflow_lag_refs", (("run", RUN),)) in scrape(server.url)
