@@ -196,8 +196,25 @@ def parse_time(text: str) -> float:
 
 
 def iso_time(ts: float) -> str:
-    """``ts`` as local ISO 8601 with its offset (what ``--at`` reads back)."""
-    return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="milliseconds")
+    """``ts`` as local ISO 8601 with its offset (what ``--at`` reads back); ``repr(ts)``
+    for what is no time (a damaged row)."""
+    try:
+        return datetime.fromtimestamp(ts).astimezone().isoformat(timespec="milliseconds")
+    except (OverflowError, ValueError, OSError, TypeError):
+        return repr(ts)
+
+
+#: Unix times a row may carry: years 1 to 9999, what datetime reads.
+_TIMES = (-62_135_596_800.0, 253_402_300_800.0)
+
+
+def _is_time(ts: object) -> bool:
+    return (
+        isinstance(ts, int | float)
+        and not isinstance(ts, bool)
+        and math.isfinite(ts)
+        and _TIMES[0] < ts < _TIMES[1]
+    )
 
 
 def lineage(state: RunState) -> list[tuple[int, int | None]]:
@@ -356,6 +373,10 @@ class RunFold:
         for row in self.ledger.rows(self.run_id, after_seq=self._seq, upto_seq=self.upto_seq):
             seq, kind, _sid, _rev, epoch, _step, actor, _payload, ts = row
             count += 1
+            if not _is_time(ts):  # a damaged or hand-edited row: reported, not fatal
+                self.state.violations.append(f"seq {seq}: {kind} event has no time ({ts!r:.40})")
+                ts = self.last_ts if self.last_ts is not None else 0.0
+                row = (*row[:8], ts)
             if self.first_ts is None:
                 self.first_ts = ts
             previous_ts = self.last_ts if self.last_ts is not None else ts

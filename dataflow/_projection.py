@@ -393,7 +393,14 @@ class RunState:
                 continue
             try:
                 handler(self, seq, sample_id, revision, epoch, step, actor, payload)
-            except (ValueError, TypeError, AttributeError, KeyError, ZeroDivisionError) as exc:
+            except (
+                ValueError,
+                TypeError,
+                AttributeError,
+                KeyError,
+                ZeroDivisionError,
+                OverflowError,
+            ) as exc:
                 # A damaged or hand-edited row (a payload that is not the JSON its kind
                 # needs): report it, with its seq, instead of failing the whole replay.
                 why = f"{type(exc).__name__}: {exc}"[:200]
@@ -935,6 +942,8 @@ class RunState:
     ) -> None:
         p = load_payload(payload)
         number = p.get("data_epoch", self.data_epoch + 1)
+        if not isinstance(number, int) or isinstance(number, bool) or not 0 <= number < 2**63:
+            raise ValueError(f"data_epoch {number!r:.40} is no int from 0 to 2**63-1")
         seed = p.get("seed", number)
         self._epochs[epoch].data_epochs.append((seq, number, seed))
         self.data_epoch = number

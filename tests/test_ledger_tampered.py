@@ -16,6 +16,7 @@ import torch
 
 from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, Producer, replay
 from dataflow._inspect import summary
+from dataflow.cli import main
 from dataflow._ledger import NewEvent
 from stores import LocalFeatureStore
 
@@ -151,3 +152,46 @@ def test_a_data_epoch_started_while_a_sample_is_leased_is_reported(tmp_path: Pat
         "seq 5: data epoch 1 starts while 1 samples are leased (e.g. 'a'); they stay leased"
     ]
     assert state.pending == ["b"] and summary(state)["pending"] == 1
+
+
+@pytest.mark.parametrize(
+    "number", [10**30, -1, "2", True, 1.5], ids=["huge", "negative", "str", "bool", "float"]
+)
+def test_a_data_epoch_that_is_no_int64_is_a_violation(tmp_path: Path, number: object) -> None:
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    with led.write("r", "raw") as tx:
+        tx.append([
+            NewEvent("resume", "c", epoch=1, payload=json.dumps({"world_size": 1})),
+            NewEvent("data_epoch", "c", epoch=1, payload=json.dumps({"data_epoch": number})),
+        ])  # fmt: skip
+    assert replay(led, "r").verify() == [
+        f"seq 2: unreadable data_epoch event (ValueError: data_epoch {number!r} is no int from "
+        "0 to 2**63-1)"
+    ]
+    assert main(["replay", "--ledger", led.url, "--run", "r", "--verify"]) == 1
+
+
+@pytest.mark.parametrize("ts", [1e30, "abc", -1e300, b"\x00"], ids=["far", "str", "past", "blob"])
+def test_a_damaged_time_is_a_violation_of_dataflow_replay_not_a_crash(
+    history, ts, capsys: pytest.CaptureFixture[str]
+) -> None:
+    led, _, path = history
+    seq = _seq(led, Kind.ACK, "s3")
+    _sql(path, "UPDATE dataflow_events SET ts = ? WHERE seq = ?", ts, seq)
+    assert main(["replay", "--ledger", led.url, "--run", RUN, "--verify"]) == 1
+    out = capsys.readouterr()
+    assert f"seq {seq}: ack event has no time" in out.out + out.err, out
+    assert "unexpected" not in out.err
+
+
+def test_a_snapshot_covers_what_it_folded_a_full_fold_audits_the_whole_log(history) -> None:
+    # replay() starts from the newest snapshot and trusts what it covers; tampering with
+    # an event before it shows in a full fold, which `dataflow replay --verify` always is.
+    led, store, path = history
+    assert led.save_snapshot(RUN, replay(led, RUN))
+    seq = _seq(led, Kind.ACK, "s7")
+    _sql(path, "UPDATE dataflow_events SET step = 1 WHERE seq = ?", seq)
+    assert replay(led, RUN).verify() == []  # the snapshot's fold, from before the edit
+    problems = replay(led, RUN, snapshots=False).verify()
+    assert any(p.startswith(f"seq {seq}: ack of 's7' at step 1") for p in problems), problems
+    assert main(["replay", "--ledger", led.url, "--run", RUN, "--verify"]) == 1
