@@ -258,9 +258,20 @@ class Consumer:
             ledger, run_id, store, metrics_port, metrics_host
         )
 
-    #: Rank 0 stores a snapshot of its fold at a checkpoint once this many events
-    #: came since the last one (None: never); a restart then folds only the tail.
-    snapshot_every: int | None = 50_000
+    _snapshot_every: int | None = 50_000
+
+    @property
+    def snapshot_every(self) -> int | None:
+        """Rank 0 stores a snapshot of its fold at a checkpoint once this many events
+        came since the last one (None: never); a restart then folds only the tail."""
+        return self._snapshot_every
+
+    @snapshot_every.setter
+    def snapshot_every(self, every: int | None) -> None:
+        if every is not None:
+            _check_int("snapshot_every", every, minimum=1)
+        self._snapshot_every = every
+
     _snapshot_seq = -1  # the seq of the last snapshot written or read; -1: none looked for
 
     # -- internals -----------------------------------------------------------
@@ -382,7 +393,7 @@ class Consumer:
             return
         try:
             self.ledger.save_snapshot(self.run_id, self.state)
-        except DataflowError as exc:  # a cache: a failed one costs a longer replay, no more
+        except Exception as exc:  # a cache: a failed one costs a longer replay, no more
             log.warning("could not snapshot run %r: %s", self.run_id, exc)
             return
         self._snapshot_seq = self.state.head_seq

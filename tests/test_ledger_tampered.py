@@ -16,8 +16,8 @@ import torch
 
 from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, Producer, replay
 from dataflow._inspect import summary
-from dataflow.cli import main
 from dataflow._ledger import NewEvent
+from dataflow.cli import main
 from stores import LocalFeatureStore
 
 RUN = "run"
@@ -187,7 +187,7 @@ def test_a_damaged_time_is_a_violation_of_dataflow_replay_not_a_crash(
 def test_a_snapshot_covers_what_it_folded_a_full_fold_audits_the_whole_log(history) -> None:
     # replay() starts from the newest snapshot and trusts what it covers; tampering with
     # an event before it shows in a full fold, which `dataflow replay --verify` always is.
-    led, store, path = history
+    led, _, path = history
     assert led.save_snapshot(RUN, replay(led, RUN))
     seq = _seq(led, Kind.ACK, "s7")
     _sql(path, "UPDATE dataflow_events SET step = 1 WHERE seq = ?", seq)

@@ -9,6 +9,7 @@ version-1 ledger.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import struct
 import warnings
@@ -21,6 +22,7 @@ from sqlalchemy import select, update
 
 from dataflow import Consumer, Ledger, Producer, _snapshot, replay
 from dataflow._schema import SCHEMA_VERSION, schema_info, snapshots
+from stores import LocalFeatureStore
 from tests._paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 
 
@@ -251,3 +253,28 @@ def test_a_postgres_ledger_of_version_1_is_migrated(postgres_url, store):
     assert led.save_snapshot("r", replay(led, "r"))
     assert list(replay(led, "r").committed) == ["a", "b"]
     led.close()
+
+
+@pytest.mark.parametrize(
+    ("every", "error", "says"),
+    [
+        ("100", TypeError, "snapshot_every must be an int, got str '100'"),
+        (True, TypeError, "got bool True"),
+        (1.5, TypeError, "got float 1.5"),
+        (0, ValueError, "snapshot_every must be >= 1, got 0"),
+        (-5, ValueError, "got -5"),
+        (2**64, ValueError, "must fit in 64 bits"),
+    ],
+)
+def test_a_bad_snapshot_every_is_refused_when_set(tmp_path: Path, every, error, says) -> None:
+    # It was taken as it came, and the first checkpoint after raised a TypeError of its
+    # own, with the checkpoint already recorded.
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    cons = Consumer(led, LocalFeatureStore(), run_id="r", consumer_id="a")
+    with pytest.raises(error, match=re.escape(says)):
+        cons.snapshot_every = every
+    assert cons.snapshot_every == 50_000
+    cons.snapshot_every = None
+    assert cons.snapshot_every is None
+    cons.snapshot_every = 7
+    assert cons.snapshot_every == 7 and Consumer.snapshot_every.__doc__
