@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from dataflow._errors import InvalidArgumentError, UnknownCheckpointError
+from dataflow._errors import (
+    ArgumentTypeError,
+    DataflowError,
+    InvalidArgumentError,
+    UnknownCheckpointError,
+)
 from dataflow._events import Kind, dump_payload, load_payload
 from dataflow._projection import Checkpoint, RunState, replay
 
@@ -37,7 +42,7 @@ PLAN_ACTOR = "dataflow-plan-resume"
 _PROGRESS_EVERY = 4096
 
 
-class NotInRunError(LookupError):
+class NotInRunError(DataflowError, LookupError):
     """A sample the run never mentions (the CLI exits 1)."""
 
 
@@ -601,6 +606,15 @@ def plan_resume(
     the current epoch's settings (world size, release policy, attempts, order seed), is
     folded into that state alone. UnknownCheckpointError names the recorded steps.
     """
+    if (
+        checkpoint is not None
+        and checkpoint != "latest"
+        and (not isinstance(checkpoint, int) or isinstance(checkpoint, bool))
+    ):  # as resume refuses them: True and 1.0 are no step 1
+        raise ArgumentTypeError(
+            'checkpoint must be a step (an int), "latest" or None, got '
+            f"{type(checkpoint).__name__} {checkpoint!r:.100}"
+        )
     state = replay(ledger, run_id, upto_seq=upto_seq)
     ckpt = None if checkpoint is None else state.checkpoint_for(checkpoint)
     if ckpt is None and checkpoint not in (None, "latest"):

@@ -639,3 +639,27 @@ def test_every_bad_input_is_one_line_with_its_exit_status(
     assert out == "" and err.count("\n") == 1 and err.startswith("dataflow"), err
     assert re.search(match, err), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("checkpoint", [True, 1.0, "1"], ids=["bool", "float", "str"])
+def test_plan_resume_refuses_what_resume_refuses(tmp_path: Path, checkpoint: object) -> None:
+    from dataflow import ArgumentTypeError
+    from dataflow._inspect import plan_resume
+
+    url = write_crashed_run(tmp_path)
+    with Ledger.open(url, create=False) as led:
+        with pytest.raises(ArgumentTypeError, match=r"checkpoint must be a step \(an int\)"):
+            plan_resume(led, "r1", checkpoint)
+        with pytest.raises(ArgumentTypeError):
+            Consumer(led, LocalFeatureStore(), run_id="r1", consumer_id="x").resume(checkpoint)
+        assert plan_resume(led, "r1", 1)["epoch"] == 3
+
+
+def test_a_sample_the_run_never_names_is_a_dataflow_error(tmp_path: Path) -> None:
+    from dataflow import DataflowError
+    from dataflow._inspect import NotInRunError, sample_history
+
+    url = write_crashed_run(tmp_path)
+    with Ledger.open(url, create=False) as led, pytest.raises(NotInRunError) as got:
+        sample_history(led, "r1", "nope")
+    assert isinstance(got.value, DataflowError) and isinstance(got.value, LookupError)
