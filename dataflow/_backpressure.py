@@ -24,7 +24,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -268,11 +268,25 @@ class ProducerGate:
         self.gate = Gate(marks)
         self.backlog = Backlog(ledger, run_id)
 
-    def wait(self, add_refs: int, add_bytes: int, *, block: bool, timeout: float | None) -> None:
-        """Return once the gate admits the emit; BackpressureError if not blocking or timed out."""
+    def wait(
+        self,
+        add_refs: int,
+        add_bytes: int,
+        *,
+        block: bool,
+        timeout: float | None,
+        idle: Callable[[], object] | None = None,
+    ) -> None:
+        """Return once the gate admits the emit; BackpressureError if not blocking or timed out.
+
+        ``idle`` is called before each look at the backlog (the producer sends there
+        what its stream did not take, so that the backlog can drain).
+        """
         started = time.monotonic()
         waiting = False
         while True:
+            if idle is not None:
+                idle()
             self.backlog.refresh()
             refs, nbytes = self.backlog.refs, self.backlog.bytes
             if self.gate.admit(refs, nbytes, add_refs, add_bytes):

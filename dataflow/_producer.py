@@ -6,6 +6,7 @@ go into the store before it, and are deleted again when it raises.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -115,6 +116,9 @@ class Producer:
         self.run_id = run_id
         self.producer_id = check_id("producer_id", producer_id)
         self.stream = stream
+        #: Committed refs the stream did not take yet (its window stayed full), oldest first:
+        #: sent before the next refs, and while an emit waits at the backpressure gate.
+        self._unsent: collections.deque[SampleRef] = collections.deque()
         self._gate = None if backpressure is None else ProducerGate(ledger, run_id, backpressure)
         #: The metrics endpoint (``metrics_port``), None when not serving.
         self.metrics: MetricsServer | None = serve_run_metrics(
@@ -178,7 +182,11 @@ class Producer:
             fresh = [item for item in items if item[0] not in known]
             if fresh:
                 added = sum(tensors_nbytes(item[1]) for item in fresh)
-                self._gate.wait(len(fresh), added, block=block, timeout=timeout)
+                # While it waits, the refs the stream did not take go out as its window
+                # opens: the backlog it waits on drains only once consumers receive them.
+                self._gate.wait(
+                    len(fresh), added, block=block, timeout=timeout, idle=self._send_waiting
+                )
         refs: list[SampleRef] = []
         try:
             for sample_id, tensors, *meta in items:
@@ -323,27 +331,43 @@ class Producer:
                 self.stream.check(ref)
 
     def _send(self, refs: Sequence[SampleRef]) -> None:
-        """Push committed refs to the stream; the ledger already holds them.
+        """Push committed refs to the stream, after those it did not take before.
 
-        Committed is committed: a ref the stream does not take stays pending
-        in the ledger, and consumers lease it from there once the stream has
-        ended (or at their next resume). Raising here would make the caller
-        believe the commit failed, and retry into a None.
+        Committed is committed: a ref the stream does not take (its window stayed
+        full for the sender's timeout) is kept and sent again before the next refs,
+        and while an emit waits at the backpressure gate; one still unsent when the
+        producer closes stays pending in the ledger, and consumers lease it from
+        there once the stream has ended (or at their next resume). Raising here
+        would make the caller believe the commit failed, and retry into a None.
         """
         if self.stream is None:
             return
-        for n, ref in enumerate(refs):
+        self._unsent.extend(refs)
+        left = self._send_unsent(timeout=None)
+        if left:
+            log.warning(
+                "stream backpressure: %d committed refs of run %r not sent yet; they are "
+                "sent again before the next ones (and stay pending in the ledger)",
+                left,
+                self.run_id,
+            )
+
+    def _send_waiting(self) -> None:
+        """While an emit waits at the gate: send what the stream's window takes now."""
+        if self._unsent:
+            self._send_unsent(timeout=0)
+
+    def _send_unsent(self, *, timeout: float | None) -> int:
+        """Send the refs not sent yet, oldest first, each within ``timeout`` (None: the
+        sender's); how many are left when the stream's window stays full."""
+        stream, unsent = self.stream, self._unsent
+        assert stream is not None
+        while unsent:
+            ref = unsent[0]
             try:
-                self.stream.send(ref)
-            except BackpressureError as exc:
-                log.warning(
-                    "stream backpressure: %d committed refs of run %r not sent, they stay "
-                    "pending in the ledger (%s)",
-                    len(refs) - n,
-                    self.run_id,
-                    exc,
-                )
-                return
+                stream.send(ref, timeout=timeout)
+            except BackpressureError:
+                return len(unsent)
             except DataflowError as exc:  # check() let through a ref send() refuses
                 log.warning(
                     "stream refused committed ref %r of run %r; it stays pending in the "
@@ -353,6 +377,8 @@ class Producer:
                     type(exc).__name__,
                     exc,
                 )
+            unsent.popleft()
+        return 0
 
     def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
         """Another producer committed this id first; keep whichever features are live.

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +31,13 @@ from dataflow import (
     replay,
 )
 from dataflow._backpressure import Backlog, Gate, itemsize
+from dataflow.streams import (
+    MemoryStream,
+    ReceiverConfig,
+    SenderConfig,
+    ZmqRefReceiver,
+    ZmqRefSender,
+)
 from stores import LocalFeatureStore, SharedDirFeatureStore
 
 RUN = "run"
@@ -371,3 +381,91 @@ def test_the_gate_admits_as_the_reference_model_does(case) -> None:
                 assert not ok or refs == 0  # at the high mark: the gate is shut
             if refs < marks.low_refs:
                 assert ok  # below the low mark: always open
+
+
+def _memory_stream() -> tuple[Any, Any, Callable[[], None]]:
+    stream = MemoryStream(window=2, send_timeout=0.2, expected_producers=1)
+    return stream.receiver(0), stream.sender("p"), lambda: None
+
+
+def _zmq_stream() -> tuple[Any, Any, Callable[[], None]]:
+    fast = {"heartbeat_interval": 0.05, "heartbeat_timeout": 5.0}
+    receiver = ZmqRefReceiver(ReceiverConfig(window=2, expected_producers=1, **fast))
+    sender = ZmqRefSender(
+        SenderConfig(endpoints=(receiver.endpoint,), send_timeout=0.2, close_timeout=5, **fast)
+    )
+    return receiver, sender, lambda: (sender.close(), receiver.close())
+
+
+@pytest.mark.parametrize("make_stream", [_memory_stream, _zmq_stream], ids=["memory", "zmq"])
+def test_refs_the_stream_did_not_take_are_sent_while_the_producer_waits(
+    sqlite_url, make_stream
+) -> None:
+    # The trainer is late (an eval, a checkpoint): the stream's window stays full past the
+    # sender's timeout, so committed refs are not sent. The backlog counts them, and a
+    # streaming consumer leases them only once the stream ends, which the blocked producer
+    # never reaches: they used to stay unsent and both sides waited for good.
+    receiver, sender, close = make_stream()
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    cons = Consumer(led, store, run_id=RUN, consumer_id="rank0", stream=receiver)
+    cons.resume()
+    prod = Producer(
+        led,
+        store,
+        run_id=RUN,
+        producer_id="p",
+        stream=sender,
+        backpressure=Watermarks(high_refs=4, low_refs=2),
+    )
+    outcome: list[object] = []
+
+    def produce() -> None:
+        try:
+            for i in range(10):
+                prod.emit(f"s{i}", features(i), timeout=15)
+            prod.close()
+            outcome.append("closed")
+        except Exception as exc:
+            outcome.append(exc)
+
+    unsent = threading.Event()
+    handler = _SetOnUnsent(unsent, times=2)
+    logger = logging.getLogger("dataflow")
+    logger.addHandler(handler)
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        # The trainer starts once the window stayed full for two commits (as many as the
+        # low mark): the backlog cannot fall below it before those two are received.
+        assert unsent.wait(30), "no ref went unsent: the test shows nothing"
+        trained, step = 0, 0
+        while trained < 10:
+            refs = cons.lease(2, timeout=15)
+            if not refs:
+                break
+            step += 1
+            cons.ack(refs, step=step)
+            trained += len(refs)
+        thread.join(30)
+        assert outcome == ["closed"], outcome
+        assert trained == 10
+        state = replay(led, RUN)
+        assert state.verify() == [] and len(state.trained) == 10
+    finally:
+        logger.removeHandler(handler)
+        close()
+
+
+class _SetOnUnsent(logging.Handler):
+    """Sets ``event`` once a producer logged ``times`` times that its stream did not take
+    a committed ref."""
+
+    def __init__(self, event: threading.Event, *, times: int) -> None:
+        super().__init__(logging.WARNING)
+        self.event, self.left = event, times
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("stream backpressure:"):
+            self.left -= 1
+            if self.left <= 0:
+                self.event.set()
