@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Callable, Iterator
 
 from eval._config import EvalConfig
-from eval._errors import EvalError
+from eval._errors import EvalError, short_repr
 
 # Part of every key: bump it when what a key covers changes, so old entries stop matching.
 _KEY_VERSION = 1
@@ -40,6 +40,13 @@ class EvalCache:
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str) or not root:
+            raise EvalError(
+                f"root is {short_repr(root)} ({type(root).__name__}); pass the cache "
+                "directory as a non-empty str or pathlib.Path."
+            )
         self.root = pathlib.Path(root)
 
     def key(self, config: EvalConfig) -> str:
@@ -50,7 +57,10 @@ class EvalCache:
         encoded = json.dumps(
             document, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
         )
-        return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+        # surrogatepass: a path decoded by os.fsdecode from bytes that are not UTF-8 keeps
+        # them as lone surrogates; this encodes them too (injectively, so keys stay
+        # distinct) and leaves every other string's bytes, and so every key, unchanged.
+        return hashlib.sha256(encoded.encode("utf-8", "surrogatepass")).hexdigest()
 
     def path(self, config: EvalConfig) -> pathlib.Path:
         """Where ``config``'s entry is, or will be once produced."""

@@ -4,14 +4,38 @@ import dataclasses
 import json
 import math
 import os
-import types
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-from eval._errors import EvalError
+from eval._errors import EvalError, short_repr
 
 # Fields that change how an eval runs but not what it measures.
 _NOT_IDENTITY = {"identity": False}
+
+# Integers of extra must fit 64 bits (signed or unsigned): many JSON readers lose the
+# rest, and Python itself refuses to print one of more than 4300 digits.
+_INT_RANGE = (-(2**63), 2**64 - 1)
+
+
+class _ReadOnlyDict(dict[str, Any]):
+    """``EvalConfig.extra``: a dict whose mutating methods raise ``TypeError``.
+
+    A dict (not a ``MappingProxyType``) so that a config pickles, deep-copies and goes
+    through ``dataclasses.asdict``; ``__reduce__`` rebuilds it from a plain dict, since
+    unpickling a dict subclass would otherwise call the refused ``__setitem__``.
+    """
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError(
+            "EvalConfig.extra is read-only; make another config with "
+            "dataclasses.replace(config, extra=...)."
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple[type["_ReadOnlyDict"], tuple[dict[str, Any]]]:
+        return type(self), (dict(self),)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +73,8 @@ class EvalConfig:
     """Samples per forward pass; not part of the identity."""
 
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
-    """User fields of the identity: a JSON object (str keys, finite numbers)."""
+    """User fields of the identity: a JSON object (str keys, finite numbers, ints of at
+    most 64 bits, no cycles); kept as a read-only copy."""
 
     def __post_init__(self) -> None:
         for name in ("eval_data_path", "target_model_path", "chat_template"):
@@ -66,9 +91,15 @@ class EvalConfig:
             raise EvalError(
                 f"extra is a {type(self.extra).__name__}; pass a mapping of JSON values."
             )
-        _check_json("extra", self.extra)
-        # A private copy, so mutating the caller's dict cannot change this identity.
-        self._set("extra", types.MappingProxyType(json.loads(json.dumps(dict(self.extra)))))
+        try:
+            plain = _json_copy("extra", self.extra, ancestors={})
+        except RecursionError:
+            raise EvalError(
+                "extra is nested too deeply to encode; flatten it (e.g. join deep keys)."
+            ) from None
+        # A private copy, so mutating the caller's dict cannot change this identity; the
+        # JSON round trip turns subclasses (IntEnum, str subclasses ...) into plain values.
+        self._set("extra", _ReadOnlyDict(json.loads(json.dumps(plain))))
 
     def identity(self) -> dict[str, Any]:
         """The fields that define what this eval measures, as a JSON-able dict."""
@@ -116,25 +147,50 @@ def _layer_ids(value: object) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_json(path: str, value: object) -> None:
-    """Reject what JSON refuses or silently changes (non-str keys, NaN, sets, objects)."""
-    if value is None or isinstance(value, bool | int | str):
-        return
+def _json_copy(path: str, value: object, *, ancestors: dict[int, str]) -> object:
+    """A copy of ``value`` with plain dicts and lists, after rejecting what JSON refuses or
+    silently changes (non-str keys, NaN, huge ints, sets, objects, cycles).
+
+    ``ancestors`` maps the ids of the containers enclosing ``value`` to their paths:
+    meeting one again is a cycle (the same list twice side by side is not).
+    """
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise EvalError(
+                f"{path} is {short_repr(value)}, beyond 64 bits; pass a larger int as a string."
+            )
+        return value
     if isinstance(value, float):
         if not math.isfinite(value):
             raise EvalError(f"{path} is {value!r}; JSON has no NaN or infinity.")
-        return
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise EvalError(f"{path} has the key {key!r}; JSON object keys must be strings.")
-            _check_json(f"{path}[{key!r}]", item)
-        return
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check_json(f"{path}[{i}]", item)
-        return
+        return value
+    if isinstance(value, Mapping | list | tuple):
+        if id(value) in ancestors:
+            raise EvalError(
+                f"{path} is {ancestors[id(value)]} itself (a cycle), which JSON cannot "
+                "encode; pass a tree of values."
+            )
+        ancestors[id(value)] = path
+        try:
+            if isinstance(value, Mapping):
+                copy = {}
+                for key, item in value.items():
+                    if not isinstance(key, str):
+                        raise EvalError(
+                            f"{path} has the key {short_repr(key)}; JSON object keys must be "
+                            "strings."
+                        )
+                    copy[key] = _json_copy(f"{path}[{key!r}]", item, ancestors=ancestors)
+                return copy
+            return [
+                _json_copy(f"{path}[{i}]", item, ancestors=ancestors)
+                for i, item in enumerate(value)
+            ]
+        finally:
+            del ancestors[id(value)]
     raise EvalError(
-        f"{path} is a {type(value).__name__} ({value!r:.60}); extra holds JSON values only "
-        "(None, bool, int, float, str, lists and str-keyed dicts of them)."
+        f"{path} is a {type(value).__name__} ({short_repr(value)}); extra holds JSON values "
+        "only (None, bool, int, float, str, lists and str-keyed dicts of them)."
     )

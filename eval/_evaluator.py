@@ -7,14 +7,15 @@ from the totals of the whole eval set (of every rank).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from eval._errors import EvalError
+from eval._errors import EvalError, short_repr
 from eval._metrics import acceptance_rates, as_count_vector, as_scalar, geometric_sum
 
 _PER_POSITION = ("acc_corrects", "acc_denoms")
@@ -47,6 +48,12 @@ class Evaluator:
     """
 
     def __init__(self, *, group: dist.ProcessGroup | None = None) -> None:
+        process_group = getattr(dist, "ProcessGroup", None)  # absent without distributed
+        if group is not None and (process_group is None or not isinstance(group, process_group)):
+            raise EvalError(
+                f"group is {short_repr(group)} ({type(group).__name__}); pass a process "
+                "group (e.g. dist.new_group(ranks)), or None for the default group."
+            )
         self.group = group
 
     def run(self, outputs: Iterable[Mapping[str, Any]]) -> dict[str, float]:
@@ -57,12 +64,15 @@ class Evaluator:
         (``1 + simulated_acc_len``) and ``eval/acceptance_rate_{i}`` for each draft
         position ``i`` counted from 0. Returns ``{}`` when no rank saw a batch.
         Raises ``EvalError`` for malformed outputs; in a distributed run a rank that
-        finds one makes every rank raise rather than leaving its peers waiting.
+        finds one makes every rank raise rather than leaving its peers waiting. It first
+        consumes the rest of ``outputs`` (discarding them), so that a generator calling a
+        model that runs collectives of its own (tensor-parallel, FSDP) stays in step
+        with the peers' models.
         """
         distributed = self.group is not None or (dist.is_available() and dist.is_initialized())
         failure: EvalError | None = None
         try:
-            totals = _accumulate(outputs)
+            totals = _accumulate(outputs, drain_on_error=distributed)
         except EvalError as exc:
             if not distributed:
                 raise
@@ -111,7 +121,7 @@ class Evaluator:
                 "that maps a batch to its output dict."
             )
         with torch.no_grad():
-            return self.run(model_fn(batch) for batch in batches)
+            return self.run(_model_outputs(model_fn, batches))
 
 
 def communication_device(backend: str) -> torch.device:
@@ -233,16 +243,50 @@ class _Totals:
         return keys
 
 
-def _accumulate(outputs: Iterable[Mapping[str, Any]]) -> _Totals:
+def _model_outputs(
+    model_fn: Callable[[Any], Mapping[str, Any]], batches: Iterable[Any]
+) -> Iterator[Mapping[str, Any]]:
+    # A generator, so that even iter(batches) runs inside run(): a rank given something
+    # that is not iterable then fails through the path that makes every rank raise.
+    try:
+        iterator = iter(batches)
+    except TypeError:
+        raise EvalError(
+            f"batches is a {type(batches).__name__}, not iterable; pass an iterable of the "
+            "batches model_fn takes (a list, a DataLoader ...)."
+        ) from None
+    for batch in iterator:
+        yield model_fn(batch)
+
+
+def _accumulate(outputs: Iterable[Mapping[str, Any]], *, drain_on_error: bool = False) -> _Totals:
+    """The totals of ``outputs``; with ``drain_on_error``, an ``EvalError`` propagates only
+    once the rest of ``outputs`` has been consumed (unchecked, discarded)."""
     if isinstance(outputs, Mapping) or not isinstance(outputs, Iterable):
         raise EvalError(
             f"outputs is a {type(outputs).__name__}; pass an iterable of per-batch output "
             "dicts (a list, or a generator over the eval batches)."
         )
     totals = _Totals()
-    for index, output in enumerate(outputs):
-        totals.add(index, output)
+    iterator = iter(outputs)
+    try:
+        for index, output in enumerate(iterator):
+            totals.add(index, output)
+    except EvalError:
+        if drain_on_error:
+            _drain(iterator)
+        raise
     return totals
+
+
+def _drain(iterator: Iterator[object]) -> None:
+    """Consume ``iterator``: the models behind it run every forward, and so every
+    collective of their own, that the peers' models run."""
+    # An EvalError from a generator ends it (the first error is the one reported); any
+    # other exception propagates, as one raised by the model always does.
+    with contextlib.suppress(EvalError):
+        for _ in iterator:
+            pass
 
 
 def _summarize(values: list[float], num_positions: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import TypeAlias
 
 import torch
 
-from eval._errors import EvalError
+from eval._errors import EvalError, short_repr
 
 Counts: TypeAlias = torch.Tensor | Sequence[float]
 
@@ -84,7 +84,7 @@ def as_count_vector(value: object, name: str, *, device: torch.device | None) ->
         tensor = torch.tensor(floats, dtype=torch.float64)
     else:
         raise EvalError(
-            f"{name} is a {type(value).__name__} ({_short(value)}); "
+            f"{name} is a {type(value).__name__} ({short_repr(value)}); "
             "pass a 1-D tensor or a sequence of numbers, one per draft position."
         )
     if tensor.dim() != 1:
@@ -107,7 +107,7 @@ def as_scalar(value: object, name: str, *, device: torch.device | None) -> torch
         return _to_float64(value.detach().reshape(()), device)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise EvalError(
-            f"{name} is a {type(value).__name__} ({_short(value)}); pass a number or a "
+            f"{name} is a {type(value).__name__} ({short_repr(value)}); pass a number or a "
             "one-element tensor."
         )
     # torch.full passes the number as a kernel argument: no host-to-device copy to wait for.
@@ -119,8 +119,8 @@ def _float(value: numbers.Real, name: str) -> float:
         return float(value)
     except OverflowError:
         raise EvalError(
-            f"{name} is {_short(value)}, beyond a float64 (about 1.8e308); pass counts and "
-            "losses that fit one."
+            f"{name} is {short_repr(value)}, beyond a float64 (about 1.8e308); pass counts "
+            "and losses that fit one."
         ) from None
 
 
@@ -136,10 +136,20 @@ def _to_float64(tensor: torch.Tensor, device: torch.device | None) -> torch.Tens
 def _check_dtype(tensor: torch.Tensor, name: str) -> None:
     if tensor.is_meta:
         raise EvalError(f"{name} is a meta tensor, which holds no values; pass computed ones.")
+    # Checked before any op touches the values: these raise torch errors of their own.
+    if tensor.is_nested:
+        raise EvalError(
+            f"{name} is a nested tensor; pass a dense one (sum over the samples first, or "
+            "call .to_padded_tensor(0))."
+        )
+    if tensor.layout != torch.strided:
+        raise EvalError(
+            f"{name} is a {tensor.layout} tensor; pass a dense one (call .to_dense() on it)."
+        )
+    if tensor.is_quantized:
+        raise EvalError(
+            f"{name} is a quantized tensor ({tensor.dtype}); pass a dense one (call "
+            ".dequantize() on it)."
+        )
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise EvalError(f"{name} has dtype {tensor.dtype}; pass integer or floating-point values.")
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,10 +1,13 @@
 """EvalConfig identity and EvalCache: keys, atomic publication, one producer per race."""
 
+import copy
 import dataclasses
 import multiprocessing
 import os
 import pathlib
+import pickle
 import time
+import types
 
 import pytest
 
@@ -71,9 +74,69 @@ def test_config_normalizes_what_it_is_given():
         config.extra["seed"] = 2  # type: ignore[index]
 
 
+def test_extra_is_read_only():
+    config = make_config(extra={"seed": 0})
+    mutations = [
+        lambda extra: extra.__setitem__("seed", 1),
+        lambda extra: extra.__delitem__("seed"),
+        lambda extra: extra.clear(),
+        lambda extra: extra.pop("seed"),
+        lambda extra: extra.popitem(),
+        lambda extra: extra.setdefault("lr", 1),
+        lambda extra: extra.update(seed=1),
+        lambda extra: extra.__ior__({"seed": 1}),
+    ]
+    for mutate in mutations:
+        with pytest.raises(TypeError, match="read-only"):
+            mutate(config.extra)
+    assert config.extra == {"seed": 0}
+
+
+def test_config_pickles_copies_and_converts_to_a_dict():
+    config = make_config(extra={"split": "test", "shards": [1, {"a": None}]})
+    for twin in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config), copy.copy(config)):
+        assert twin == config
+        assert hash(twin) == hash(config)
+        assert twin.identity() == config.identity()
+        with pytest.raises(TypeError, match="read-only"):
+            twin.extra["split"] = "train"  # type: ignore[index]
+    as_dict = dataclasses.asdict(config)
+    assert as_dict["extra"] == {"split": "test", "shards": [1, {"a": None}]}
+    assert EvalConfig(**as_dict) == config
+
+
+def test_extra_takes_nested_mappings_shared_values_and_64_bit_ints():
+    shared = [1, 2]
+    config = make_config(
+        extra={
+            "inner": types.MappingProxyType({"a": 1}),
+            "twice": [shared, shared],
+            "ints": [2**64 - 1, -(2**63)],
+        }
+    )
+    assert config.extra == {
+        "inner": {"a": 1},
+        "twice": [[1, 2], [1, 2]],
+        "ints": [2**64 - 1, -(2**63)],
+    }
+
+
 def test_config_is_keyword_only():
     with pytest.raises(TypeError):
         EvalConfig("/data/eval.jsonl", "model", "chatml", (1,), 16)  # type: ignore[misc]
+
+
+def self_holding(container):
+    """``container`` holding itself: a cycle."""
+    if isinstance(container, dict):
+        container["me"] = container
+    else:
+        container.append(container)
+    return container
+
+
+SELF_HOLDING_DICT = self_holding({"a": 1})
+SELF_HOLDING_LIST = self_holding([1])
 
 
 @pytest.mark.parametrize(
@@ -102,6 +165,12 @@ def test_config_is_keyword_only():
         ({"extra": {1: "a"}}, "has the key 1"),
         ({"extra": {"ids": {1, 2}}}, r"extra\['ids'\] is a set"),
         ({"extra": {"deep": [{"x": object()}]}}, r"extra\['deep'\]\[0\]\['x'\] is a object"),
+        ({"extra": SELF_HOLDING_DICT}, r"extra\['me'\] is extra itself \(a cycle\)"),
+        ({"extra": {"l": SELF_HOLDING_LIST}}, r"extra\['l'\]\[1\] is extra\['l'\] itself"),
+        ({"extra": {"big": 10**5000}}, r"extra\['big'\] is an int of 16610 bits, beyond 64"),
+        ({"extra": {"big": 2**64}}, r"extra\['big'\] is 18446744073709551616, beyond 64 bits"),
+        ({"extra": {"low": -(2**63) - 1}}, r"extra\['low'\] is -9223372036854775809"),
+        ({"extra": {10**5000: 1}}, "has the key an int of 16610 bits"),
     ],
 )
 def test_config_rejects_bad_fields(changes, match):
@@ -134,6 +203,21 @@ def test_key_is_not_fooled_by_separators():
     assert cache.key(left) != cache.key(right)
     quoted = make_config(chat_template='x","tokenizer_path":"y')
     assert cache.key(quoted) != cache.key(make_config(chat_template="x", tokenizer_path="y"))
+
+
+def test_key_of_a_path_that_is_not_utf8(tmp_path):
+    # os.fsdecode keeps the bytes of a non-UTF-8 file name as lone surrogates.
+    path = os.fsdecode(b"/data/eval-\xff.jsonl")
+    cache = EvalCache(tmp_path)
+    key = cache.key(make_config(eval_data_path=pathlib.Path(path)))
+    assert key == cache.key(make_config(eval_data_path=path))
+    others = [
+        os.fsdecode(b"/data/eval-\xfe.jsonl"),
+        "/data/eval-\u00ff.jsonl",  # the character \xff stands for in Latin-1
+    ]
+    assert len({key, *(cache.key(make_config(eval_data_path=o)) for o in others)}) == 3
+    entry = cache.get_or_produce(make_config(eval_data_path=path), write_answer)
+    assert entry.name == key and cache.contains(make_config(eval_data_path=path))
 
 
 def test_key_is_canonical_and_stable():
@@ -234,6 +318,20 @@ def test_cache_rejects_bad_arguments(tmp_path):
         cache.key({"eval_data_path": "x"})  # type: ignore[arg-type]
     with pytest.raises(EvalError, match="produce_fn is a str, not callable"):
         cache.get_or_produce(make_config(), "write")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("root", "match"),
+    [
+        (None, r"root is None \(NoneType\)"),
+        (123, r"root is 123 \(int\)"),
+        (b"/tmp/cache", r"root is b'/tmp/cache' \(bytes\)"),
+        ("", r"root is '' \(str\)"),
+    ],
+)
+def test_cache_rejects_a_root_that_is_not_a_path(root, match):
+    with pytest.raises(EvalError, match=f"{match}; pass the cache directory"):
+        EvalCache(root)
 
 
 # -- four processes racing --------------------------------------------------------------

@@ -4,6 +4,7 @@ import itertools
 import math
 import subprocess
 import sys
+import warnings
 from fractions import Fraction
 
 import pytest
@@ -459,3 +460,73 @@ def test_counts_given_as_python_numbers_keep_float64_precision():
     out = Evaluator().run([{"loss": 1.0, "num_tokens": 1, "acc_corrects": [2**40 + 1],
                             "acc_denoms": [2**41]}])  # fmt: skip
     assert out["eval/avg_acc"] == (2**40 + 1) / 2**41
+
+
+# Factories: building these warns (prototype, beta or deprecated APIs that still work),
+# so they are built in the test, quietly, not at collection.
+NOT_DENSE = {
+    "sparse_coo": (lambda: torch.tensor([1.0, 0.0]).to_sparse(), r"torch.sparse_coo.*to_dense"),
+    "sparse_csr": (
+        lambda: torch.tensor([[1.0, 0.0]]).to_sparse_csr(),
+        r"torch.sparse_csr.*to_dense",
+    ),
+    "quantized": (
+        lambda: torch.quantize_per_tensor(torch.tensor([1.0, 0.0]), 1.0, 0, torch.qint8),
+        r"quantized tensor \(torch.qint8\).*dequantize",
+    ),
+    "nested": (
+        lambda: torch.nested.nested_tensor([torch.tensor([1.0, 0.0])]),
+        "nested tensor; pass a dense one",
+    ),
+    "nested_jagged": (
+        lambda: torch.nested.nested_tensor([torch.tensor([1.0, 0.0])], layout=torch.jagged),
+        "nested tensor; pass a dense one",
+    ),
+}
+
+
+def not_dense(kind: str) -> tuple[torch.Tensor, str]:
+    make, match = NOT_DENSE[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make(), match
+
+
+@pytest.mark.parametrize("kind", NOT_DENSE)
+@pytest.mark.parametrize("key", ["acc_corrects", "acc_denoms", "loss", "num_tokens"])
+def test_evaluator_refuses_tensors_that_are_not_dense(kind, key):
+    tensor, match = not_dense(kind)
+    output = {**batch([1, 0], [2, 2]), key: tensor}
+    with pytest.raises(EvalError, match=f"batch 0 {key} is a {match}"):
+        Evaluator().run([output])
+
+
+@pytest.mark.parametrize("kind", NOT_DENSE)
+def test_simulated_acceptance_length_refuses_tensors_that_are_not_dense(kind):
+    tensor, match = not_dense(kind)
+    with pytest.raises(EvalError, match=f"corrects is a {match}"):
+        simulated_acceptance_length(tensor, [2, 2])
+    with pytest.raises(EvalError, match=f"denoms is a {match}"):
+        simulated_acceptance_length([1, 0], tensor)
+
+
+@pytest.mark.parametrize(("batches", "kind"), [(None, "NoneType"), (3, "int")])
+def test_evaluate_refuses_batches_that_are_not_iterable(batches, kind):
+    calls = []
+    with pytest.raises(EvalError, match=f"batches is a {kind}, not iterable"):
+        Evaluator().evaluate(calls.append, batches)
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("group", "match"),
+    [("gloo", "group is 'gloo' \\(str\\)"), (0, "group is 0 \\(int\\)"), (object(), "object")],
+)
+def test_evaluator_refuses_a_group_that_is_not_a_process_group(group, match):
+    with pytest.raises(EvalError, match=f"{match}.*pass a process group"):
+        Evaluator(group=group)
+
+
+def test_a_loss_too_long_to_print_is_described_by_its_size():
+    with pytest.raises(EvalError, match="batch 0 loss is an int of 16610 bits, beyond a float64"):
+        Evaluator().run([batch([1], [2], loss=10**5000)])
