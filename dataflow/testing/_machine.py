@@ -8,6 +8,8 @@ not by dataflow, is checked against the ledger after every step:
 * replay of the log equals every live consumer's state;
 * nothing committed and not dead is lost (and its features are in the store
   unless the ledger lists it for regeneration);
+* a leased sample's features read back from the store equal, value for value
+  and in dtype and shape, what was emitted (or regenerated) for that ref;
 * no sample is trained twice in a data epoch of the lineage, and the trained
   set after a resume is exactly the checkpoint's;
 * features are released only when the release policy allows;
@@ -20,13 +22,14 @@ from __future__ import annotations
 import tempfile
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -38,8 +41,13 @@ from hypothesis.stateful import (
 
 from dataflow import _snapshot
 from dataflow._consumer import Consumer
-from dataflow._contracts import FeatureStore, SampleRef
-from dataflow._errors import StaleEpochError, UnknownCheckpointError
+from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef
+from dataflow._errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    StaleEpochError,
+    UnknownCheckpointError,
+)
 from dataflow._ledger import Ledger
 from dataflow._producer import Producer
 from dataflow._projection import Checkpoint, RunState, replay
@@ -70,11 +78,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.run_id = f"prop-{uuid.uuid4().hex[:16]}"
         self.checkpoint_dir = tempfile.TemporaryDirectory(prefix="dataflow-machine-")
         self.store = type(self).make_store()
+        if not isinstance(self.store, FeatureStore):
+            raise ArgumentTypeError(
+                f"make_store() returned {self.store!r} ({type(self.store).__name__}), not a "
+                "dataflow FeatureStore: make it return a new store (a FeatureStore subclass)"
+            )
         self.producer = Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
         self.consumers: list[Consumer] = []
         self.zombies: list[Consumer] = []
         self.generation = 0
         self.emitted: dict[str, SampleRef] = {}
+        # (sample_id, generation) of every committed emit or regeneration -> the seed of
+        # its features: what a read of that ref must return (rebuilt by _features).
+        self.payload_seeds: dict[tuple[str, int], int] = {}
         self.leased: dict[int, list[SampleRef]] = {}
         self.trained: dict[str, int] = {}  # the model's lineage: id -> step
         self.data_epoch = 0
@@ -137,6 +153,7 @@ class LedgerMachine(RuleBasedStateMachine):
             else:
                 assert ref is not None, f"first emit of {sample_id!r} was not committed"
                 self.emitted[sample_id] = ref
+                self.payload_seeds[(sample_id, ref.generation)] = seed
                 self.writes_since_resume += 1
 
     @rule(index=st.integers(0, _ID_POOL - 1), seed=st.integers(0, 1000))
@@ -158,6 +175,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if missing:
             ref = self.producer.regenerate(missing[0], _features(seed))
             self.emitted[missing[0]] = ref
+            self.payload_seeds[(missing[0], ref.generation)] = seed
             self.writes_since_resume += 1
 
     # -- consumers -----------------------------------------------------------------
@@ -233,9 +251,42 @@ class LedgerMachine(RuleBasedStateMachine):
         for ref in refs:
             assert ref.sample_id not in {r.sample_id for rs in self.leased.values() for r in rs}
             features = self.store.get(ref)  # a leased sample's features must be there
-            assert set(features) == set(ref.specs)
+            self._check_features(ref, features)
         self.leased[rank].extend(refs)
         self.writes_since_resume += len(refs)
+
+    def _check_features(self, ref: SampleRef, features: Mapping[str, torch.Tensor]) -> None:
+        """What the store returned for ``ref`` is exactly what was emitted for it."""
+        key = (ref.sample_id, ref.generation)
+        assert key in self.payload_seeds, (
+            f"leased {ref.sample_id!r} at generation {ref.generation}, which was never "
+            f"committed (committed generations: "
+            f"{sorted(g for sid, g in self.payload_seeds if sid == ref.sample_id)})"
+        )
+        expected = _features(self.payload_seeds[key])
+        want_specs = {name: FeatureSpec.of(tensor) for name, tensor in expected.items()}
+        assert dict(ref.specs) == want_specs, (
+            f"ref of {ref.sample_id!r} has specs {dict(ref.specs)}, but {want_specs} were emitted"
+        )
+        assert set(features) == set(expected), (
+            f"store returned features {sorted(features)} for {ref.sample_id!r}, "
+            f"but {sorted(expected)} were emitted"
+        )
+        for name, want in expected.items():
+            got = features[name]
+            assert isinstance(got, torch.Tensor), (
+                f"store returned a {type(got).__name__} for feature {name!r} of "
+                f"{ref.sample_id!r}, not a tensor"
+            )
+            assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (
+                f"store returned {name!r} of {ref.sample_id!r} (generation {ref.generation}) "
+                f"as {got.dtype} {tuple(got.shape)}, but {want.dtype} {tuple(want.shape)} "
+                "was emitted"
+            )
+            assert torch.equal(got.cpu(), want), (
+                f"store returned {name!r} of {ref.sample_id!r} (generation {ref.generation}) "
+                f"with values {got.tolist()}, but {want.tolist()} was emitted"
+            )
 
     @precondition(lambda self: bool(self.consumers))
     @rule(rank=st.integers(0, 1), count=st.integers(1, 4))
@@ -399,9 +450,20 @@ def _fold_every_lineage(ledger: Ledger, run_id: str) -> RunState:
 
 
 def machine_settings(profile: str = "normal", **overrides: Any) -> settings:
-    """Hypothesis settings of a profile: "normal" (200 examples) or "thorough" (2000)."""
+    """Hypothesis settings of a profile: "normal" (200 examples) or "thorough" (2000).
+
+    ``overrides`` are hypothesis settings (``max_examples=5``...) that replace the profile's.
+    """
+    if not isinstance(profile, str):
+        raise ArgumentTypeError(
+            f"profile must be a str, one of {sorted(PROFILES)}, got {profile!r} "
+            f"({type(profile).__name__})"
+        )
     if profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+        raise InvalidArgumentError(
+            f"profile must be one of {sorted(PROFILES)}, got {profile!r}: pass one of them "
+            "(and max_examples=N to run another number of examples)"
+        )
     options: dict[str, Any] = {
         "max_examples": PROFILES[profile],
         "stateful_step_count": 40,
@@ -409,7 +471,13 @@ def machine_settings(profile: str = "normal", **overrides: Any) -> settings:
         "suppress_health_check": [HealthCheck.too_slow, HealthCheck.filter_too_much],
     }
     options.update(overrides)
-    return settings(**options)
+    try:
+        return settings(**options)
+    except (InvalidArgument, TypeError) as exc:
+        raise ArgumentTypeError(
+            f"hypothesis refused the settings overrides {overrides!r}: {exc}; pass only "
+            "hypothesis.settings arguments with values it accepts"
+        ) from exc
 
 
 def run_ledger_machine(
@@ -422,11 +490,32 @@ def run_ledger_machine(
 ) -> None:
     """Run the state machine against ``ledger`` and stores from ``make_store``.
 
+    ``make_store`` is called with no arguments once per example and returns a fresh
+    store: pass the class (``LocalFeatureStore``) or a factory, not a store.
     Raises (with hypothesis's minimal failing example) when an invariant breaks.
     ``check_snapshots``: after every step, also fold the whole log and compare it
     with the fold from the newest snapshot (a full replay per step: turn it off when
     what is under test is the store, not the ledger).
     """
+    if not isinstance(ledger, Ledger):
+        raise ArgumentTypeError(
+            f"ledger must be a dataflow.Ledger, got {ledger!r} ({type(ledger).__name__}): "
+            "open one with Ledger.open(url)"
+        )
+    if not callable(make_store):
+        kind = type(make_store).__name__
+        hint = f" ({kind}, not {kind}())" if isinstance(make_store, FeatureStore) else ""
+        raise ArgumentTypeError(
+            f"make_store must be a callable that returns a fresh FeatureStore, got "
+            f"{make_store!r} ({kind}): pass the store class or a factory{hint}; it is "
+            "called once per example"
+        )
+    if not isinstance(check_snapshots, bool):
+        raise ArgumentTypeError(
+            f"check_snapshots must be True or False, got {check_snapshots!r} "
+            f"({type(check_snapshots).__name__})"
+        )
+    machine_options = machine_settings(profile, **overrides)
     machine = type(
         "LedgerMachineRun",
         (LedgerMachine,),
@@ -436,4 +525,4 @@ def run_ledger_machine(
             "check_snapshots": check_snapshots,
         },
     )
-    run_state_machine_as_test(machine, settings=machine_settings(profile, **overrides))
+    run_state_machine_as_test(machine, settings=machine_options)

@@ -16,6 +16,7 @@ To test against a server you already run, set ``DATAFLOW_TEST_POSTGRES_URL``
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
+
+from dataflow._errors import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import pwd
@@ -88,9 +91,9 @@ def _conninfo(url: str) -> str:
 
 def _check_database_name(name: object) -> str:
     if not isinstance(name, str) or not _DATABASE_NAME.fullmatch(name):
-        raise ValueError(
-            f"database name {name!r} must be 1-63 characters from [A-Za-z0-9_], "
-            "not starting with a digit"
+        raise InvalidArgumentError(
+            f"database name {name!r} must be a str of 1-63 characters from [A-Za-z0-9_], "
+            "not starting with a digit: choose such a name (e.g. 'run_a')"
         )
     return name
 
@@ -139,8 +142,16 @@ class PostgresServer:
         startup_timeout: float = 60.0,
         durable: bool = False,
     ) -> None:
-        if not isinstance(startup_timeout, (int, float)) or startup_timeout <= 0:
-            raise ValueError(f"startup_timeout must be positive seconds, got {startup_timeout!r}")
+        if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
+            raise ArgumentTypeError(
+                f"startup_timeout must be a number of seconds (int or float), got "
+                f"{startup_timeout!r} ({type(startup_timeout).__name__}): pass e.g. 60.0"
+            )
+        if not math.isfinite(startup_timeout) or startup_timeout <= 0:
+            raise InvalidArgumentError(
+                f"startup_timeout must be a finite number of seconds > 0, got "
+                f"{startup_timeout!r}: pass e.g. 60.0"
+            )
         self.bin_dir = find_bin_dir() if bin_dir is None else Path(bin_dir)
         if not _has_tools(self.bin_dir):
             raise RuntimeError(
