@@ -160,7 +160,9 @@ class Producer:
     ) -> list[SampleRef | None]:
         """Emit ``(sample_id, tensors)`` or ``(sample_id, tensors, metadata)`` items.
 
-        One ledger transaction for all; None for ids already committed.
+        One ledger transaction for all; None for ids already committed. An id given
+        twice is committed as its last item (None for the earlier ones), as ``commit``
+        does.
         ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
         """
         check_wait(block, timeout)
@@ -179,27 +181,33 @@ class Producer:
             items.append(tuple(item))
         known = self.ledger.commits(self.run_id, [item[0] for item in items])
         if self._gate is not None:
-            fresh = [item for item in items if item[0] not in known]
+            # An id given twice is stored once (the last put wins): it counts once.
+            fresh = {item[0]: item for item in items if item[0] not in known}
             if fresh:
-                added = sum(tensors_nbytes(item[1]) for item in fresh)
+                added = sum(tensors_nbytes(item[1]) for item in fresh.values())
                 # While it waits, the refs the stream did not take go out as its window
                 # opens: the backlog it waits on drains only once consumers receive them.
                 self._gate.wait(
                     len(fresh), added, block=block, timeout=timeout, idle=self._send_waiting
                 )
         refs: list[SampleRef] = []
+        positions: list[int] = []  # of the items put, in ``items``
         try:
-            for sample_id, tensors, *meta in items:
+            for position, (sample_id, tensors, *meta) in enumerate(items):
                 if sample_id not in known:
                     metadata = meta[0] if meta else None
                     refs.append(self.store.put(sample_id, tensors, metadata=metadata))
+                    positions.append(position)
         except BaseException:
             for ref in refs:
                 self.store.delete(ref)
             raise
-        committed = {id(r): r for r in self.commit(refs) if r is not None}
-        by_id = {r.sample_id: r for r in refs if id(r) in committed}
-        return [by_id.pop(item[0], None) for item in items]
+        # As commit answers: an id given twice is committed as its last item, None for
+        # the earlier ones.
+        results: list[SampleRef | None] = [None] * len(items)
+        for position, ref in zip(positions, self.commit(refs), strict=True):
+            results[position] = ref
+        return results
 
     def commit(self, refs: Sequence[SampleRef]) -> list[SampleRef | None]:
         """Commit refs whose features are already in the store, in one transaction.

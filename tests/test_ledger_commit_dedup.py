@@ -18,7 +18,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow import Kind, Ledger, OperationalError, Producer, SampleRef, _producer, replay
+from dataflow import (
+    Kind,
+    Ledger,
+    OperationalError,
+    Producer,
+    SampleRef,
+    Watermarks,
+    _producer,
+    replay,
+)
 from dataflow.testing import sample_refs
 from stores import LocalFeatureStore
 
@@ -80,6 +89,21 @@ def test_an_id_repeated_in_a_batch_commits_its_newest_put_once(ledger, run_id):
         assert torch.equal(
             store.get(replay(ledger, run_id).committed["a"])["x"], torch.full((2,), 2.0)
         )
+
+
+def test_emit_many_answers_an_id_repeated_in_a_batch_as_commit_does(ledger, run_id):
+    with LocalFeatureStore() as store:
+        producer = Producer(
+            ledger, store, run_id=run_id, backpressure=Watermarks(high_refs=2, low_refs=1)
+        )
+        first, last = {"x": torch.full((3,), 1.0)}, {"x": torch.full((7,), 2.0)}
+        # One id stored once: it counts once at the gate (two would pass the high mark
+        # with the item before it), and its last item is the one committed.
+        assert producer.emit("before", {"x": torch.zeros(1)}) is not None
+        got = producer.emit_many([("a", first), ("a", last)], block=False)
+        assert got[0] is None and got[1] is not None and got[1].specs["x"].shape == (7,)
+        assert torch.equal(store.get(got[1])["x"], last["x"])
+        assert replay(ledger, run_id).committed["a"] == got[1]
 
 
 def test_an_id_repeated_in_a_batch_and_already_committed_is_one_duplicate(
