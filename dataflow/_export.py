@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +88,8 @@ def export_parquet(
                 errno.EEXIST,
                 f"cannot export the events and the samples to the same file {str(path)!r}",
             )
-    tmps = [t.with_name(f".{t.name}.tmp-{os.getpid()}") for t in targets]
+    # Unique per call: two exports to one target (threads of one process too) never share one.
+    tmps = [t.with_name(f".{t.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}") for t in targets]
     state = None
     if samples_path is not None:
         from dataflow._projection import RunState
