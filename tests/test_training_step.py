@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from _gloo import free_port, init_gloo, join, start
 
-from dataflow import Consumer, Kind, Ledger, Producer, replay
+from dataflow import Consumer, Kind, Ledger, LedgerStateError, Producer, replay
 from stores import LocalFeatureStore, SharedDirFeatureStore
 from training import (
     Batch,
@@ -105,6 +105,31 @@ def test_refs_of_a_failed_micro_step_are_not_acked(consumer: Consumer) -> None:
     assert helper.pending_refs == () and helper.micro_batches == 0
     with pytest.raises(ValueError, match=r"finish.* before the boundary"):
         helper.finish(1)
+
+
+def test_a_finish_whose_ack_failed_acks_the_step_when_tried_again(consumer: Consumer) -> None:
+    # The step's gradients are in the weights: its refs must stay pending until an ack
+    # lands, or a resume would requeue them and they would be trained twice.
+    helper = StepHelper(consumer, grad_accum=2)
+    for _ in range(2):
+        with helper.micro_step(_batch(consumer)):
+            pass
+    with pytest.raises(LedgerStateError, match="ack step must be >= 1, got 0"):
+        helper.finish(0)
+    assert len(helper.pending_refs) == 4
+    acked = helper.finish(1)
+    assert len(acked) == 4 and helper.pending_refs == () and helper.micro_batches == 0
+    state = replay(consumer.ledger, RUN)
+    assert sorted(state.trained) == sorted(r.sample_id for r in acked)
+    assert state.verify() == []
+
+
+def test_one_module_alone_is_refused_not_iterated(consumer: Consumer) -> None:
+    # A Sequential iterates its layers: none has a no_sync(), every micro-step would be
+    # reduced without a word.
+    for alone in (torch.nn.Sequential(torch.nn.Linear(2, 1)), torch.nn.Linear(2, 1), None, 5):
+        with pytest.raises(TypeError, match=r"modules must be a collection .* modules=\[ddp"):
+            StepHelper(consumer, modules=alone)  # type: ignore[arg-type]
 
 
 def test_bad_input(consumer: Consumer) -> None:

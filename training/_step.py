@@ -8,11 +8,18 @@ from typing import Any
 
 import torch
 
-from dataflow import Consumer, InvalidArgumentError, SampleRef
+from dataflow import ArgumentTypeError, Consumer, InvalidArgumentError, SampleRef
 from training._loader import Batch
 
 
 def _check_modules(modules: Iterable[Any]) -> tuple[torch.nn.Module, ...]:
+    # One module passed alone: a Sequential or ModuleList would iterate its layers, none
+    # with a no_sync(), and every micro-step would be reduced without a word.
+    if isinstance(modules, torch.nn.Module) or not isinstance(modules, Iterable):
+        raise ArgumentTypeError(
+            f"modules must be a collection of torch.nn.Modules, got {type(modules).__name__}: "
+            "pass a list, e.g. modules=[ddp_model]"
+        )
     checked = tuple(modules)
     for module in checked:
         if not isinstance(module, torch.nn.Module):
@@ -114,9 +121,12 @@ class StepHelper:
                 f"finish({step}) before the boundary: {self.micro_batches} of "
                 f"{self.grad_accum} micro-batches ran (pass last=True to end a step early)"
             )
-        refs, self._refs = self._refs, []
+        refs = list(self._refs)
         if refs:
+            # Before the step is cleared: if the ack raises, its refs stay pending and a
+            # retry of finish(step) acks them (they are in the weights already).
             self._ack(refs, step=step)
+        self._refs = []
         self.micro_batches = 0
         self._boundary = False
         return refs
