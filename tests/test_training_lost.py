@@ -167,3 +167,56 @@ def test_two_ranks_train_what_was_lost_after_their_count_was_settled_in_one_run(
     assert sorted(state.trained) == [f"s{i:03d}" for i in range(SAMPLES)]
     regenerated = [e for e in led.events(RUN) if e.kind == Kind.COMMIT and e.revision]
     assert sorted(e.sample_id for e in regenerated) == sorted((*GONE, ROTTEN))
+
+
+def test_a_regenerate_fn_drawing_from_the_global_generators_leaves_the_training_s_alone(
+    tmp_path: Path,
+) -> None:
+    # A deterministic producer that seeds the global generator per sample, and a step
+    # that draws from it (dropout-like): a resume from an older checkpoint regenerates
+    # released samples, and must still end with the uninterrupted run's weights.
+    from stores import LocalFeatureStore
+    from training import TrainerConfig
+
+    def features(sample_id: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(int(sample_id[1:]))
+        return {"x": torch.randn(2)}
+
+    def run(where: Path, *, stop_at: int | None, resume_from: int | None = None) -> torch.Tensor:
+        led = Ledger.open(f"sqlite:///{where}/ledger.db")
+        store = LocalFeatureStore()
+        producer = Producer(led, store, run_id=RUN)
+        for i in range(12):
+            producer.emit(f"s{i:02d}", features(f"s{i:02d}"))
+        producer.close()
+        weights = torch.zeros(2)
+
+        def trainer(consumer_id: str, max_steps: int | None) -> Trainer:
+            def step(batch: Any) -> None:
+                weights.add_(batch.features["x"].sum(0) * torch.rand(1))
+
+            return Trainer(
+                Consumer(led, store, run_id=RUN, consumer_id=consumer_id, order_seed=5),
+                step_fn=step,
+                checkpoints=CheckpointManager(CheckpointConfig(root=where / "ckpt")),
+                state_fn=lambda: {"w": weights.clone()},
+                load_fn=lambda state: weights.copy_(state["w"]),
+                regenerate_fn=lambda ids: ((i, features(i)) for i in ids),
+                config=TrainerConfig(checkpoint_every=2, max_steps=max_steps),
+                loader_config=LoaderConfig(batch_size=2),
+            )
+
+        torch.manual_seed(0)
+        trainer("a", stop_at).run()
+        if resume_from is not None:
+            again = trainer("b", None)
+            again.resume(resume_from)
+            assert again.plan is not None and again.plan.regenerate  # released at step 4
+            again.run()
+        assert replay(led, RUN).verify() == []
+        return weights
+
+    uninterrupted = run(tmp_path / "a", stop_at=None)
+    (tmp_path / "b").mkdir()
+    resumed = run(tmp_path / "b", stop_at=4, resume_from=2)
+    assert torch.equal(resumed, uninterrupted)

@@ -481,13 +481,20 @@ class Trainer:
             producer_id=REGENERATE_PRODUCER_ID,
         )
         wanted = set(sample_ids)
-        for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
-            if sample_id not in wanted:
-                raise InvalidArgumentError(
-                    f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
-                )
-            producer.regenerate(sample_id, tensors)
-            wanted.discard(sample_id)
+        # The training's generators come out as they went in: a regenerate_fn that draws
+        # from (or seeds) the global ones must not change what the steps after draw, or a
+        # resume that regenerates would not end with the uninterrupted run's weights.
+        generators = rng_state()
+        try:
+            for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
+                if sample_id not in wanted:
+                    raise InvalidArgumentError(
+                        f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
+                    )
+                producer.regenerate(sample_id, tensors)
+                wanted.discard(sample_id)
+        finally:
+            set_rng_state(generators)
         producer.close()
         if wanted:
             raise InvalidArgumentError(
