@@ -467,6 +467,7 @@ def test_resume_rejects_bad_arguments(tmp_path: Path, led, store) -> None:
         ({"best_metric": ""}, "best_metric must be a non-empty str"),
         ({"keep_best": 1}, "keep_best must be a bool"),
         ({"root": "ckpt\x00x"}, r"root 'ckpt\\x00x' holds the control character '\\x00'"),
+        ({"components": 5}, "components must be a collection of names, got int 5"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path: Path, config: dict[str, Any], match: str) -> None:

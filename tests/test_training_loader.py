@@ -172,6 +172,8 @@ def test_next_batch_needs_a_resumed_consumer(led, store) -> None:
         ({"batch_size": 2.0}, "batch_size must be an int"),
         ({"lease_timeout": -1}, "lease_timeout must be a number >= 0 or None, got -1"),
         ({"lease_timeout": "1"}, "lease_timeout must be a number"),
+        ({"lease_timeout": float("nan")}, "lease_timeout must be a number >= 0 or None, got nan"),
+        ({"names": 5}, "names must be a collection of names, got int 5"),
         ({"names": "x"}, "got the str 'x'"),
         ({"names": []}, "names must hold non-empty strs"),
         ({"names": ["x", ""]}, "names must hold non-empty strs"),

@@ -14,6 +14,15 @@ BEST_MODES = ("max", "min")
 COMPONENTS = ("model", "optimizer", "scheduler", "rng", "data", "trainer")
 
 
+def _names(field: str, value: object) -> tuple[object, ...]:
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{field} must be a collection of names, got {type(value).__name__} {value!r:.100}"
+        ) from None
+
+
 def _int_field(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -91,7 +100,7 @@ class CheckpointConfig:
                 raise InvalidArgumentError(
                     f"components must be a collection of names, got the str {self.components!r}"
                 )
-            names = tuple(self.components)
+            names = _names("components", self.components)
             unknown = [n for n in names if n not in COMPONENTS]
             if unknown or not names or len(set(names)) != len(names):
                 raise InvalidArgumentError(
@@ -144,7 +153,7 @@ class LoaderConfig:
         _int_field("batch_size", self.batch_size, minimum=1)
         timeout = self.lease_timeout
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
         ):
             raise InvalidArgumentError(
                 f"lease_timeout must be a number >= 0 or None, got {timeout!r}"
@@ -154,7 +163,7 @@ class LoaderConfig:
                 raise InvalidArgumentError(
                     f"names must be a collection of feature names, got the str {self.names!r}"
                 )
-            names = tuple(self.names)
+            names = _names("names", self.names)
             bad = [n for n in names if not isinstance(n, str) or not n]
             if bad or not names:
                 raise InvalidArgumentError(f"names must hold non-empty strs, got {self.names!r}")
