@@ -135,6 +135,7 @@ def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
         (["--targets", "rank", "postgres"], "with --start-postgres only"),
         (["--targets", "rank", "rank"], "names a target twice"),
         (["--targets"], "expected at least one argument"),
+        (["--workdir", ""], "--workdir must be a directory path, got ''"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -218,3 +219,39 @@ def test_a_peer_dying_right_after_the_watch_noticed_the_kill_is_no_failure(
     assert trial.kill is not None and trial.kill["victims"] == ["rank1-attempt1"]
     ranks[0].process.exitcode = -9 if how == "in-save" else 1
     assert [c.failure() for c in trial.children] == [None, None]
+
+
+@pytest.mark.parametrize("target", ["producer", "rank", "ranks", "mooncake_master"])
+def test_a_kill_due_once_its_part_of_the_run_is_over_is_missed_not_counted(
+    tmp_path: Path, target: str
+) -> None:
+    # Unit test of the conductor's logic (stand-in state and children): a kill whose
+    # moment the watch only sees once everything was committed (a producer target) or
+    # trained (the others) would exercise nothing; it was counted as a kill.
+    plan = KillPlan(target=target, how="moment", at=0.5, index=0, after_puts=0, step=2)
+    trial = ChaosTrial(
+        DemoOptions(workdir=str(tmp_path)), plan=plan, streaming=True, size=(128, 2, 4)
+    )
+    everything = {f"s{i:03d}": 1 for i in range(128)}
+    state = SimpleNamespace(committed=everything, trained=everything)
+    # Live stand-ins: harmless processes a kill would hit (it must not come to that).
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        log = tmp_path / "child.log"
+        log.write_text("")
+        live = [
+            _Child(name, SimpleNamespace(exitcode=None, pid=p.pid), log)  # type: ignore[arg-type]
+            for name, p in zip(
+                ["producer-0", "rank0-attempt1", "rank1-attempt1"], sleepers, strict=True
+            )
+        ]
+        trial.children, trial.ranks, trial.attempt = list(live), live[1:], 1
+        assert trial._kill_at_moment(state, plan) is False  # type: ignore[arg-type]
+        assert trial.kill == {"missed": True}
+        assert all(p.poll() is None for p in sleepers)  # nothing was killed
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+    summary = summarize([{"target": target, "mode": "streaming", "kill": trial.kill}], 1.0)
+    assert summary["missed"] == 1 and sum(summary["kills"].values()) == 0

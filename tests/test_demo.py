@@ -136,3 +136,32 @@ def test_the_report_counts_acks_of_the_final_lineage_only() -> None:
     assert lineage.resume_ts == [1.0, 5.0] and lineage.checkpoints == [(3.0, 1)]
     twice = lineage_report([*events, ev(8, Kind.ACK, "s1", 2, 4)])
     assert twice.acks["s1"] == 2  # trained again in the same lineage: counted, not hidden
+
+
+def test_ranks_that_finish_before_the_kill_is_due_are_reported_not_skipped_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Unit test of the conductor's logic (the children are stand-ins): on a fast machine
+    # the ranks may finish before the SIGKILL is due; the run says it had no crash, and
+    # the watch stops trying (it kept resetting its stall timer on every later tick).
+    import time
+    from types import SimpleNamespace
+
+    from dataflow._projection import RunState
+    from dataflow.demo import DemoOptions
+    from dataflow.demo._run import Demo, _Child
+
+    demo = Demo(DemoOptions(workdir=str(tmp_path), quick=True))
+    demo.started, demo.kill_at, demo.kill_delay = time.monotonic(), 0, 0.0
+    demo.attempt = 1  # the ranks of the first start
+    log = tmp_path / "rank.log"
+    log.write_text("")
+    demo.ranks = [
+        _Child(f"rank{r}-attempt1", SimpleNamespace(exitcode=0, pid=0), log)  # type: ignore[arg-type]
+        for r in range(2)
+    ]
+    state = RunState("r")
+    assert demo._tick(state, time.monotonic()) is False  # due at once, but nothing to kill
+    assert demo._tick(state, time.monotonic()) is False
+    assert demo.timeline.kill is None
+    assert "the ranks finished before the SIGKILL was due" in capsys.readouterr().out

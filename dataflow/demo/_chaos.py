@@ -129,6 +129,8 @@ class ChaosOptions:
                 f"--store {self.store}: chaos starts (and kills) a mooncake_master of its own on "
                 "127.0.0.1; pass mooncake:// (or mooncake://127.0.0.1:PORT)"
             )
+        if not isinstance(self.workdir, str | os.PathLike) or not os.fspath(self.workdir):
+            raise ValueError(f"--workdir must be a directory path, got {self.workdir!r}")
         if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
             raise ValueError(f"--workdir {self.workdir} is a file; pass a directory")
         if self.targets is not None:
@@ -263,6 +265,10 @@ class ChaosTrial(Demo):
         return self._notice_self_kill(plan, now)
 
     def _kill_at_moment(self, state: RunState, plan: KillPlan) -> bool:
+        over = state.committed if plan.target == "producer" else state.trained
+        if len(over) >= self.samples:
+            self.kill = {"missed": True}  # its part of the run was over: a kill tests nothing
+            return False
         if plan.target == MASTER:
             return self._kill_master(state, plan)
         if plan.target == POSTGRES:

@@ -315,18 +315,26 @@ class Demo:
     def _tick(self, state: RunState, now: float) -> bool:
         """Called on every round of the watch: kill and restart the ranks once, when due;
         True when something was restarted."""
-        if not self.options.crash or self.attempt != 1:
+        if not self.options.crash or self.attempt != 1 or self._kill_missed:
             return False
         if self._kill_due is None and len(state.trained) >= self.kill_at:
             self._kill_due = now + self.kill_delay
         if self._kill_due is None or now < self._kill_due:
             return False
-        self._kill_and_restart(state)
-        return True
+        return self._kill_and_restart(state)
 
-    def _kill_and_restart(self, state: RunState) -> None:
+    #: The ranks finished before the SIGKILL was due: this run had no crash.
+    _kill_missed = False
+
+    def _kill_and_restart(self, state: RunState) -> bool:
+        """SIGKILL both ranks and start them again; False when they had finished first."""
         if any(rank.process.exitcode is not None for rank in self.ranks):
-            return  # the ranks finished first; nothing to kill
+            self._kill_missed = True
+            self._say(
+                f"the ranks finished before the SIGKILL was due ({len(state.trained)} samples "
+                "trained): no crash this run (a slower machine, or --samples, gives it time)"
+            )
+            return False
         for rank in self.ranks:
             os.kill(rank.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
             rank.killed = True
@@ -352,6 +360,7 @@ class Demo:
             "restarting both ranks, they resume through the ledger"
         )
         self._start_ranks()
+        return True
 
     def _say_resumed(self, state: RunState) -> None:
         plan = state.plans[state.epoch]
