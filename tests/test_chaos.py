@@ -4,6 +4,7 @@ each target, restarts, and the checks (verify, each sample once, weights, orphan
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -255,3 +256,52 @@ def test_a_kill_due_once_its_part_of_the_run_is_over_is_missed_not_counted(
             p.wait()
     summary = summarize([{"target": target, "mode": "streaming", "kill": trial.kill}], 1.0)
     assert summary["missed"] == 1 and sum(summary["kills"].values()) == 0
+
+
+def _postgres_pids() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "comm").read_text().strip() == "postgres":
+                pids.add(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None:
+    # It only failed the trial it came in (chaos went on with the next), and one that came
+    # outside a trial left the --start-postgres server running.
+    try:
+        find_bin_dir()
+    except RuntimeError as exc:
+        unavailable(f"no PostgreSQL server binaries for --start-postgres: {exc}")
+    before = _postgres_pids()
+    workdir = tmp_path / "w"
+    args = ["--quick", "--trials", "3", "--mode", "streaming", "--targets", "producer"]
+    args += ["--start-postgres", "--workdir", str(workdir)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dataflow.cli", "chaos", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (workdir / "trial-000").exists() and process.poll() is None:
+            assert time.monotonic() < deadline, "trial 0 never started"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1 and "stopped by SIGTERM" in err, err
+    assert not (workdir / "trial-001").exists()  # no trial after it
+    deadline = time.monotonic() + 30
+    while _postgres_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.2)  # the server's processes exit after its postmaster
+    assert not _postgres_pids() - before, "the server chaos started is still running"

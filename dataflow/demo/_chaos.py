@@ -37,6 +37,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -53,7 +54,9 @@ from dataflow.demo._run import (
     PRODUCERS,
     RANKS,
     Demo,
+    Terminated,
     _Child,
+    _terminated,
     _write_json,
 )
 
@@ -621,16 +624,29 @@ class Chaos:
                     out["weights_equal"] = same
                 else:
                     out["mismatch"] = not same
+        except Terminated:
+            raise  # the operator stops chaos, not this trial
         except DemoError as exc:
             out["failure"] = str(exc)
         return out
 
     def run(self) -> dict[str, Any]:
+        """Run the trials. A SIGTERM, between trials too, stops chaos and what it started
+        (the PostgreSQL server included)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self._run_all()
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            return self._run_all()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run_all(self) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        if self.options.start_postgres:
-            self._start_postgres()
         try:
+            if self.options.start_postgres:
+                self._start_postgres()
             return self._run(started)
         finally:
             if self.postgres is not None:

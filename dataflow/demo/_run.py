@@ -507,8 +507,12 @@ class Demo:
         self._say("\n".join(lines))
 
 
+class Terminated(DemoError):
+    """A SIGTERM stopped the demo (or chaos): whatever it started is stopped too."""
+
+
 def _terminated(signum: int, frame: object) -> NoReturn:
-    raise DemoError("stopped by SIGTERM; the processes it started are stopped too")
+    raise Terminated("stopped by SIGTERM; the processes it started are stopped too")
 
 
 def _with_query(uri: str, **params: str) -> str:
