@@ -137,6 +137,8 @@ def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
         (["--targets", "rank", "rank"], "names a target twice"),
         (["--targets"], "expected at least one argument"),
         (["--workdir", ""], "--workdir must be a directory path, got ''"),
+        (["--store", "dir://relative/x"], "a dir:// URI names an absolute path"),
+        (["--store", "dir:///"], "not the file system's root"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -100,6 +100,12 @@ def test_no_crash_trains_everything_without_a_resume(tmp_path: Path) -> None:
             ["--store", "s3://bucket"], 2, "no store is registered for 's3'", id="store-unknown"
         ),
         pytest.param(["--samples", "10"], 2, "--samples: must be from 64", id="few-samples"),
+        pytest.param(
+            ["--store", "dir://relative/x"],
+            2,
+            "a dir:// URI names an absolute path",
+            id="store-dir-relative",
+        ),
         pytest.param(["--ledger", "sqlite://"], 2, "in-memory SQLite", id="ledger-in-memory"),
     ],
 )

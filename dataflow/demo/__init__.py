@@ -29,12 +29,24 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from dataflow._errors import DataflowError
 
 #: The fewest samples a demo runs with: enough for checkpoints before the kill.
 MIN_SAMPLES = 64
 MAX_SAMPLES = 1_000_000
+
+
+def check_dir_uri(store: str) -> None:
+    """Refuse a ``dir://`` URI whose path is not absolute (``dir://relative/x``), as the
+    store would once a producer opens it; ValueError naming it."""
+    parts = urlsplit(store)
+    if parts.scheme == "dir" and (parts.netloc or not parts.path.startswith("/")):
+        raise ValueError(
+            f"--store {store!r}: a dir:// URI names an absolute path, dir:///ABSOLUTE/PATH "
+            f"(here: dir://{os.path.abspath(parts.netloc + parts.path)})"
+        )
 
 
 class DemoError(DataflowError):
@@ -101,6 +113,7 @@ class DemoOptions:
                     f"--store {self.store}: no store is registered for {scheme!r} (known: "
                     f"{', '.join(known_schemes())}); pass dir:///PATH or mooncake://HOST:PORT?..."
                 )
+            check_dir_uri(self.store)
         if self.start_mooncake_master and not (self.store or "").startswith("mooncake://"):
             raise ValueError(
                 "--start-mooncake-master starts the master of a mooncake:// store, but the "

@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 from dataflow._events import Kind
 from dataflow._projection import RunState, replay
-from dataflow.demo import DemoError, DemoOptions
+from dataflow.demo import DemoError, DemoOptions, check_dir_uri
 from dataflow.demo._report import lineage_report
 from dataflow.demo._run import (
     BATCH_SIZE,
@@ -117,6 +117,13 @@ class ChaosOptions:
             raise ValueError(f"--trials must be an int >= 1, got {self.trials!r}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.store is not None and self.store.startswith("dir://"):
+            check_dir_uri(self.store)
+            if urlsplit(self.store).path.rstrip("/") == "":
+                raise ValueError(
+                    f"--store {self.store!r}: each trial's features go under PATH/trial-NNN; "
+                    "pass a directory of its own, dir:///PATH, not the file system's root"
+                )
         if self.store is not None and not self.store.startswith(("dir://", "mooncake://")):
             raise ValueError(
                 f"--store {self.store!r}: chaos runs each trial in a store of its own, a "
