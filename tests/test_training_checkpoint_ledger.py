@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import training
-from dataflow import Consumer, Kind, Ledger, UnknownCheckpointError, replay
+from dataflow import Consumer, InvalidArgumentError, Kind, Ledger, UnknownCheckpointError, replay
 from stores import LocalFeatureStore
 from training import (
     CheckpointConfig,
@@ -519,6 +519,42 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(2), expected[2])
     with pytest.raises(ValueError, match="not an rng_state"):
         training.set_rng_state({"torch": torch.get_rng_state()})
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"python": 5},
+        {"torch": "x"},
+        {"numpy": {}},
+        {
+            "numpy": {
+                "kind": "MT19937",
+                "keys": "no",
+                "pos": 0,
+                "has_gauss": 0,
+                "cached_gaussian": 0,
+            }
+        },
+    ],
+    ids=["python", "torch", "numpy-empty", "numpy-keys"],
+)
+def test_a_state_that_cannot_be_applied_changes_no_generator(broken: dict) -> None:
+    # It raised TypeError or KeyError, with Python's generator already replaced.
+    np = pytest.importorskip("numpy")
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    state = {**training.rng_state(), **broken}
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = training.rng_state()
+    with pytest.raises(InvalidArgumentError, match=r"not an rng_state.* left as it was"):
+        training.set_rng_state(state)
+    after = training.rng_state()
+    assert after["python"] == expected["python"] and torch.equal(after["torch"], expected["torch"])
+    assert torch.equal(after["numpy"]["keys"], expected["numpy"]["keys"])
 
 
 # -- asynchronous saves ------------------------------------------------------------------------

@@ -37,9 +37,24 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned; parts this machine lacks are skipped."""
+    """Restore what :func:`rng_state` returned; parts this machine lacks are skipped.
+
+    All or nothing: a part that cannot be applied raises ``InvalidArgumentError`` naming
+    it, with every generator as it was before the call."""
     if not isinstance(state, dict) or "torch" not in state or "python" not in state:
         raise InvalidArgumentError(f"not an rng_state() dict: {type(state).__name__}")
+    before = rng_state()
+    try:
+        _apply(state)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
+        _apply(before)
+        raise InvalidArgumentError(
+            f"not an rng_state() dict ({type(exc).__name__}: {str(exc)[:200]}): pass what "
+            "training.rng_state() returned; every generator is left as it was"
+        ) from exc
+
+
+def _apply(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
