@@ -171,3 +171,32 @@ def test_ranks_that_finish_before_the_kill_is_due_are_reported_not_skipped_silen
     assert demo._tick(state, time.monotonic()) is False
     assert demo.timeline.kill is None
     assert "the ranks finished before the SIGKILL was due" in capsys.readouterr().out
+
+
+def test_a_child_that_dies_while_the_tick_looks_is_the_tick_s_to_notice_next_round(
+    tmp_path: Path,
+) -> None:
+    # Unit test of the conductor's logic (stand-in children): a producer that SIGKILLs
+    # itself at its planned point just after the tick looked was taken for a failure.
+    import time
+    from types import SimpleNamespace
+
+    from dataflow._projection import RunState
+    from dataflow.demo import DemoError, DemoOptions
+    from dataflow.demo._run import Demo, _Child
+
+    demo = Demo(DemoOptions(workdir=str(tmp_path), quick=True, crash=False))
+    log = tmp_path / "producer.log"
+    log.write_text("")
+    child = _Child("producer-0", SimpleNamespace(exitcode=None, pid=0), log)  # type: ignore[arg-type]
+    demo.children = [child]
+
+    def dies_meanwhile(state: RunState, now: float) -> bool:
+        child.process.exitcode = -signal.SIGKILL  # its own planned kill, not seen yet
+        return False
+
+    demo._tick = dies_meanwhile  # type: ignore[method-assign]
+    assert demo._tick_and_check(RunState("r"), time.monotonic()) is False  # not this round
+    demo._tick = lambda state, now: False  # type: ignore[method-assign]
+    with pytest.raises(DemoError, match="producer-0 was killed by signal 9"):
+        demo._tick_and_check(RunState("r"), time.monotonic())  # next round: nobody claimed it

@@ -275,10 +275,17 @@ class ChaosTrial(Demo):
         return self._notice_self_kill(plan, now)
 
     def _kill_at_moment(self, state: RunState, plan: KillPlan) -> bool:
+        # The watch looks every TICK_S: a quick run may be past its victim's part (all
+        # committed, or all trained) before it sees the moment. The kill still lands (on
+        # the final checkpoint, eval or release) and is counted as late.
         over = state.committed if plan.target == "producer" else state.trained
-        if len(over) >= self.samples:
-            self.kill = {"missed": True}  # its part of the run was over: a kill tests nothing
-            return False
+        late = len(over) >= self.samples
+        killed = self._kill_now(state, plan)
+        if killed and late and self.kill is not None:
+            self.kill["late"] = {"committed": len(state.committed), "trained": len(state.trained)}
+        return killed
+
+    def _kill_now(self, state: RunState, plan: KillPlan) -> bool:
         if plan.target == MASTER:
             return self._kill_master(state, plan)
         if plan.target == POSTGRES:
@@ -721,6 +728,7 @@ def summarize(
         "trials": len(results),
         "kills": kills,
         "missed": sum(1 for r in results if (r.get("kill") or {}).get("missed")),
+        "late": sum(1 for r in results if (r.get("kill") or {}).get("late")),
         "lost": sum(r.get("lost", 0) for r in results),
         "duplicated": sum(r.get("duplicated", 0) for r in results),
         "mismatches": sum(1 for r in results if r.get("mismatch")),
@@ -751,7 +759,12 @@ def format_table(summary: dict[str, Any]) -> str:
         (
             "kills",
             ", ".join(f"{k} {v}" for k, v in kills.items())
-            + (f" ({summary['missed']} missed: the run ended first)" if summary["missed"] else ""),
+            + (f" ({summary['missed']} missed: the run ended first)" if summary["missed"] else "")
+            + (
+                f" ({summary['late']} late: after the victim's part of the run)"
+                if summary.get("late")
+                else ""
+            ),
         ),
         ("lost", summary["lost"]),
         ("duplicated", summary["duplicated"]),

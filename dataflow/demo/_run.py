@@ -297,12 +297,8 @@ class Demo:
                 if epoch > 1:
                     self._say_resumed(state)
             self._progress(state)
-            if self._tick(state, now):  # first: a child it killed is no failure
+            if self._tick_and_check(state, now):
                 last_event = time.monotonic()
-            for child in self.children:
-                failure = child.failure()
-                if failure is not None:
-                    raise DemoError(failure)
             if all(c.process.exitcode == 0 for c in self.children if not (c.killed or c.service)):
                 return
             if now - last_event > STALL_S:
@@ -311,6 +307,21 @@ class Demo:
                     f"in {self.run_dir / 'logs'}"
                 )
             time.sleep(TICK_S)
+
+    def _tick_and_check(self, state: RunState, now: float) -> bool:
+        """``_tick``, then DemoError for a child that failed; what ``_tick`` returned.
+
+        Only children already dead when ``_tick`` looked can fail this round: one that
+        dies just after (a planned self-kill, a casualty of a server's kill) is
+        ``_tick``'s to notice on the next round, not a failure.
+        """
+        dead = {id(c) for c in self.children if c.process.exitcode is not None}
+        restarted = self._tick(state, now)  # first: a child it killed is no failure
+        for child in self.children:
+            failure = child.failure() if id(child) in dead else None
+            if failure is not None:
+                raise DemoError(failure)
+        return restarted
 
     def _tick(self, state: RunState, now: float) -> bool:
         """Called on every round of the watch: kill and restart the ranks once, when due;
