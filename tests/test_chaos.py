@@ -97,6 +97,13 @@ def test_a_killed_mooncake_master_loses_no_sample(tmp_path: Path, mooncake_insta
     assert regenerated  # what the master took with it was put back and trained once
 
 
+def _need_server_binaries() -> None:
+    try:
+        find_bin_dir()
+    except RuntimeError as exc:
+        unavailable(f"no PostgreSQL server binaries for --start-postgres: {exc}")
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
@@ -104,10 +111,7 @@ def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
     # comes first in the rotation: trial 0 SIGKILLs it (offline: the weights must still be
     # torch.equal to the uninterrupted run's), starts it again (crash recovery), and
     # restarts what failed on the outage; trial 1 kills a producer.
-    try:
-        find_bin_dir()
-    except RuntimeError as exc:
-        unavailable(f"no PostgreSQL server binaries for --start-postgres: {exc}")
+    _need_server_binaries()
     out, workdir = tmp_path / "chaos.json", tmp_path / "w"
     args = ("--quick", "--trials", "2", "--seed", "0", "--mode", "offline", "--start-postgres")
     result = _chaos(*args, "--workdir", str(workdir), "--json", str(out), cwd=tmp_path)
@@ -287,10 +291,7 @@ def _postgres_pids() -> set[int]:
 def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None:
     # It only failed the trial it came in (chaos went on with the next), and one that came
     # outside a trial left the --start-postgres server running.
-    try:
-        find_bin_dir()
-    except RuntimeError as exc:
-        unavailable(f"no PostgreSQL server binaries for --start-postgres: {exc}")
+    _need_server_binaries()
     before = _postgres_pids()
     workdir = tmp_path / "w"
     args = ["--quick", "--trials", "3", "--mode", "streaming", "--targets", "producer"]
