@@ -147,6 +147,13 @@ def _self_containing() -> dict[str, Any]:
     return {"loop": loop}
 
 
+def _deeply_nested() -> dict[str, Any]:
+    inner: dict[str, Any] = {}
+    for _ in range(5000):  # deeper than the recursion limit
+        inner = {"x": inner}
+    return {"deep": inner}
+
+
 @pytest.mark.parametrize(
     ("state", "match"),
     [
@@ -162,6 +169,7 @@ def _self_containing() -> dict[str, Any]:
         ({"nested": [1, {"deep": Opaque()}]}, r"state\['nested'\]\[1\]\['deep'\] is of type"),
         ({"keys": {(1, 2): 3}}, r"state\['keys'\] has a key of type tuple"),
         (_self_containing(), r"state\['loop'\]\['again'\] contains itself"),
+        (_deeply_nested(), r"state is nested deeper than Python can walk"),
     ],
 )
 def test_state_a_weights_only_load_cannot_read_back_is_refused_before_writing(

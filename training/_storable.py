@@ -8,6 +8,7 @@ cannot be resumed (a meta tensor saves fine and loads without its data).
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Any
 
 import torch
@@ -40,7 +41,13 @@ _HINT = (
 def check_storable(value: Any, where: str) -> None:
     """Raise ValueError naming the first value under ``where`` that a weights-only load
     would refuse or read back differently."""
-    _check(value, where, set())
+    try:
+        _check(value, where, set())
+    except RecursionError:
+        raise InvalidArgumentError(
+            f"{where} is nested deeper than Python can walk (more than about "
+            f"{sys.getrecursionlimit() // 2} levels); flatten it (e.g. join the deep keys)"
+        ) from None
 
 
 def _check(value: Any, where: str, path: set[int]) -> None:

@@ -443,6 +443,9 @@ class Demo:
                     child.process.kill()
         for child in self.children:
             child.process.join(10)
+            if child.process.exitcode is None:  # a service stuck in its shutdown
+                child.process.kill()
+                child.process.join()
 
     # -- the end ------------------------------------------------------------------------
     def _finish(self) -> dict[str, Any]:
