@@ -145,6 +145,7 @@ def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
         (["--workdir", ""], "--workdir must be a directory path, got ''"),
         (["--store", "dir://relative/x"], "a dir:// URI names an absolute path"),
         (["--store", "dir:///"], "not the file system's root"),
+        (["--store", "mooncake://127.0.0.1:notaport"], "with a port from 1 to 65535"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:

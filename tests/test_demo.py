@@ -106,6 +106,12 @@ def test_no_crash_trains_everything_without_a_resume(tmp_path: Path) -> None:
             "a dir:// URI names an absolute path",
             id="store-dir-relative",
         ),
+        pytest.param(
+            ["--store", "mooncake://127.0.0.1:99999"],
+            2,
+            "with a port from 1 to 65535",
+            id="store-port",
+        ),
         pytest.param(["--ledger", "sqlite://"], 2, "in-memory SQLite", id="ledger-in-memory"),
     ],
 )

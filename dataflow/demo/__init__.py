@@ -39,9 +39,16 @@ MAX_SAMPLES = 1_000_000
 
 
 def check_dir_uri(store: str) -> None:
-    """Refuse a ``dir://`` URI whose path is not absolute (``dir://relative/x``), as the
-    store would once a producer opens it; ValueError naming it."""
+    """Refuse a store URI with a port that is none (``mooncake://host:x``) or a ``dir://``
+    URI whose path is not absolute (``dir://relative/x``), as the store would once a
+    producer opens it; ValueError naming it."""
     parts = urlsplit(store)
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as exc:
+        raise ValueError(
+            f"--store {store!r}: {exc}; pass HOST:PORT with a port from 1 to 65535"
+        ) from None
     if parts.scheme == "dir" and (parts.netloc or not parts.path.startswith("/")):
         raise ValueError(
             f"--store {store!r}: a dir:// URI names an absolute path, dir:///ABSOLUTE/PATH "

@@ -117,13 +117,13 @@ class ChaosOptions:
             raise ValueError(f"--trials must be an int >= 1, got {self.trials!r}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.store is not None and self.store.startswith("dir://"):
+        if self.store is not None:
             check_dir_uri(self.store)
-            if urlsplit(self.store).path.rstrip("/") == "":
-                raise ValueError(
-                    f"--store {self.store!r}: each trial's features go under PATH/trial-NNN; "
-                    "pass a directory of its own, dir:///PATH, not the file system's root"
-                )
+        if (self.store or "").startswith("dir://") and urlsplit(self.store).path.rstrip("/") == "":
+            raise ValueError(
+                f"--store {self.store!r}: each trial's features go under PATH/trial-NNN; "
+                "pass a directory of its own, dir:///PATH, not the file system's root"
+            )
         if self.store is not None and not self.store.startswith(("dir://", "mooncake://")):
             raise ValueError(
                 f"--store {self.store!r}: chaos runs each trial in a store of its own, a "
