@@ -147,9 +147,13 @@ class LedgerMachine(RuleBasedStateMachine):
             refs = [self.producer.emit(sample_ids[0], _features(seed))]
         else:
             refs = self.producer.emit_many((sid, _features(seed)) for sid in sample_ids)
-        for sample_id, ref in zip(sample_ids, refs, strict=True):
+        # An id given twice in one call is committed as its last item, as commit does.
+        last = {sample_id: i for i, sample_id in enumerate(sample_ids)}
+        for i, (sample_id, ref) in enumerate(zip(sample_ids, refs, strict=True)):
             if sample_id in self.emitted:
                 assert ref is None, f"duplicate emit of {sample_id!r} was committed again"
+            elif last[sample_id] != i:
+                assert ref is None, f"an earlier item of {sample_id!r} in one call got its ref"
             else:
                 assert ref is not None, f"first emit of {sample_id!r} was not committed"
                 self.emitted[sample_id] = ref
