@@ -74,14 +74,28 @@ def test_a_correct_local_store_passes(ledger: Ledger) -> None:
     run_ledger_machine(ledger, LocalFeatureStore, **FAST)
 
 
+# A lease is what reads features back: these drive the machine to one, not hypothesis
+# (ten random examples may hold none).
 def test_a_store_returning_wrong_dtype_and_shape_fails(ledger: Ledger) -> None:
-    with pytest.raises(AssertionError, match=r"as torch\.int8 \(7,\), but torch\.\w+ .* emitted"):
-        run_ledger_machine(ledger, WrongDtypeAndShapeStore, **FAST)
+    machine = _machine(ledger, WrongDtypeAndShapeStore)
+    try:
+        machine.emit([0, 1], seed=3)
+        with pytest.raises(
+            AssertionError, match=r"as torch\.int8 \(7,\), but torch\.\w+ .* emitted"
+        ):
+            machine.lease(0, 2)
+    finally:
+        machine.teardown()
 
 
 def test_a_store_returning_wrong_values_fails(ledger: Ledger) -> None:
-    with pytest.raises(AssertionError, match=r"with values .* but .* was emitted"):
-        run_ledger_machine(ledger, WrongValuesStore, **FAST)
+    machine = _machine(ledger, WrongValuesStore)
+    try:
+        machine.emit([0], seed=3)
+        with pytest.raises(AssertionError, match=r"with values .* but .* was emitted"):
+            machine.lease(0, 1)
+    finally:
+        machine.teardown()
 
 
 def _machine(ledger: Ledger, make_store: Any) -> LedgerMachine:
