@@ -38,7 +38,7 @@ MIN_SAMPLES = 64
 MAX_SAMPLES = 1_000_000
 
 
-def check_dir_uri(store: str) -> None:
+def check_store_uri(store: str) -> None:
     """Refuse a store URI with a port that is none (``mooncake://host:x``) or a ``dir://``
     URI whose path is not absolute (``dir://relative/x``), as the store would once a
     producer opens it; ValueError naming it."""
@@ -120,7 +120,7 @@ class DemoOptions:
                     f"--store {self.store}: no store is registered for {scheme!r} (known: "
                     f"{', '.join(known_schemes())}); pass dir:///PATH or mooncake://HOST:PORT?..."
                 )
-            check_dir_uri(self.store)
+            check_store_uri(self.store)
         if self.start_mooncake_master and not (self.store or "").startswith("mooncake://"):
             raise ValueError(
                 "--start-mooncake-master starts the master of a mooncake:// store, but the "

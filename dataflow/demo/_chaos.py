@@ -37,7 +37,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,7 +45,7 @@ from urllib.parse import urlsplit
 
 from dataflow._events import Kind
 from dataflow._projection import RunState, replay
-from dataflow.demo import DemoError, DemoOptions, check_dir_uri
+from dataflow.demo import DemoError, DemoOptions, check_store_uri
 from dataflow.demo._report import lineage_report
 from dataflow.demo._run import (
     BATCH_SIZE,
@@ -56,8 +55,8 @@ from dataflow.demo._run import (
     Demo,
     Terminated,
     _Child,
-    _terminated,
     _write_json,
+    sigterm_raises,
 )
 
 #: Kill targets, taken in turn (so any three consecutive trials hit each).
@@ -118,7 +117,7 @@ class ChaosOptions:
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.store is not None:
-            check_dir_uri(self.store)
+            check_store_uri(self.store)
         if (self.store or "").startswith("dir://") and urlsplit(self.store).path.rstrip("/") == "":
             raise ValueError(
                 f"--store {self.store!r}: each trial's features go under PATH/trial-NNN; "
@@ -647,13 +646,8 @@ class Chaos:
     def run(self) -> dict[str, Any]:
         """Run the trials. A SIGTERM, between trials too, stops chaos and what it started
         (the PostgreSQL server included)."""
-        if threading.current_thread() is not threading.main_thread():
+        with sigterm_raises():
             return self._run_all()
-        previous = signal.signal(signal.SIGTERM, _terminated)
-        try:
-            return self._run_all()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     def _run_all(self) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -118,13 +119,8 @@ class Demo:
     # -- the run ----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Run the demo. Ctrl-C or a SIGTERM stops it, and every process it started."""
-        if threading.current_thread() is not threading.main_thread():
+        with sigterm_raises():
             return self._run()
-        previous = signal.signal(signal.SIGTERM, _terminated)
-        try:
-            return self._run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     def _run(self) -> dict[str, Any]:
         self.started, self.started_wall = time.monotonic(), time.time()
@@ -523,6 +519,20 @@ class Demo:
 
 class Terminated(DemoError):
     """A SIGTERM stopped the demo (or chaos): whatever it started is stopped too."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside, a SIGTERM raises ``Terminated`` (in the main thread; elsewhere nothing
+    changes), so that ``finally`` blocks stop what was started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _terminated(signum: int, frame: object) -> NoReturn:
