@@ -147,6 +147,17 @@ def _sample_ids(refs: object, what: str) -> list[str]:
     return ids
 
 
+def _check_producers(producers: object) -> frozenset[str]:
+    """``Consumer(producers=...)``: the producer ids, checked as ``Producer`` checks its own."""
+    if producers is None:
+        return frozenset()
+    if isinstance(producers, (str, bytes)) or not isinstance(producers, Iterable):
+        raise ArgumentTypeError(
+            f"producers takes a list of producer ids, e.g. ['prod-0', 'prod-1'], got {producers!r}"
+        )
+    return frozenset(check_id("a producer id in producers", p) for p in producers)
+
+
 def _trim_heap(events: int) -> None:
     """After the first fold of a long run, give the heap's free pages back (glibc).
 
@@ -188,6 +199,12 @@ class Consumer:
     after every rank's acks up to that step have returned. A rank whose process
     restarted alone calls :meth:`rejoin` instead of :meth:`resume`.
 
+    ``producers``: the ids of the producers this run waits for. The rank is not
+    drained (and a seeded order does not start) before each of them has closed,
+    even one that has not committed anything yet: a producer that starts late,
+    or is slow to produce its first sample. Without it the run waits only for
+    the producers that committed, which the ledger knows of.
+
     ``metrics_port``: serve this run's Prometheus metrics on that port (127.0.0.1
     unless ``metrics_host`` says otherwise; docs/operations.md, "Metrics");
     :meth:`close` stops the endpoint.
@@ -211,11 +228,14 @@ class Consumer:
         release_policy: str = "on_checkpoint",
         max_attempts: int = 3,
         order_seed: int | None = None,
+        producers: Iterable[str] | None = None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
     ) -> None:
         _check_roles_args(ledger, store, run_id)
         self.consumer_id = check_id("consumer_id", consumer_id)
+        #: The producer ids this run waits for (``producers``): empty, only those that committed.
+        self.producers: frozenset[str] = _check_producers(producers)
         _check_int("world_size", world_size, minimum=1)
         _check_int("rank", rank)
         if rank >= world_size:
@@ -686,7 +706,9 @@ class Consumer:
     def _share_fixed(self) -> bool:
         """No more work can come to this rank's queue (a nack aside)."""
         state = self.state
-        if not (state.producers_done if self.stream is None else self.stream.exhausted):
+        if not (self._producers_done() if self.stream is None else self.stream.exhausted):
+            return False
+        if not self.producers <= state.closed:  # with a stream too: its close is in the ledger
             return False
         # Seeded order: the regenerated samples come back to their places.
         return not (state.order_seed is not None and state.regenerate)
@@ -1031,7 +1053,11 @@ class Consumer:
         # Seeded order: the dataset is complete, and sorted, once every producer closed
         # and every sample to regenerate is back in its place.
         state = self.state
-        return state.order_seed is not None and (not state.producers_done or state.regenerate)
+        return state.order_seed is not None and (not self._producers_done() or state.regenerate)
+
+    def _producers_done(self) -> bool:
+        """Every producer that committed closed, and so did every one this run waits for."""
+        return self.state.producers_done and self.producers <= self.state.closed
 
     def _ready_to_lease(self, max_refs: int) -> list[str]:
         """Up to ``max_refs`` of this rank's pending ids in the fold; only requeued ones

@@ -86,7 +86,8 @@ class Producer:
     """Puts features into a store and commits their refs to the run's ledger.
 
     Give each concurrently running producer its own stable ``producer_id``:
-    a run is finished when every producer that committed has closed.
+    a run is finished when every producer that committed has closed (and every
+    one that its consumers name in ``Consumer(producers=...)``, committed or not).
 
     ``backpressure``: a :class:`Watermarks`; an emit that would take the run's
     un-trained features in the store above a high mark waits until they are
