@@ -155,14 +155,37 @@ def test_bad_input(consumer: Consumer) -> None:
         StepHelper(consumer, grad_accum=2).finish(1)
 
 
-# -- two ranks, real DDP ----------------------------------------------------------------------
+# -- two ranks, real DDP and FSDP2 --------------------------------------------------------------
 SAMPLES, BATCH, ACCUM = 36, 2, 3  # 18 per rank: 9 micro-batches, 3 optimizer steps each
 
 
-def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
+def _wrapped(model: torch.nn.Module, wrap: str, reductions: list[int]) -> torch.nn.Module:
+    """``model`` in DDP (its reductions counted by a comm hook) or sharded by FSDP2."""
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(model)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
+    ddp = DistributedDataParallel(model)
+
+    # No annotations: DDP insists they be dist.GradBucket objects, not strings.
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]
+        reductions[0] += 1
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    return ddp
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter whole on every rank (FSDP2 shards them as DTensors)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach()
+
+
+def _rank(rank: int, args: dict[str, Any]) -> None:
     init_gloo(rank, args["port"])
     try:
         led = Ledger.open(args["ledger"])
@@ -179,20 +202,15 @@ def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
         with torch.no_grad():
             model.weight.fill_(0.5)
             model.bias.fill_(0.25)
-        ddp = DistributedDataParallel(model)
         reductions = [0]
-
-        # No annotations: DDP insists they be dist.GradBucket objects, not strings.
-        def counting_hook(state, bucket):  # type: ignore[no-untyped-def]
-            reductions[0] += 1
-            return allreduce_hook(state, bucket)
-
-        ddp.register_comm_hook(None, counting_hook)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=2**-8)
+        wrapped = _wrapped(model, args["wrap"], reductions)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=2**-8)
 
         def step_fn(batch: Batch) -> None:
             x = batch.features["x"]
-            ddp(x).pow(2).sum().backward()
+            wrapped(x).pow(2).sum().backward()
+            if args["wrap"] == "fsdp2" and all(p.grad is not None for p in model.parameters()):
+                reductions[0] += 1  # reduce-scattered into the sharded gradients: not deferred
 
         def optimizer_fn(step: int) -> None:
             optimizer.step()
@@ -203,18 +221,18 @@ def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
             step_fn=step_fn,
             optimizer_fn=optimizer_fn,
             checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"])),
-            state_fn=lambda: {"model": model.state_dict()},
+            state_fn=lambda: {"model": {k: _full(v) for k, v in model.state_dict().items()}},
             config=TrainerConfig(grad_accum=ACCUM),
             loader_config=LoaderConfig(batch_size=BATCH),
-            modules=[ddp] if args["no_sync"] else [],
+            modules=[wrapped] if args["defer"] else [],
         )
         steps = trainer.run()
         result = {
             "steps": steps,
             "reductions": reductions[0],
             "deferred": trainer.helper.deferred,
-            "weight": model.weight.flatten().tolist(),
-            "bias": model.bias.tolist(),
+            "weight": _full(model.weight).flatten().tolist(),
+            "bias": _full(model.bias).tolist(),
         }
         Path(args["out"], f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()  # neither rank tears its group down while the other still talks to it
@@ -226,8 +244,8 @@ def _ddp_rank(rank: int, args: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def _train_two_ranks(tmp_path: Path, *, no_sync: bool) -> list[dict[str, Any]]:
-    where = tmp_path / ("no_sync" if no_sync else "every_step")
+def _train_two_ranks(tmp_path: Path, *, wrap: str, defer: bool) -> list[dict[str, Any]]:
+    where = tmp_path / f"{wrap}-{'deferred' if defer else 'every_step'}"
     where.mkdir()
     args = {
         "port": free_port(),
@@ -235,9 +253,10 @@ def _train_two_ranks(tmp_path: Path, *, no_sync: bool) -> list[dict[str, Any]]:
         "features": str(where / "features"),
         "ckpt": str(where / "ckpt"),
         "out": str(where),
-        "no_sync": no_sync,
+        "wrap": wrap,
+        "defer": defer,
     }
-    ranks = [start(_ddp_rank, r, args) for r in range(2)]
+    ranks = [start(_rank, r, args) for r in range(2)]
     assert [join(process) for process in ranks] == [0, 0]
     with Ledger.open(args["ledger"]) as led:
         run = replay(led, RUN)
@@ -246,9 +265,15 @@ def _train_two_ranks(tmp_path: Path, *, no_sync: bool) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_no_sync_gives_the_weights_of_reducing_every_micro_step(tmp_path: Path) -> None:
-    deferred = _train_two_ranks(tmp_path, no_sync=True)
-    every = _train_two_ranks(tmp_path, no_sync=False)
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_deferred_reductions_give_the_weights_of_reducing_every_micro_step(
+    tmp_path: Path, wrap: str
+) -> None:
+    # DDP through no_sync(); FSDP2 (fully_shard, no no_sync) through
+    # set_requires_gradient_sync(False): its sharded gradients stay unset until the
+    # boundary's backward reduce-scatters the step's sum.
+    deferred = _train_two_ranks(tmp_path, wrap=wrap, defer=True)
+    every = _train_two_ranks(tmp_path, wrap=wrap, defer=False)
     steps = SAMPLES // (2 * BATCH * ACCUM)
     for rank in range(2):
         assert deferred[rank]["steps"] == every[rank]["steps"] == steps
