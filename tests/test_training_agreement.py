@@ -135,3 +135,32 @@ def test_a_stream_agrees_per_micro_batch_until_it_ends_then_once(tmp_path: Path)
     assert first["step"] == second["step"]
     assert len(first["sizes"]) == len(second["sizes"])
     assert sum(first["sizes"]) + sum(second["sizes"]) == 16
+
+
+def _agree_with_a_bad_payload(rank: int, args: dict[str, Any]) -> None:
+    from training._dist import agree
+
+    init_gloo(rank, args["port"])
+    try:
+        payload = {"ok": rank} if rank == 0 else {"not json": {1, 2}}  # a set: no JSON
+        try:
+            agree(None, payload, world_size=2, rank=rank, what="the test's meeting")
+        except Exception as exc:  # every rank must get here, none left in the collective
+            outcome = f"{type(exc).__name__}: {exc}"
+        else:
+            outcome = "no error"
+        Path(args["out"], f"agree{rank}.json").write_text(json.dumps(outcome))
+        agree(None, "after", world_size=2, rank=rank, what="the next meeting")  # still in step
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_payload_one_rank_cannot_send_fails_every_rank_instead_of_hanging_its_peer(
+    tmp_path: Path,
+) -> None:
+    args = run_args(tmp_path)
+    ranks = [start(_agree_with_a_bad_payload, r, args) for r in range(2)]
+    assert [join(process) for process in ranks] == [0, 0]
+    first, second = (json.loads((tmp_path / f"agree{r}.json").read_text()) for r in range(2))
+    assert second.startswith("CheckpointError: the test's meeting: rank 1's payload cannot")
+    assert first.startswith("CheckpointError: the test's meeting failed on rank 1 (this is rank 0)")

@@ -32,6 +32,10 @@ def exchange(text: str, group: Any = None) -> list[str]:
     ]
 
 
+def _described(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
 def agree(
     error: BaseException | None,
     payload: Any = None,
@@ -52,9 +56,15 @@ def agree(
         if error is not None:
             raise error
         return [payload]
-    message = {"error": None if error is None else f"{type(error).__name__}: {error}"}
-    message["payload"] = payload
-    replies = [json.loads(r) for r in exchange(json.dumps(message), group)]
+    try:
+        text = json.dumps({"error": _described(error), "payload": payload})
+    except (TypeError, ValueError) as exc:  # before the collective: the peers wait in it
+        if error is None:
+            error = CheckpointError(
+                f"{what}: rank {rank}'s payload cannot be sent to the other ranks as JSON ({exc})"
+            )
+        text = json.dumps({"error": _described(error), "payload": None})
+    replies = [json.loads(r) for r in exchange(text, group)]
     if error is not None:
         raise error
     failed = [(r, m["error"]) for r, m in enumerate(replies) if m["error"] is not None]
