@@ -762,7 +762,8 @@ class Consumer:
         Waits up to ``timeout`` seconds (None: until something comes or this
         rank is drained) for at least one; returns [] when nothing came.
         After ``NO_PRODUCER_WARNING_S`` (30 s) of waiting on a run to which no
-        producer ever committed or closed, it warns once and goes on waiting.
+        producer ever committed or closed, or for a producer named in ``producers``
+        that never did, it warns once and goes on waiting.
 
         It waits without the consumer's lock, so that other threads' calls go on
         meanwhile: an ack from another thread returns the stream's credits that let
@@ -782,19 +783,32 @@ class Consumer:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return []
-            if (
-                not warned
-                and now - started >= NO_PRODUCER_WARNING_S
-                and not (self.state.producers or self.state.closed)
-            ):
-                warned = True
-                warnings.warn(
-                    f"lease() has waited {now - started:.0f} s on run {self.run_id!r} of "
-                    f"{self.ledger.safe_url}, to which no producer ever committed or closed; "
-                    f"still waiting. {self._known_runs_hint()}",
-                    stacklevel=2,
-                )
+            if not warned and now - started >= NO_PRODUCER_WARNING_S:
+                why = self._waiting_on_nobody()
+                if why is not None:
+                    warned = True
+                    warnings.warn(
+                        f"lease() has waited {now - started:.0f} s on run {self.run_id!r} of "
+                        f"{self.ledger.safe_url}, {why}; still waiting.",
+                        stacklevel=2,
+                    )
             time.sleep(_POLL_S)
+
+    @_locked
+    def _waiting_on_nobody(self) -> str | None:
+        """Why a long wait may be for producers that never come (a wrong run or producer
+        id), or None when the producers the wait is for have shown up in the ledger."""
+        state = self.state
+        if not (state.producers or state.closed):
+            return f"to which no producer ever committed or closed. {self._known_runs_hint()}"
+        unseen = sorted(self.producers - state.producers - state.closed)
+        if not unseen:
+            return None
+        known = ", ".join(repr(p) for p in sorted(state.producers | state.closed)[:20])
+        return (
+            f"for the producers {unseen} named in producers=, which never committed to or "
+            f"closed this run; if a name is wrong, check it against the run's producers: {known}"
+        )
 
     def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
         with self._lock:

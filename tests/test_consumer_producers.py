@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from dataflow import (
     InvalidIdError,
     Ledger,
     Producer,
+    _consumer,
     replay,
     seeded_order,
 )
@@ -219,6 +221,45 @@ def test_a_lease_that_waits_is_answered_by_a_producer_process_that_starts_late(
         cons.ack([*cons.state.leased], step=2)
         assert cons.drained and cons.finished
         assert replay(led, "r").verify() == []
+
+
+def test_a_long_wait_for_a_named_producer_that_never_showed_up_warns(
+    ledger, store, run_id, monkeypatch
+) -> None:
+    # A misspelt name would keep the ranks waiting for good: after a while, say which.
+    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", 0.2)
+    produce(ledger, store, run_id, "rollout-0", ["a0"])
+    cons = Consumer(
+        ledger, store, run_id=run_id, consumer_id="t", producers=["rollout-0", "rolout-1"]
+    )
+    cons.resume()
+    assert train_all(cons) == ["a0"]
+    late = threading.Timer(1.0, produce, (ledger, store, run_id, "rolout-1", ["b0"]))
+    late.start()
+    with pytest.warns(
+        UserWarning,
+        match=r"for the producers \['rolout-1'\] named in producers=, which never committed "
+        r"to or closed this run; .* run's producers: 'rollout-0'",
+    ) as got:
+        refs = cons.lease(4, timeout=None)
+    late.join()
+    assert got[0].filename == __file__  # it points at the lease() call
+    assert [r.sample_id for r in refs] == ["b0"]
+
+
+def test_a_wait_for_a_named_producer_that_committed_does_not_warn(
+    ledger, store, run_id, monkeypatch
+) -> None:
+    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", 0.1)
+    slow = Producer(ledger, store, run_id=run_id, producer_id="b")
+    slow.emit("b0", features(0))  # known to the ledger, still open
+    cons = Consumer(ledger, store, run_id=run_id, consumer_id="t", producers=["b"])
+    cons.resume()
+    assert train_all(cons) == ["b0"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cons.lease(4, timeout=0.5) == []
+    slow.close()
 
 
 # -- bad input --------------------------------------------------------------------------
