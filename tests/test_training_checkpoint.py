@@ -212,6 +212,37 @@ class _PlainPickleFormat(CheckpointManager):
         return {k: torch.tensor(v) for k, v in loaded.items()}
 
 
+class _SavedAgainBeforeTheRead(CheckpointManager):
+    """Another writer saves the step again between the digest check and the read."""
+
+    other: CheckpointManager
+    state: dict[str, Any]
+    moment = "before"  # or "during": saved again after the read opened the file
+
+    def _read(self, file: Path) -> Any:
+        if self.moment == "before":
+            self.other.save(1, self.state)
+            return super()._read(file)
+        with open(file, "rb") as f:  # the checked file, open: it is what is read
+            self.other.save(1, self.state)
+            return torch.load(f, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("moment", ["before", "during"])
+def test_a_file_replaced_between_its_check_and_its_read_is_refused(
+    tmp_path: Path, moment: str
+) -> None:
+    # Without a ledger a step saved again replaces its directory: a load that checked the
+    # old files must not hand out the new ones unchecked, nor fail with a bare OSError.
+    first, again = _state(1), _state(2)
+    _manager(tmp_path).save(1, first)
+    racing = _SavedAgainBeforeTheRead(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
+    racing.other, racing.state, racing.moment = _manager(tmp_path), again, moment
+    with pytest.raises(CorruptCheckpointError, match="load again"):
+        racing.load(1)
+    _assert_equal(_manager(tmp_path).load(1), again)  # once it is stable, the new save loads
+
+
 def test_a_subclass_changes_the_format_through_the_hooks(tmp_path: Path) -> None:
     manager = _PlainPickleFormat(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
     path = manager.save(3, {"w": torch.tensor([1.0, 2.0])}, metrics={ACC: 1.0})

@@ -64,9 +64,11 @@ from training._layout import (
     STATE_FILE,
     TMP_PREFIX,
     TRASH_PREFIX,
+    Identity,
     SavedCheckpoint,
     checkpoint_dir_name,
     file_digest,
+    identity,
     manifest_bytes,
     parse_dir_name,
     point,
@@ -209,6 +211,8 @@ class CheckpointManager:
         self._pending_result: dict[str, Any] = {}
         self._async_group: Any = None
         self._resumed_from: SavedCheckpoint | None = None
+        #: The identity of each file whose digest a load checked, until it is read.
+        self._checked: dict[Path, Identity] = {}
         if consumer is not None:
             self._attach(consumer)
         elif self.run_id is not None:
@@ -393,7 +397,7 @@ class CheckpointManager:
             if chosen is not None:
                 saved = read_manifest(Path(chosen["path"]), expected_digest=chosen["digest"])
                 if rank != 0:
-                    verify_files(saved, self._files_of_rank(saved, rank))
+                    self._checked.update(verify_files(saved, self._files_of_rank(saved, rank)))
                 state = self._load_state(saved)
                 self._resumed_from = saved
                 if check is not None:
@@ -885,7 +889,7 @@ class CheckpointManager:
         for c in candidates:
             try:
                 saved = read_manifest(self._locate(c), expected_digest=c.digest)
-                verify_files(saved)
+                self._checked.update(verify_files(saved))
             except CheckpointError as exc:
                 if which != "latest":
                     raise
@@ -935,7 +939,7 @@ class CheckpointManager:
                 )
             for saved in candidates:
                 try:
-                    verify_files(saved, self._files_for(saved, rank))
+                    self._checked.update(verify_files(saved, self._files_for(saved, rank)))
                 except CheckpointError as exc:
                     warnings.warn(f"skipping checkpoint {saved.path}: {exc}", stacklevel=3)
                     continue
@@ -965,7 +969,7 @@ class CheckpointManager:
                     f"no checkpoint at step {step} of run {self.run_id!r}; saved: {steps[-20:]}"
                 )
             saved = matches[-1]
-        verify_files(saved, self._files_for(saved, rank))
+        self._checked.update(verify_files(saved, self._files_for(saved, rank)))
         return saved
 
     def _files_for(self, saved: SavedCheckpoint, rank: int | None) -> list[str]:
@@ -993,7 +997,23 @@ class CheckpointManager:
         return _decode(self._read_checked(saved, STATE_FILE))
 
     def _read_checked(self, saved: SavedCheckpoint, name: str) -> dict:
-        state = self._read(saved.path / name)
+        """``_read`` of a file whose digest was just checked, refused unless the file read is
+        the file checked (without a ledger, a step saved again replaces its directory)."""
+        file = saved.path / name
+        checked = self._checked.pop(file, None)
+        try:
+            state = self._read(file)
+            now = identity(os.stat(file))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{file} is gone since its digest was checked: the step was saved again or the "
+                "checkpoint removed meanwhile; load again"
+            ) from None
+        if checked is not None and now != checked:
+            raise CorruptCheckpointError(
+                f"{file} was replaced after its digest was checked (the step saved again "
+                "meanwhile?): what was read may not be what was checked; load again"
+            )
         if not isinstance(state, dict):
             raise CorruptCheckpointError(
                 f"{saved.path / name} holds a {type(state).__name__}, not a state dict"

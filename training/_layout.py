@@ -64,10 +64,24 @@ def parse_dir_name(name: str) -> tuple[int, int | None] | None:
     return int(match[1]), None if match[2] is None else int(match[2])
 
 
+#: What tells one file from another at a path: device, inode, size, modification time.
+Identity = tuple[int, int, int, int]
+
+
+def identity(st: os.stat_result) -> Identity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def file_digest(path: Path) -> dict[str, Any]:
+    return _digest_and_identity(path)[0]
+
+
+def _digest_and_identity(path: Path) -> tuple[dict[str, Any], Identity]:
+    """The size and sha256 of the file at ``path``, and the identity of the file hashed."""
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"size": path.stat().st_size, "sha256": digest}
+        st = os.fstat(f.fileno())
+    return {"size": st.st_size, "sha256": digest}, identity(st)
 
 
 @dataclass(frozen=True)
@@ -182,9 +196,12 @@ def _check_self_digest(data: dict[str, Any], file: Path) -> None:
         )
 
 
-def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> None:
-    """Check ``names`` (default: every file of the manifest) against their sizes and digests."""
+def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> dict[Path, Identity]:
+    """Check ``names`` (default: every file of the manifest) against their sizes and digests;
+    the identity of each file checked, by path (a read by path compares it: see
+    ``CheckpointManager._read_checked``)."""
     files = saved.manifest["files"]
+    checked: dict[Path, Identity] = {}
     for name in files if names is None else names:
         expected = files.get(name)
         if expected is None:
@@ -192,7 +209,7 @@ def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> None
         file = saved.path / name
         if not file.is_file():
             raise CorruptCheckpointError(f"checkpoint {saved.path} is missing {name}")
-        actual = file_digest(file)
+        actual, checked[file] = _digest_and_identity(file)
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{file} is corrupt: size {actual['size']}, sha256 {actual['sha256'][:16]}..., "
@@ -205,6 +222,7 @@ def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> None
             f"checkpoint {saved.path} holds no model and no {NO_MODEL_FILE} marker: a checkpoint "
             "without weights is valid only when its run left the model out on purpose"
         )
+    return checked
 
 
 def write_atomic(path: Path, data: bytes) -> None:
