@@ -243,6 +243,25 @@ def test_a_file_replaced_between_its_check_and_its_read_is_refused(
     _assert_equal(_manager(tmp_path).load(1), again)  # once it is stable, the new save loads
 
 
+def test_a_file_replaced_while_its_digest_is_checked_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from training import _layout
+
+    _manager(tmp_path).save(1, _state(1))
+    hash_file = hashlib.file_digest
+
+    def saved_again_meanwhile(f: Any, name: str) -> Any:
+        monkeypatch.setattr(_layout.hashlib, "file_digest", hash_file)
+        _manager(tmp_path).save(1, _state(2))  # the old file is hashed, the path names a new one
+        return hash_file(f, name)
+
+    monkeypatch.setattr(_layout.hashlib, "file_digest", saved_again_meanwhile)
+    with pytest.raises(CorruptCheckpointError, match="replaced while its digest was checked"):
+        _manager(tmp_path).load(1)
+    _assert_equal(_manager(tmp_path).load(1), _state(2))
+
+
 def test_a_subclass_changes_the_format_through_the_hooks(tmp_path: Path) -> None:
     manager = _PlainPickleFormat(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
     path = manager.save(3, {"w": torch.tensor([1.0, 2.0])}, metrics={ACC: 1.0})

@@ -76,12 +76,15 @@ def file_digest(path: Path) -> dict[str, Any]:
     return _digest_and_identity(path)[0]
 
 
-def _digest_and_identity(path: Path) -> tuple[dict[str, Any], Identity]:
-    """The size and sha256 of the file at ``path``, and the identity of the file hashed."""
+def _digest_and_identity(path: Path) -> tuple[dict[str, Any], Identity | None]:
+    """The size and sha256 of the file at ``path``, and the identity of the file hashed;
+    None when the path named another file after the hash than before it (replaced
+    meanwhile). Identities by path, not fstat: overlayfs answers those two differently."""
+    before = identity(os.stat(path))
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-        st = os.fstat(f.fileno())
-    return {"size": st.st_size, "sha256": digest}, identity(st)
+    after = identity(os.stat(path))
+    return {"size": after[2], "sha256": digest}, after if after == before else None
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,13 @@ def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> dict
         file = saved.path / name
         if not file.is_file():
             raise CorruptCheckpointError(f"checkpoint {saved.path} is missing {name}")
-        actual, checked[file] = _digest_and_identity(file)
+        actual, checked_as = _digest_and_identity(file)
+        if checked_as is None:
+            raise CorruptCheckpointError(
+                f"{file} was replaced while its digest was checked (the step saved again "
+                "meanwhile?); load again"
+            )
+        checked[file] = checked_as
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{file} is corrupt: size {actual['size']}, sha256 {actual['sha256'][:16]}..., "
