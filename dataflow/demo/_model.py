@@ -30,6 +30,11 @@ def sample_id(index: int) -> str:
     return f"prompt-{index:06d}"
 
 
+def producer_id(index: int) -> str:
+    """The id of demo producer ``index``: kept across its restarts, named by the ranks."""
+    return f"producer-{index}"
+
+
 def sample_index(sample_id: str) -> int:
     return int(sample_id.rsplit("-", 1)[1])
 

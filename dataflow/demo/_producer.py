@@ -10,7 +10,7 @@ import torch
 
 from dataflow import Ledger, Producer
 from dataflow.demo._child import kill_self
-from dataflow.demo._model import TargetNetwork, sample_id
+from dataflow.demo._model import TargetNetwork, producer_id, sample_id
 from dataflow.streams import SenderConfig, ZmqRefSender
 from stores import open_store
 
@@ -20,7 +20,7 @@ CHUNK = 8  # samples per emit_many: one ledger transaction
 def produce(config: dict, index: int) -> None:
     torch.set_num_threads(1)
     target = TargetNetwork(config["seed"])
-    producer_id = f"producer-{index}"
+    this = producer_id(index)
     ledger = Ledger.open(config["ledger_url"])
     store = open_store(config["store_uri"])
     # Without a stream (a committed dataset, trained in a seeded order) the ranks lease
@@ -29,16 +29,12 @@ def produce(config: dict, index: int) -> None:
         ZmqRefSender(
             # Long enough to wait out a restart of both ranks; a ref that still finds no
             # credit stays pending in the ledger, and the ranks lease it from there.
-            SenderConfig(
-                endpoints=tuple(config["endpoints"]), producer_id=producer_id, send_timeout=60
-            )
+            SenderConfig(endpoints=tuple(config["endpoints"]), producer_id=this, send_timeout=60)
         )
         if config.get("stream", True)
         else None
     )
-    producer = Producer(
-        ledger, store, run_id=config["run_id"], producer_id=producer_id, stream=sender
-    )
+    producer = Producer(ledger, store, run_id=config["run_id"], producer_id=this, stream=sender)
     _kill_in_commit(config, index, store)
     mine = list(range(index, config["samples"], config["producers"]))
     # A restarted producer emits everything again: the ledger answers the ids it holds

@@ -36,6 +36,7 @@ from dataflow.demo._model import (
     TargetNetwork,
     draft_loss,
     eval_outputs,
+    producer_id,
     sample_index,
 )
 from dataflow.streams import ReceiverConfig, ZmqRefReceiver
@@ -155,6 +156,9 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
         world_size=WORLD_SIZE,
         stream=receiver,
         order_seed=None if streaming else config["seed"],
+        # Offline, a producer killed before its first commit is unknown to the ledger:
+        # without its name, the seeded order could start as soon as the other closed.
+        producers=[producer_id(index) for index in range(config["producers"])],
     )
     checkpoint_config = CheckpointConfig(
         root=config["checkpoint_root"],
