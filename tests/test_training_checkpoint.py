@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,13 +214,18 @@ class _PlainPickleFormat(CheckpointManager):
 
 
 class _SavedAgainBeforeTheRead(CheckpointManager):
-    """Another writer saves the step again between the digest check and the read."""
+    """Another writer saves the step again between the digest check and the read (each
+    time, or ``times`` times)."""
 
     other: CheckpointManager
     state: dict[str, Any]
     moment = "before"  # or "during": saved again after the read opened the file
+    times = 1_000
 
     def _read(self, file: Path) -> Any:
+        if self.times <= 0:
+            return super()._read(file)
+        self.times -= 1
         if self.moment == "before":
             self.other.save(1, self.state)
             return super()._read(file)
@@ -229,37 +235,47 @@ class _SavedAgainBeforeTheRead(CheckpointManager):
 
 
 @pytest.mark.parametrize("moment", ["before", "during"])
-def test_a_file_replaced_between_its_check_and_its_read_is_refused(
+def test_a_file_replaced_between_its_check_and_its_read_is_checked_again(
     tmp_path: Path, moment: str
 ) -> None:
     # Without a ledger a step saved again replaces its directory: a load that checked the
-    # old files must not hand out the new ones unchecked, nor fail with a bare OSError.
+    # old files must not hand out the new ones unchecked, nor fail with a bare OSError. It
+    # finds and checks the step again; while every try is overtaken, it gives up.
     first, again = _state(1), _state(2)
     _manager(tmp_path).save(1, first)
     racing = _SavedAgainBeforeTheRead(CheckpointConfig(root=tmp_path / "ckpt", run_id=RUN))
     racing.other, racing.state, racing.moment = _manager(tmp_path), again, moment
     with pytest.raises(CorruptCheckpointError, match="load again"):
-        racing.load(1)
-    _assert_equal(_manager(tmp_path).load(1), again)  # once it is stable, the new save loads
+        racing.load(1)  # saved again before every read
+    racing.times = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_equal(racing.load(1), again)  # saved again once: the second try loads it
+    listed = racing.latest()
+    racing.times = 1
+    with pytest.raises(CorruptCheckpointError, match="replaced after its digest was checked"):
+        racing.load(listed)  # names one save: it is gone, no other is taken in its place
 
 
-def test_a_file_replaced_while_its_digest_is_checked_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("which", [2, "latest"])
+def test_a_file_replaced_while_its_digest_is_checked_is_checked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, which: object
 ) -> None:
     from training import _layout
 
     _manager(tmp_path).save(1, _state(1))
+    _manager(tmp_path).save(2, _state(2))
     hash_file = hashlib.file_digest
 
     def saved_again_meanwhile(f: Any, name: str) -> Any:
         monkeypatch.setattr(_layout.hashlib, "file_digest", hash_file)
-        _manager(tmp_path).save(1, _state(2))  # the old file is hashed, the path names a new one
+        _manager(tmp_path).save(2, _state(3))  # the old file is hashed, the path names a new one
         return hash_file(f, name)
 
     monkeypatch.setattr(_layout.hashlib, "file_digest", saved_again_meanwhile)
-    with pytest.raises(CorruptCheckpointError, match="replaced while its digest was checked"):
-        _manager(tmp_path).load(1)
-    _assert_equal(_manager(tmp_path).load(1), _state(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not "skipping checkpoint": nothing is corrupt
+        _assert_equal(_manager(tmp_path).load(which), _state(3))  # not step 1: the new step 2
 
 
 def test_a_subclass_changes_the_format_through_the_hooks(tmp_path: Path) -> None:

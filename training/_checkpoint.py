@@ -56,6 +56,7 @@ from training._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    _ReplacedError,
 )
 from training._layout import (
     FORMAT,
@@ -435,14 +436,29 @@ class CheckpointManager:
         ``dataflow.Checkpoint`` (checked against the digest the ledger recorded). Reads
         with ``weights_only=True``, onto the CPU.
         """
-        return self._load_state(self._find(which, rank=None))
+        return self._loaded(which, None, self._load_state)
 
     def load_rank_state(self, which: Which = None, *, rank: int) -> dict:
         """Rank ``rank``'s own state in a checkpoint (``which`` as for ``load``)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidArgumentError(f"rank must be an int >= 0, got {rank!r}")
-        saved = self._find(which, rank=rank)
-        return _decode(self._read_checked(saved, rank_file(rank)))
+        return self._loaded(
+            which, rank, lambda saved: _decode(self._read_checked(saved, rank_file(rank)))
+        )
+
+    def _loaded(
+        self, which: Which, rank: int | None, read: Callable[[SavedCheckpoint], dict]
+    ) -> dict:
+        """``read`` of the checkpoint ``which`` names, found and checked again (up to
+        ``_LOAD_TRIES`` times) while a save replaces it meanwhile. A ``SavedCheckpoint`` or
+        ``dataflow.Checkpoint`` names one save: that one, or an error."""
+        for attempt in range(1, _LOAD_TRIES + 1):
+            try:
+                return read(self._find(which, rank=rank))
+            except _ReplacedError:
+                if attempt == _LOAD_TRIES or isinstance(which, SavedCheckpoint | Checkpoint):
+                    raise
+        raise AssertionError("unreachable")
 
     def saved(self) -> list[SavedCheckpoint]:
         """Every published checkpoint of this run, oldest save first (files not yet checked).
@@ -940,7 +956,11 @@ class CheckpointManager:
             for saved in candidates:
                 try:
                     self._checked.update(verify_files(saved, self._files_for(saved, rank)))
+                except _ReplacedError:
+                    raise
                 except CheckpointError as exc:
+                    if _manifest_changed(saved):  # saved again since it was listed
+                        raise _ReplacedError(str(exc)) from exc
                     warnings.warn(f"skipping checkpoint {saved.path}: {exc}", stacklevel=3)
                     continue
                 return saved
@@ -1005,12 +1025,12 @@ class CheckpointManager:
             state = self._read(file)
             now = identity(os.stat(file))
         except FileNotFoundError:
-            raise CorruptCheckpointError(
+            raise _ReplacedError(
                 f"{file} is gone since its digest was checked: the step was saved again or the "
                 "checkpoint removed meanwhile; load again"
             ) from None
         if checked is not None and now != checked:
-            raise CorruptCheckpointError(
+            raise _ReplacedError(
                 f"{file} was replaced after its digest was checked (the step saved again "
                 "meanwhile?): what was read may not be what was checked; load again"
             )
@@ -1019,6 +1039,18 @@ class CheckpointManager:
                 f"{saved.path / name} holds a {type(state).__name__}, not a state dict"
             )
         return state
+
+
+#: Loads that found their checkpoint replaced meanwhile, before one gives up ("load again").
+_LOAD_TRIES = 3
+
+
+def _manifest_changed(saved: SavedCheckpoint) -> bool:
+    """Whether ``saved``'s directory holds another save than when it was listed (or none)."""
+    try:
+        return read_manifest(saved.path).digest != saved.digest
+    except CheckpointError:
+        return True
 
 
 def _holds_rank(saved: SavedCheckpoint, rank: int) -> bool:

@@ -32,6 +32,11 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest, or its manifest the ledger's record."""
 
 
+class _ReplacedError(CorruptCheckpointError):
+    """A checkpoint's file or directory was replaced while a load checked or read it (without
+    a ledger, the step saved again meanwhile): not corruption; the load lists again."""
+
+
 class IncompatibleCheckpointError(CheckpointError, ValueError):
     """The checkpoint was saved by a run set up differently (accumulation, seed, dataset;
     ranks, unless resized with ``allow_resize``)."""

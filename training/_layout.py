@@ -26,7 +26,7 @@ from typing import Any
 
 from dataflow import InvalidArgumentError
 from dataflow._durable import fsync_path
-from training._errors import CheckpointNotFoundError, CorruptCheckpointError
+from training._errors import CheckpointNotFoundError, CorruptCheckpointError, _ReplacedError
 
 FORMAT = 2
 MANIFEST_FILE = "manifest.json"
@@ -214,7 +214,7 @@ def verify_files(saved: SavedCheckpoint, names: list[str] | None = None) -> dict
             raise CorruptCheckpointError(f"checkpoint {saved.path} is missing {name}")
         actual, checked_as = _digest_and_identity(file)
         if checked_as is None:
-            raise CorruptCheckpointError(
+            raise _ReplacedError(
                 f"{file} was replaced while its digest was checked (the step saved again "
                 "meanwhile?); load again"
             )
