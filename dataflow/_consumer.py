@@ -703,14 +703,21 @@ class Consumer:
             return False
         return next(self.state.pending_for(self.rank), None) is None
 
+    @property
+    @_locked
+    def producers_done(self) -> bool:
+        """No producer this rank waits for is still open: every producer that committed
+        has closed (with a stream: the stream ended), and so has every one named in
+        ``producers``. As of the events folded so far (:meth:`refresh` folds new ones)."""
+        done = self._producers_done() if self.stream is None else self.stream.exhausted
+        return done and self.producers <= self.state.closed
+
     def _share_fixed(self) -> bool:
         """No more work can come to this rank's queue (a nack aside)."""
-        state = self.state
-        if not (self._producers_done() if self.stream is None else self.stream.exhausted):
-            return False
-        if not self.producers <= state.closed:  # with a stream too: its close is in the ledger
+        if not self.producers_done:
             return False
         # Seeded order: the regenerated samples come back to their places.
+        state = self.state
         return not (state.order_seed is not None and state.regenerate)
 
     @property
@@ -763,7 +770,8 @@ class Consumer:
         rank is drained) for at least one; returns [] when nothing came.
         After ``NO_PRODUCER_WARNING_S`` (30 s) of waiting on a run to which no
         producer ever committed or closed, or for a producer named in ``producers``
-        that never did, it warns once and goes on waiting.
+        that never did, it warns once and goes on waiting (the wait counts across
+        calls that find nothing, as a loader's short leases do).
 
         It waits without the consumer's lock, so that other threads' calls go on
         meanwhile: an ack from another thread returns the stream's credits that let
@@ -773,26 +781,37 @@ class Consumer:
             self._require_epoch()
         _check_int("max_refs", max_refs, minimum=1)
         check_timeout(timeout, none_means="wait until something comes or this rank is drained")
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        warned = False
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             refs = self._lease_once(max_refs, deadline)
             if refs or self.drained:
+                self._idle_since, self._idle_warned = None, False
                 return refs
             now = time.monotonic()
+            self._warn_if_waiting_on_nobody(now)
             if deadline is not None and now >= deadline:
                 return []
-            if not warned and now - started >= NO_PRODUCER_WARNING_S:
-                why = self._waiting_on_nobody()
-                if why is not None:
-                    warned = True
-                    warnings.warn(
-                        f"lease() has waited {now - started:.0f} s on run {self.run_id!r} of "
-                        f"{self.ledger.safe_url}, {why}; still waiting.",
-                        stacklevel=2,
-                    )
             time.sleep(_POLL_S)
+
+    #: Since when leases have found nothing (across calls: a loader leases in short waits),
+    #: and whether that wait was warned about.
+    _idle_since: float | None = None
+    _idle_warned = False
+
+    def _warn_if_waiting_on_nobody(self, now: float) -> None:
+        if self._idle_since is None:
+            self._idle_since = now
+        waited = now - self._idle_since
+        if self._idle_warned or waited < NO_PRODUCER_WARNING_S:
+            return
+        why = self._waiting_on_nobody()
+        if why is not None:
+            self._idle_warned = True
+            warnings.warn(
+                f"lease() has waited {waited:.0f} s on run {self.run_id!r} of "
+                f"{self.ledger.safe_url}, {why}; still waiting.",
+                stacklevel=3,
+            )
 
     @_locked
     def _waiting_on_nobody(self) -> str | None:

@@ -32,6 +32,7 @@ from dataflow import (
 )
 from dataflow.streams import MemoryStream
 from stores import LocalFeatureStore, SharedDirFeatureStore
+from training import CheckpointConfig, CheckpointManager, FeatureLoader, LoaderConfig, Trainer
 
 WAIT = 60.0  # only ever waited out when something is broken
 
@@ -260,6 +261,64 @@ def test_a_wait_for_a_named_producer_that_committed_does_not_warn(
         warnings.simplefilter("error")
         assert cons.lease(4, timeout=0.5) == []
     slow.close()
+
+
+# -- through the training loop ----------------------------------------------------------
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_feature_loader_waits_for_a_named_producer(ledger, store, run_id, prefetch) -> None:
+    produce(ledger, store, run_id, "a", ["a0", "a1", "a2"])
+    cons = Consumer(ledger, store, run_id=run_id, consumer_id="t", producers=["a", "b"])
+    cons.resume()
+    late = threading.Timer(0.5, produce, (ledger, store, run_id, "b", ["b0", "b1"]))
+    late.start()
+    loader = FeatureLoader(cons, config=LoaderConfig(batch_size=2, prefetch=prefetch))
+    trained = []
+    for step, batch in enumerate(loader, start=1):  # ends once the rank is drained
+        trained += [r.sample_id for r in batch.refs]
+        loader.ack(batch.refs, step=step)
+    loader.close()
+    late.join()
+    assert sorted(trained) == ["a0", "a1", "a2", "b0", "b1"]
+    assert cons.finished
+
+
+def test_a_trainer_trains_a_named_producer_that_starts_late(tmp_path, ledger, store, run_id):
+    produce(ledger, store, run_id, "a", ["a0", "a1"])
+    trained: list[str] = []
+    trainer = Trainer(
+        Consumer(ledger, store, run_id=run_id, consumer_id="t", producers=["a", "b"]),
+        step_fn=lambda batch: trained.extend(r.sample_id for r in batch.refs),
+        checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+        state_fn=lambda: {"w": torch.zeros(1)},
+        loader_config=LoaderConfig(batch_size=2),
+    )
+    late = threading.Timer(0.5, produce, (ledger, store, run_id, "b", ["b0", "b1"]))
+    late.start()
+    assert trainer.run() == 2
+    late.join()
+    assert trained == ["a0", "a1", "b0", "b1"]
+    state = replay(ledger, run_id)
+    assert state.verify() == [] and set(state.trained) == {"a0", "a1", "b0", "b1"}
+
+
+def test_a_loader_waiting_for_a_named_producer_that_never_showed_up_warns(
+    ledger, store, run_id, monkeypatch
+) -> None:
+    # The loader leases in short waits: the consumer counts the wait across them.
+    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", 0.5)
+    produce(ledger, store, run_id, "rollout-0", ["a0"])
+    cons = Consumer(
+        ledger, store, run_id=run_id, consumer_id="t", producers=["rollout-0", "rolout-1"]
+    )
+    cons.resume()
+    loader = FeatureLoader(cons, config=LoaderConfig(batch_size=2, lease_timeout=2.0))
+    assert [r.sample_id for r in loader.next_batch().refs] == ["a0"]
+    with pytest.warns(UserWarning) as got:
+        assert loader.next_batch() is None  # lease_timeout: it stops early, and says so too
+    said = [str(w.message) for w in got]
+    assert any("for the producers ['rolout-1'] named in producers=" in m for m in said), said
+    assert any("no refs came within lease_timeout=2.0s" in m for m in said), said
+    loader.close()
 
 
 # -- bad input --------------------------------------------------------------------------

@@ -442,10 +442,10 @@ class FeatureLoader:
         consumer = self.consumer
         if consumer.finished:
             return True
-        done = (
-            consumer.state.producers_done if consumer.stream is None else consumer.stream.exhausted
+        return (
+            consumer.producers_done
+            and next(consumer.state.pending_for(consumer.rank), None) is None
         )
-        return done and next(consumer.state.pending_for(consumer.rank), None) is None
 
     def _executor(self) -> ThreadPoolExecutor:
         # One thread: leases and acks run in the order they were given.

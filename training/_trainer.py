@@ -401,7 +401,7 @@ class Trainer:
         ]
         # The dataset: only a committed one has a size, and only rank 0 has caught up.
         sizes = saved.get("dataset_size"), mine["dataset_size"]
-        comparable = consumer.rank == 0 and None not in sizes and consumer.state.producers_done
+        comparable = consumer.rank == 0 and None not in sizes and consumer.producers_done
         if comparable and sizes[0] != sizes[1]:
             problems.append(f"dataset_size was {sizes[0]}, now {sizes[1]}")
         if problems:
