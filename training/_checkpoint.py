@@ -212,8 +212,7 @@ class CheckpointManager:
         self._pending_result: dict[str, Any] = {}
         self._async_group: Any = None
         self._resumed_from: SavedCheckpoint | None = None
-        #: The identity of each file whose digest a load checked, until it is read.
-        self._checked: dict[Path, Identity] = {}
+        self._loading = threading.local()  # what a load of this thread checked
         if consumer is not None:
             self._attach(consumer)
         elif self.run_id is not None:
@@ -1015,6 +1014,15 @@ class CheckpointManager:
 
     def _load_state(self, saved: SavedCheckpoint) -> dict:
         return _decode(self._read_checked(saved, STATE_FILE))
+
+    @property
+    def _checked(self) -> dict[Path, Identity]:
+        """The identity of each file whose digest a load in this thread checked, until it
+        is read (per thread: loads in other threads check and read files of their own)."""
+        checked: dict[Path, Identity] | None = getattr(self._loading, "checked", None)
+        if checked is None:
+            checked = self._loading.checked = {}
+        return checked
 
     def _read_checked(self, saved: SavedCheckpoint, name: str) -> dict:
         """``_read`` of a file whose digest was just checked, refused unless the file read is
