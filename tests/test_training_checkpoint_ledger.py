@@ -595,19 +595,3 @@ def test_the_ledger_digest_is_the_manifests_sha256(tmp_path: Path, led) -> None:
     [event] = _events(led, Kind.CHECKPOINT)
     expected = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
     assert event.payload == {"path": str(path), "digest": expected}
-
-
-def test_rng_state_leaves_an_accelerator_the_process_has_not_started_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A CPU job on a GPU machine: reading the device's generator would create a CUDA
-    # context (hundreds of MiB of GPU memory in every rank). A fake CUDA: our logic only;
-    # tests/test_accelerator.py checks the real device's state on a GPU machine.
-    started: list[str] = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: started.append("cuda") or 0)
-    state = training.rng_state()
-    assert "accelerator" not in state and started == []
-    training.set_rng_state(state)  # nothing of the device's to restore: it stays unstarted
-    assert started == []

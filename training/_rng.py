@@ -14,9 +14,7 @@ from training._accelerator import current_accelerator
 def rng_state() -> dict[str, Any]:
     """Python's, NumPy's (when installed), torch's CPU and the current accelerator device's
     RNG state. Only the current device: a checkpoint loads on a machine with another
-    number of devices. A process that has not used its accelerator yet (a CPU job on a
-    GPU machine) leaves it alone: reading the state would start it. Every value loads
-    with ``torch.load(weights_only=True)``."""
+    number of devices. Every value loads with ``torch.load(weights_only=True)``."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
@@ -31,7 +29,7 @@ def rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
-    device = current_accelerator(initialize=False)
+    device = current_accelerator()
     if device is not None:
         module = torch.get_device_module(device.type)
         state["accelerator"] = {"type": device.type, "state": module.get_rng_state(device.index)}
@@ -70,6 +68,6 @@ def _apply(state: dict[str, Any]) -> None:
             keys = n["keys"].numpy().astype(np.uint32)
             np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     saved = state.get("accelerator")
-    device = None if saved is None else current_accelerator()  # only then: it may start it
+    device = current_accelerator()
     if saved is not None and device is not None and saved["type"] == device.type:
         torch.get_device_module(device.type).set_rng_state(saved["state"], device.index)
