@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,26 @@ def test_one_module_alone_is_refused_not_iterated(consumer: Consumer) -> None:
             StepHelper(consumer, modules=alone)  # type: ignore[arg-type]
 
 
+class _LikeFSDP2(torch.nn.Linear):
+    """What tells an FSDP2 module apart: set_requires_gradient_sync, no no_sync (our logic
+    only; the two-rank test below runs a real one)."""
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        raise AssertionError("StepHelper must not defer an FSDP2 module's reductions")
+
+
+def test_an_fsdp2_module_is_reduced_every_micro_batch_and_says_so(consumer: Consumer) -> None:
+    with pytest.warns(UserWarning, match=r"_LikeFSDP2 is an FSDP2 module .* every micro-batch"):
+        helper = StepHelper(consumer, grad_accum=2, modules=[_LikeFSDP2(2, 1)])
+    for last in (False, True):
+        with helper.micro_step(_batch(consumer), last=last):
+            pass
+    helper.finish(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to defer without accumulation
+        StepHelper(consumer, grad_accum=1, modules=[_LikeFSDP2(2, 1)])
+
+
 def test_bad_input(consumer: Consumer) -> None:
     with pytest.raises(ValueError, match=r"consumer must be a dataflow\.Consumer"):
         StepHelper("trainer")  # type: ignore[arg-type]
@@ -210,7 +231,7 @@ def _rank(rank: int, args: dict[str, Any]) -> None:
             x = batch.features["x"]
             wrapped(x).pow(2).sum().backward()
             if args["wrap"] == "fsdp2" and all(p.grad is not None for p in model.parameters()):
-                reductions[0] += 1  # reduce-scattered into the sharded gradients: not deferred
+                reductions[0] += 1  # reduce-scattered into the sharded gradients
 
         def optimizer_fn(step: int) -> None:
             optimizer.step()
@@ -269,16 +290,15 @@ def _train_two_ranks(tmp_path: Path, *, wrap: str, defer: bool) -> list[dict[str
 def test_deferred_reductions_give_the_weights_of_reducing_every_micro_step(
     tmp_path: Path, wrap: str
 ) -> None:
-    # DDP through no_sync(); FSDP2 (fully_shard, no no_sync) through
-    # set_requires_gradient_sync(False): its sharded gradients stay unset until the
-    # boundary's backward reduce-scatters the step's sum.
+    # DDP through no_sync(). FSDP2 (fully_shard) has no no_sync() and is not deferred:
+    # it reduce-scatters every micro-batch, in modules= or not, with the same weights.
     deferred = _train_two_ranks(tmp_path, wrap=wrap, defer=True)
     every = _train_two_ranks(tmp_path, wrap=wrap, defer=False)
     steps = SAMPLES // (2 * BATCH * ACCUM)
     for rank in range(2):
         assert deferred[rank]["steps"] == every[rank]["steps"] == steps
-        # One reduction per optimizer step instead of one per micro-batch: ACCUM - 1 deferred.
-        assert deferred[rank]["reductions"] == steps
+        # DDP: one reduction per optimizer step instead of one per micro-batch.
+        assert deferred[rank]["reductions"] == (steps if wrap == "ddp" else steps * ACCUM)
         assert every[rank]["reductions"] == steps * ACCUM
         assert deferred[rank]["deferred"] == steps * (ACCUM - 1)
         assert (deferred[rank]["weight"], deferred[rank]["bias"]) == (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -29,26 +30,18 @@ def _check_modules(modules: Iterable[Any]) -> tuple[torch.nn.Module, ...]:
     return checked
 
 
-@contextlib.contextmanager
-def _without_gradient_sync(set_sync: Callable[[bool], object]) -> Iterator[None]:
-    set_sync(False)
-    try:
-        yield
-    finally:
-        set_sync(True)
-
-
-def _deferring(module: torch.nn.Module) -> contextlib.AbstractContextManager[Any] | None:
-    """What defers ``module``'s gradient reduction for one micro-step: ``no_sync()`` of
-    DDP and FSDP, ``set_requires_gradient_sync(False)`` of FSDP2 (``fully_shard``, which
-    has no ``no_sync``); None for a module that reduces nothing itself."""
-    no_sync = getattr(module, "no_sync", None)
-    if no_sync is not None:
-        return no_sync()
-    set_sync = getattr(module, "set_requires_gradient_sync", None)
-    if set_sync is not None:
-        return _without_gradient_sync(set_sync)
-    return None
+def _warn_about_fsdp2(modules: tuple[torch.nn.Module, ...]) -> None:
+    for module in modules:
+        if not hasattr(module, "no_sync") and hasattr(module, "set_requires_gradient_sync"):
+            warnings.warn(
+                f"{type(module).__name__} is an FSDP2 module (fully_shard): it has no "
+                "no_sync(), and StepHelper does not defer its reductions, so it reduce-"
+                "scatters every micro-batch (its gradients stay sharded). Deferring them "
+                "with set_requires_gradient_sync(False) would keep unsharded gradients that "
+                "zero_grad() cannot clear, and an abandoned step would leak them into the "
+                "next one",
+                stacklevel=3,
+            )
 
 
 class StepHelper:
@@ -57,13 +50,12 @@ class StepHelper:
     Every micro-batch runs inside ``with helper.micro_step(batch, last=...)``: the
     forward and backward of all but the last micro-batch of an optimizer step run
     under ``no_sync()`` of every module that has one (``DistributedDataParallel``,
-    FSDP), and with ``set_requires_gradient_sync(False)`` of every FSDP2 module
-    (``fully_shard``), so gradients are reduced once per optimizer step, not once
-    per micro-batch. (FSDP2 then holds unsharded gradients between micro-batches,
-    as FSDP's ``no_sync`` does; leave a module out of ``modules`` to keep its
-    gradients sharded and reduce every micro-batch.) The boundary must be known
-    before backward: it is the ``grad_accum``-th micro-batch, or the one the caller
-    marks ``last=True`` (the data ends: a short last step). ``micro_step`` yields
+    FSDP), so gradients are reduced once per optimizer step, not once per
+    micro-batch. An FSDP2 module (``fully_shard``) has no ``no_sync()``: it is
+    reduced every micro-batch, and passing one in ``modules`` with ``grad_accum > 1``
+    warns why. The boundary must be known before backward: it is the
+    ``grad_accum``-th micro-batch, or the one the caller marks ``last=True`` (the
+    data ends: a short last step). ``micro_step`` yields
     whether this micro-batch ends the step. At the boundary, after the optimizer
     step, ``finish(step)`` acks the refs of every micro-batch of the step in one
     ledger transaction, through ``ack`` when given (the Trainer passes its
@@ -91,10 +83,11 @@ class StepHelper:
         self._ack: Callable[..., object] = consumer.ack if ack is None else ack
         self.grad_accum = grad_accum
         self.modules = _check_modules(modules)
+        if grad_accum > 1:
+            _warn_about_fsdp2(self.modules)
         #: Micro-batches of the optimizer step in progress.
         self.micro_batches = 0
-        #: Micro-steps run under no_sync() (FSDP2: without gradient sync) so far: their
-        #: reduction was deferred.
+        #: Micro-steps run under no_sync() so far: their reduction was deferred.
         self.deferred = 0
         self._refs: list[SampleRef] = []
         self._boundary = False
@@ -130,9 +123,9 @@ class StepHelper:
         with contextlib.ExitStack() as stack:
             if not boundary:
                 for module in self.modules:
-                    deferring = _deferring(module)
-                    if deferring is not None:
-                        stack.enter_context(deferring)
+                    no_sync = getattr(module, "no_sync", None)
+                    if no_sync is not None:
+                        stack.enter_context(no_sync())
             yield boundary
         self._refs.extend(batch.refs)
         self.micro_batches += 1

@@ -90,8 +90,7 @@ class Trainer:
     ``optimizer_fn(step)`` (optimizer step, zero_grad, scheduler) and acks the refs
     of all those micro-batches at that step, in one transaction (``StepHelper``):
     the micro-batches before the last of a step run under ``no_sync()`` of each of
-    ``modules`` (DDP, FSDP; FSDP2: without gradient sync), so gradients are reduced
-    once per step. To know the
+    ``modules`` (DDP, FSDP), so gradients are reduced once per step. To know the
     boundary before backward, the next micro-batch is leased before the current
     one runs. Then, on their cadences, it evaluates and saves ``state_fn()`` (and
     each rank's ``rank_state_fn()``) through the CheckpointManager, which records
