@@ -137,16 +137,36 @@ def test_a_stream_agrees_per_micro_batch_until_it_ends_then_once(tmp_path: Path)
     assert sum(first["sizes"]) + sum(second["sizes"]) == 16
 
 
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise KeyError("no message")
+
+
+def _deep(levels: int) -> list:
+    nested: list = []
+    for _ in range(levels):
+        nested = [nested]
+    return nested
+
+
 def _agree_with_a_bad_payload(rank: int, args: dict[str, Any]) -> None:
     from training._dist import agree
 
     init_gloo(rank, args["port"])
     try:
-        payload = {"ok": rank} if rank == 0 else {"not json": {1, 2}}  # a set: no JSON
+        error, payload = None, {"ok": rank}
+        if rank == 1:
+            case = args["case"]
+            if case == "set":
+                payload = {"not json": {1, 2}}
+            elif case == "deep":
+                payload = _deep(100_000)  # RecursionError while encoding
+            else:
+                error = _UnprintableError()
         try:
-            agree(None, payload, world_size=2, rank=rank, what="the test's meeting")
+            agree(error, payload, world_size=2, rank=rank, what="the test's meeting")
         except Exception as exc:  # every rank must get here, none left in the collective
-            outcome = f"{type(exc).__name__}: {exc}"
+            outcome = f"{type(exc).__name__}: {_described(exc)}"
         else:
             outcome = "no error"
         Path(args["out"], f"agree{rank}.json").write_text(json.dumps(outcome))
@@ -155,12 +175,29 @@ def _agree_with_a_bad_payload(rank: int, args: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
-def test_a_payload_one_rank_cannot_send_fails_every_rank_instead_of_hanging_its_peer(
-    tmp_path: Path,
+def _described(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return "(unprintable)"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("set", "rank 1's payload cannot be sent to the other ranks as JSON (TypeError"),
+        ("deep", "rank 1's payload cannot be sent to the other ranks as JSON (RecursionError"),
+        ("unprintable", "_UnprintableError: (its message could not be made: KeyError)"),
+    ],
+)
+def test_what_one_rank_cannot_send_fails_every_rank_instead_of_hanging_its_peer(
+    tmp_path: Path, case: str, expected: str
 ) -> None:
-    args = run_args(tmp_path)
+    args = run_args(tmp_path, case=case)
     ranks = [start(_agree_with_a_bad_payload, r, args) for r in range(2)]
     assert [join(process) for process in ranks] == [0, 0]
     first, second = (json.loads((tmp_path / f"agree{r}.json").read_text()) for r in range(2))
-    assert second.startswith("CheckpointError: the test's meeting: rank 1's payload cannot")
     assert first.startswith("CheckpointError: the test's meeting failed on rank 1 (this is rank 0)")
+    assert expected in first
+    if case != "unprintable":
+        assert second.startswith("CheckpointError: the test's meeting: rank 1's payload")

@@ -33,7 +33,14 @@ def exchange(text: str, group: Any = None) -> list[str]:
 
 
 def _described(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
+    """``error`` as its peers read it; never raises (its ``__str__`` is user code)."""
+    if error is None:
+        return None
+    try:
+        message = str(error)
+    except Exception as exc:
+        message = f"(its message could not be made: {type(exc).__name__})"
+    return f"{type(error).__name__}: {message}"
 
 
 def agree(
@@ -56,14 +63,17 @@ def agree(
         if error is not None:
             raise error
         return [payload]
+    described = _described(error)
     try:
-        text = json.dumps({"error": _described(error), "payload": payload})
-    except (TypeError, ValueError) as exc:  # before the collective: the peers wait in it
+        text = json.dumps({"error": described, "payload": payload})
+    except Exception as exc:  # before the collective: the peers wait in it
         if error is None:
             error = CheckpointError(
-                f"{what}: rank {rank}'s payload cannot be sent to the other ranks as JSON ({exc})"
+                f"{what}: rank {rank}'s payload cannot be sent to the other ranks as JSON "
+                f"({type(exc).__name__}: {str(exc)[:200]})"
             )
-        text = json.dumps({"error": _described(error), "payload": None})
+            described = _described(error)
+        text = json.dumps({"error": described, "payload": None})
     replies = [json.loads(r) for r in exchange(text, group)]
     if error is not None:
         raise error
