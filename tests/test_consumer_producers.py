@@ -224,16 +224,23 @@ def test_a_lease_that_waits_is_answered_by_a_producer_process_that_starts_late(
         assert replay(led, "r").verify() == []
 
 
-def test_a_long_wait_for_a_named_producer_that_never_showed_up_warns(
-    ledger, store, run_id, monkeypatch
-) -> None:
-    # A misspelt name would keep the ranks waiting for good: after a while, say which.
-    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", 0.2)
+def _misspelt(ledger, store, run_id, monkeypatch, *, warn_after: float) -> Consumer:
+    """A resumed consumer waiting for "rolout-1" (sic) beside "rollout-0", which committed
+    "a0" and closed; the wait warns after ``warn_after`` seconds."""
+    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", warn_after)
     produce(ledger, store, run_id, "rollout-0", ["a0"])
     cons = Consumer(
         ledger, store, run_id=run_id, consumer_id="t", producers=["rollout-0", "rolout-1"]
     )
     cons.resume()
+    return cons
+
+
+def test_a_long_wait_for_a_named_producer_that_never_showed_up_warns(
+    ledger, store, run_id, monkeypatch
+) -> None:
+    # A misspelt name would keep the ranks waiting for good: after a while, say which.
+    cons = _misspelt(ledger, store, run_id, monkeypatch, warn_after=0.2)
     assert train_all(cons) == ["a0"]
     late = threading.Timer(1.0, produce, (ledger, store, run_id, "rolout-1", ["b0"]))
     late.start()
@@ -305,12 +312,7 @@ def test_a_loader_waiting_for_a_named_producer_that_never_showed_up_warns(
     ledger, store, run_id, monkeypatch
 ) -> None:
     # The loader leases in short waits: the consumer counts the wait across them.
-    monkeypatch.setattr(_consumer, "NO_PRODUCER_WARNING_S", 0.5)
-    produce(ledger, store, run_id, "rollout-0", ["a0"])
-    cons = Consumer(
-        ledger, store, run_id=run_id, consumer_id="t", producers=["rollout-0", "rolout-1"]
-    )
-    cons.resume()
+    cons = _misspelt(ledger, store, run_id, monkeypatch, warn_after=0.5)
     loader = FeatureLoader(cons, config=LoaderConfig(batch_size=2, lease_timeout=2.0))
     assert [r.sample_id for r in loader.next_batch().refs] == ["a0"]
     with pytest.warns(UserWarning) as got:
