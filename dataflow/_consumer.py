@@ -709,7 +709,7 @@ class Consumer:
         """No producer this rank waits for is still open: every producer that committed
         has closed (with a stream: the stream ended), and so has every one named in
         ``producers``. As of the events folded so far (:meth:`refresh` folds new ones)."""
-        done = self._producers_done() if self.stream is None else self.stream.exhausted
+        done = self.state.producers_done if self.stream is None else self.stream.exhausted
         return done and self.producers <= self.state.closed
 
     def _share_fixed(self) -> bool:

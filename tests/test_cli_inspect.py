@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _threads import errors_of_threads
 
 from dataflow import Consumer, Ledger, Producer, replay
 from dataflow._inspect import RunFold, status
@@ -668,29 +669,16 @@ def test_a_sample_the_run_never_names_is_a_dataflow_error(tmp_path: Path) -> Non
 def test_exports_to_one_target_from_threads_at_once_each_write_a_whole_file(
     crashed: str, tmp_path: Path
 ) -> None:
-    import threading
-
     from dataflow._export import export_parquet
 
     out = tmp_path / "r1.parquet"
-    errors: list[BaseException] = []
-    start = threading.Barrier(4)
 
     def export() -> None:
-        try:
-            with Ledger.open(crashed, create=False) as led:
-                start.wait()
-                for _ in range(3):
-                    export_parquet(led, "r1", out, samples_path=tmp_path / "r1.samples.parquet")
-        except BaseException as exc:
-            errors.append(exc)
+        with Ledger.open(crashed, create=False) as led:
+            for _ in range(3):
+                export_parquet(led, "r1", out, samples_path=tmp_path / "r1.samples.parquet")
 
-    threads = [threading.Thread(target=export) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert errors == []
+    assert errors_of_threads(export, 4) == []
     with Ledger.open(crashed, create=False) as led:
         assert pq.read_table(out).num_rows == led.head_seq("r1")
     assert pq.read_table(tmp_path / "r1.samples.parquet").num_rows == 12

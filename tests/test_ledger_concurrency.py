@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 import torch
+from _threads import errors_of_threads
 
 from dataflow import Event, Kind, Ledger, OperationalError, Producer
 from dataflow._ledger import NewEvent
@@ -267,22 +268,7 @@ def test_a_writer_gives_up_after_the_busy_timeout(ledger_url, request):
 
 
 def test_concurrent_first_opens_create_the_schema_once(ledger_url):
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(6)
-
-    def open_ledger() -> None:
-        try:
-            barrier.wait(timeout=60)
-            Ledger.open(ledger_url).close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=open_ledger) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert errors == []
+    assert errors_of_threads(lambda: Ledger.open(ledger_url).close(), 6) == []
     engine = sqlalchemy.create_engine(ledger_url)
     with engine.connect() as conn:
         rows = conn.execute(sqlalchemy.text("SELECT version FROM dataflow_schema")).all()

@@ -22,6 +22,7 @@ The layout is described in ``training._layout``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import numbers
@@ -451,13 +452,11 @@ class CheckpointManager:
         """``read`` of the checkpoint ``which`` names, found and checked again (up to
         ``_LOAD_TRIES`` times) while a save replaces it meanwhile. A ``SavedCheckpoint`` or
         ``dataflow.Checkpoint`` names one save: that one, or an error."""
-        for attempt in range(1, _LOAD_TRIES + 1):
-            try:
+        tries = 1 if isinstance(which, SavedCheckpoint | Checkpoint) else _LOAD_TRIES
+        for _ in range(tries - 1):
+            with contextlib.suppress(_ReplacedError):
                 return read(self._find(which, rank=rank))
-            except _ReplacedError:
-                if attempt == _LOAD_TRIES or isinstance(which, SavedCheckpoint | Checkpoint):
-                    raise
-        raise AssertionError("unreachable")
+        return read(self._find(which, rank=rank))
 
     def saved(self) -> list[SavedCheckpoint]:
         """Every published checkpoint of this run, oldest save first (files not yet checked).
