@@ -9,12 +9,13 @@ violation ``verify`` names with its seq or a clear error before anything is writ
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 from sqlalchemy import create_engine, text
 
-from dataflow import Consumer, Kind, Ledger, Producer, replay
+from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, Producer, replay
 from dataflow.cli import main
 from stores import LocalFeatureStore
 
@@ -80,4 +81,67 @@ def test_a_flat_payload_under_the_bounds_still_reads(ledger: Ledger, run) -> Non
     payload = {"world_size": 1, "note": "[{" * 500, "nest": json.loads("[" * 63 + "]" * 63)}
     _sql(ledger.url, "UPDATE dataflow_events SET payload = :p WHERE seq = :seq",
          p=json.dumps(payload), seq=seq)  # fmt: skip
+    assert replay(ledger, RUN).verify() == []
+
+
+def test_a_commit_row_no_fold_reads_never_passes_for_a_commit(
+    ledger: Ledger, store: LocalFeatureStore, run
+) -> None:
+    producer, _ = run
+    ref = json.dumps(
+        {"generation": 0, "metadata": {}, "sample_id": "ghost", "specs": {}, "store": "x"},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    _sql(
+        ledger.url,
+        "INSERT INTO dataflow_events (seq, run_id, kind, sample_id, revision, epoch, actor, "
+        "payload, ts) VALUES (-7, :run, 'commit', 'ghost', 0, 0, 'p', :ref, :ts)",
+        run=RUN,
+        ref=ref,
+        ts=time.time(),
+    )
+    assert any(
+        p.startswith("seq -7: commit event of 'ghost' has a seq below 1")
+        for p in replay(ledger, RUN).verify()
+    )
+    head, stored = ledger.head_seq(RUN), len(list(store.scan()))
+    with pytest.raises(
+        CorruptLedgerError, match=r"commit of 'ghost' .* blocked by a commit row with seq -7"
+    ):
+        producer.emit_many([("fresh", _features("fresh")), ("ghost", _features("ghost"))])
+    assert ledger.head_seq(RUN) == head  # nothing committed, not even the fresh sample
+    assert len(list(store.scan())) == stored  # and their features are gone again
+    assert ledger.commits(RUN, ["ghost"]) == {}
+
+
+def test_a_seq_of_2_63_minus_1_refuses_appends_instead_of_losing_them(
+    ledger: Ledger, store: LocalFeatureStore, run
+) -> None:
+    producer, _ = run
+    head = ledger.head_seq(RUN)
+    _sql(
+        ledger.url,
+        "UPDATE dataflow_events SET seq = :big WHERE seq = :head",
+        big=MAX_SEQ,
+        head=head,
+    )
+    with pytest.raises(CorruptLedgerError, match=rf"holds an event with seq {MAX_SEQ}, above"):
+        producer.emit("late", _features("late"))
+    with pytest.raises(CorruptLedgerError, match=rf"seq {MAX_SEQ}"):  # never a raw KeyError
+        Consumer(ledger, store, run_id=RUN, consumer_id="rank0-again").resume()
+    assert ledger.head_seq(RUN) == MAX_SEQ
+    assert [e.seq for e in ledger.events(RUN)][-1] == MAX_SEQ  # nothing slipped in below it
+    assert main(["replay", "--ledger", ledger.url, "--run", RUN, "--verify"]) == 0
+
+
+def test_a_deleted_runs_row_is_listed_and_restored_at_its_epoch(
+    ledger: Ledger, store: LocalFeatureStore, run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, consumer = run
+    _sql(ledger.url, "DELETE FROM dataflow_runs WHERE run_id = :run", run=RUN)
+    assert ledger.runs() == [RUN] and ledger.unlisted_runs() == [RUN]
+    # The live consumer of epoch 1 writes on: the row comes back at epoch 1, not 0.
+    consumer.ack(list(replay(ledger, RUN).leased), step=2)
+    assert ledger.unlisted_runs() == []
     assert replay(ledger, RUN).verify() == []
