@@ -698,6 +698,7 @@ def status(fold: RunFold, now: float) -> dict[str, Any]:
     committed = len(state.committed)
     return {
         "run_id": state.run_id,
+        "events": fold.events,
         "head_seq": state.head_seq,
         "epoch": state.epoch,
         "world_size": state.world_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,7 +142,92 @@ def test_a_deleted_runs_row_is_listed_and_restored_at_its_epoch(
     _, consumer = run
     _sql(ledger.url, "DELETE FROM dataflow_runs WHERE run_id = :run", run=RUN)
     assert ledger.runs() == [RUN] and ledger.unlisted_runs() == [RUN]
+    assert main(["runs", "--ledger", ledger.url]) == 0
+    out = capsys.readouterr()
+    assert out.out == f"{RUN}\n"
+    assert "1 runs have events but no row in the runs table" in out.err and repr(RUN) in out.err
     # The live consumer of epoch 1 writes on: the row comes back at epoch 1, not 0.
     consumer.ack(list(replay(ledger, RUN).leased), step=2)
     assert ledger.unlisted_runs() == []
     assert replay(ledger, RUN).verify() == []
+
+
+# -- control characters ------------------------------------------------------------------
+
+EVIL = [
+    "\x1b]0;pwned\x07",  # OSC: the terminal's title
+    "\x1b[2J",  # clear the screen
+    "ok\r         verify: clean",  # overwrite the line
+    "one\nverify: clean",  # a line of its own
+    "\u202eevil",  # right-to-left override
+    "\x9b31m\x7f",  # C1 CSI, DEL
+]
+
+
+def _printable_lines(text_out: str) -> None:
+    for line in text_out.split("\n"):
+        assert line.isprintable(), repr(line)
+        assert not line.lstrip().startswith("verify: clean") or line == "         verify: clean"
+
+
+@pytest.mark.parametrize("reason", EVIL)
+def test_control_characters_in_reasons_and_paths_are_escaped_on_print(
+    sqlite_url: str, tmp_path: Path, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = Ledger.open(sqlite_url)
+    store = LocalFeatureStore()
+    producer = Producer(ledger, store, run_id=RUN, producer_id="p")
+    producer.emit_many((f"s{i}", _features(f"s{i}")) for i in range(3))
+    consumer = Consumer(ledger, store, run_id=RUN, consumer_id="rank0")
+    consumer.resume()
+    consumer.nack(consumer.lease(1), retryable=False, reason=reason)  # s0: dead
+    consumer.lost(consumer.lease(1), reason=reason)  # s1: lost
+    consumer.checkpoint(1, str(tmp_path))
+    # The API refuses such a path (InvalidCheckpointPathError); a hand-written row holds one.
+    path = json.dumps({"path": f"{tmp_path}/ckpt{reason}"})
+    _sql(sqlite_url, "UPDATE dataflow_events SET payload = :p WHERE kind = 'checkpoint'", p=path)
+    for args in (["--sample", "s0"], ["--sample", "s1"], [], ["--verify"]):
+        main(["replay", "--ledger", sqlite_url, "--run", RUN, *args])
+        out = capsys.readouterr()
+        _printable_lines(out.out)
+        _printable_lines(out.err)
+    main(["status", "--ledger", sqlite_url, "--run", RUN])
+    _printable_lines(capsys.readouterr().out)
+    # --json stays exact JSON, in ASCII
+    assert main(["replay", "--ledger", sqlite_url, "--run", RUN, "--sample", "s0", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.isascii()
+    assert reason in next(e["detail"] for e in json.loads(out)["events"] if e["kind"] == "nack")
+
+
+def test_a_control_character_in_a_hand_written_actor_is_escaped(
+    sqlite_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The API refuses such ids (InvalidIdError); a hand-written row may still hold one.
+    ledger = Ledger.open(sqlite_url)
+    Producer(ledger, LocalFeatureStore(), run_id=RUN, producer_id="p").emit("s0", _features("s0"))
+    _sql(sqlite_url, "UPDATE dataflow_events SET actor = :a", a="p\x1b[2J\n")
+    for args in (["replay", "--sample", "s0"], ["status"], ["replay"]):
+        main([args[0], "--ledger", sqlite_url, "--run", RUN, *args[1:]])
+        _printable_lines(capsys.readouterr().out)
+
+
+# -- status -----------------------------------------------------------------------------
+
+
+def test_status_counts_the_runs_events_beside_the_ledgers_global_seq(
+    ledger: Ledger, store: LocalFeatureStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine = Producer(ledger, store, run_id=RUN, producer_id="p")
+    other = Producer(ledger, store, run_id="other", producer_id="p")
+    for i in range(3):  # interleaved: the run's seqs skip the other run's
+        mine.emit(f"s{i}", _features("x"))
+        other.emit(f"s{i}", _features("x"))
+    head = ledger.head_seq(RUN)
+    assert head == 5
+    assert main(["status", "--ledger", ledger.url, "--run", RUN]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"run {RUN!r}: 3 events (newest at seq {head} of the ledger"), first
+    assert main(["status", "--ledger", ledger.url, "--run", RUN, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["events"], report["head_seq"]) == (3, head)
