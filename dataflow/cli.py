@@ -392,6 +392,15 @@ def _print_report(report: dict[str, Any], plot: str | None) -> None:
             )
     for m in report["markers"]:
         _say(f"{m['kind']:>15}: {m['time']} (seq {m['seq']}) {m['text']}")
+    for o in report["outages"]:
+        crash = f"the crash of epoch {o['epoch']} (seq {o['crash_seq']})"
+        if o["seconds"] is None:
+            _say(f"{'outage':>15}: since {crash}, no lease yet")
+        else:
+            _say(
+                f"{'outage':>15}: {o['seconds']:.3f} s from {crash} to the first lease after "
+                f"its resume (seq {o['first_lease_seq']}, {o['first_lease_time']})"
+            )
     if plot:
         _say(f"{'plot':>15}: {plot}")
     _print_verdict(report["violations"])
