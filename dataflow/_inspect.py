@@ -134,8 +134,14 @@ def sample_history(
 
 def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dict[str, Any]:
     seq, kind, _sid, revision, epoch, step, actor, payload, ts = row
-    p = load_payload(payload)
-    if kind == Kind.COMMIT:
+    try:  # a damaged or hand-written row is shown, as --verify lists it
+        p = load_payload(payload)
+        why = None if isinstance(p, dict) else "not a JSON object"
+    except ValueError as exc:
+        p, why = {}, str(exc)[:200]
+    if why is not None:
+        detail = f"unreadable payload ({why}; see --verify)"
+    elif kind == Kind.COMMIT:
         detail = f"revision {revision or 0} in {p.get('store')} (generation {p.get('generation')})"
     elif kind == Kind.NACK:
         detail = f"retryable={p.get('retryable', True)}: {p.get('reason') or 'nacked'}"

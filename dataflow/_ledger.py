@@ -784,7 +784,7 @@ class Ledger:
                     state = _snapshot.decode(run_id, bytes(body), ref_source=self)
                 except (
                     ValueError, KeyError, TypeError, IndexError, AttributeError,
-                    OverflowError, struct.error, zlib.error,
+                    OverflowError, RecursionError, struct.error, zlib.error,
                 ) as exc:  # fmt: skip
                     why = f"it cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
                 else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,43 @@ def test_status_counts_the_runs_events_beside_the_ledgers_global_seq(
     assert main(["status", "--ledger", ledger.url, "--run", RUN, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["events"], report["head_seq"]) == (3, head)
+
+
+def test_a_snapshot_nested_100000_levels_is_skipped_not_a_recursion_error(
+    ledger: Ledger, store: LocalFeatureStore, run
+) -> None:
+    # A snapshot row written by hand, with a digest that matches its body.
+    from dataflow import _snapshot
+
+    header = zlib.compress(b"[" * 100_000 + b"]" * 100_000)
+    body = _snapshot._MAGIC + _snapshot._LENGTH.pack(len(header)) + header
+    _sql(
+        ledger.url,
+        "INSERT INTO dataflow_snapshots (run_id, seq, format, digest, body, ts) "
+        "VALUES (:run, :seq, :format, :digest, :body, 0)",
+        run=RUN,
+        seq=ledger.head_seq(RUN),
+        format=_snapshot.FORMAT,
+        digest=_snapshot.digest(body),
+        body=body,
+    )
+    with pytest.warns(UserWarning, match=r"is skipped: it cannot be read \(RecursionError"):
+        state = replay(ledger, RUN)
+    assert state.verify() == [] and len(state.trained) == 1
+    with pytest.warns(UserWarning, match=r"is skipped"):
+        Consumer(ledger, store, run_id=RUN, consumer_id="rank0-again").resume()
+
+
+def test_a_samples_history_shows_an_unreadable_payload_instead_of_failing(
+    ledger: Ledger, run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, consumer = run
+    (sid,) = replay(ledger, RUN).leased
+    consumer.nack([sid], reason="bad")
+    seq = next(e.seq for e in ledger.events(RUN) if e.kind == Kind.NACK)
+    deep = "[" * 100_000 + "]" * 100_000
+    _sql(ledger.url, "UPDATE dataflow_events SET payload = :p WHERE seq = :seq", p=deep, seq=seq)
+    assert main(["replay", "--ledger", ledger.url, "--run", RUN, "--sample", sid]) == 0
+    out = capsys.readouterr()
+    assert "nack" in out.out and "unreadable payload (payload nested deeper than 64" in out.out
+    assert out.err == ""
