@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,5 +72,37 @@ def dump_payload(payload: dict[str, Any] | None) -> str | None:
     return json.dumps(payload, separators=(",", ":"), sort_keys=True)
 
 
+#: A payload longer than this (in characters) is not read: no event the library writes
+#: comes near it (a ref's metadata, a checkpoint path, a 1000-character reason).
+MAX_PAYLOAD_CHARS = 1 << 24
+#: Nesting a payload may have: a ref's metadata is capped at 32 levels when committed.
+MAX_PAYLOAD_DEPTH = 64
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
 def load_payload(text: str | None) -> dict[str, Any]:
-    return json.loads(text) if text else {}
+    """The JSON of an event's payload; ValueError (never RecursionError) for one too long
+    or nested too deep to be the library's, as a hand-written row may be."""
+    if not text:
+        return {}
+    if len(text) > MAX_PAYLOAD_CHARS:
+        raise ValueError(
+            f"payload of {len(text)} characters, over the {MAX_PAYLOAD_CHARS} a payload may have"
+        )
+    # The depth scan only where it could matter: the payloads of a run are short and flat,
+    # and this is the fold's hot path.
+    if len(text) > 2 * MAX_PAYLOAD_DEPTH and text.count("[") + text.count("{") > MAX_PAYLOAD_DEPTH:
+        _check_depth(text)
+    return json.loads(text)
+
+
+def _check_depth(text: str) -> None:
+    depth = 0
+    for char in _NOT_BRACKET.sub("", _STRING.sub("", text)):
+        if char in "[{":
+            depth += 1
+            if depth > MAX_PAYLOAD_DEPTH:
+                raise ValueError(f"payload nested deeper than {MAX_PAYLOAD_DEPTH} levels")
+        elif char in "]}":
+            depth -= 1

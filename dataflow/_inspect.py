@@ -11,6 +11,7 @@ thousand events (a progress bar's hook).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
 import time
@@ -133,8 +134,14 @@ def sample_history(
 
 def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dict[str, Any]:
     seq, kind, _sid, revision, epoch, step, actor, payload, ts = row
-    p = load_payload(payload)
-    if kind == Kind.COMMIT:
+    try:  # a damaged or hand-written row is shown, as --verify lists it
+        p = load_payload(payload)
+        why = None if isinstance(p, dict) else "not a JSON object"
+    except ValueError as exc:
+        p, why = {}, str(exc)[:200]
+    if why is not None:
+        detail = f"unreadable payload ({why}; see --verify)"
+    elif kind == Kind.COMMIT:
         detail = f"revision {revision or 0} in {p.get('store')} (generation {p.get('generation')})"
     elif kind == Kind.NACK:
         detail = f"retryable={p.get('retryable', True)}: {p.get('reason') or 'nacked'}"
@@ -323,6 +330,22 @@ class Marker:
 
 
 @dataclass(frozen=True)
+class Outage:
+    """From a crash (the last write of the crashed epoch's ranks) to the first lease after
+    the resume that followed it; ``lease_seq`` and ``lease_ts`` are None until there is one."""
+
+    epoch: int
+    crash_seq: int
+    crash_ts: float
+    lease_seq: int | None = None
+    lease_ts: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.lease_ts is None else self.lease_ts - self.crash_ts
+
+
+@dataclass(frozen=True)
 class Resume:
     """When and by whom an epoch started."""
 
@@ -337,9 +360,15 @@ class RunFold:
 
     :meth:`update` folds the events not folded yet (up to ``upto_seq``), so a live
     view folds each event once. Beside ``state`` it keeps event counts per (kind, actor,
-    epoch), each epoch's resume, crash and resume markers, a timeline of points (at
-    most about 2000: thinned evenly as the run grows), and, with ``window``, the events
-    of the last ``window`` seconds (for rates).
+    epoch), each epoch's resume, crash and resume markers, the outages (each crash to
+    the first lease after it), a timeline of points (at most about 2000: thinned evenly
+    as the run grows), and, with ``window``, the events of the last ``window`` seconds
+    (for rates).
+
+    A crash is dated by the last write of the crashed epoch's ranks (its last event of
+    a kind in ``Kind.FENCED``): the events between it and the resume are other writers'
+    (producers commit on through a trainer outage), so the resume's predecessor would
+    date the crash as late as the whole outage.
     """
 
     _MAX_POINTS = 2048
@@ -360,6 +389,8 @@ class RunFold:
         self.counts: Counter[tuple[str, str, int]] = Counter()
         self.resumes: dict[int, Resume] = {}
         self.markers: list[Marker] = []
+        self.outages: list[Outage] = []
+        self._last_write: dict[int, tuple[int, float]] = {}  # epoch -> its ranks' last write
         self.points: list[Point] = []
         self.recent: deque[tuple[float, str, str]] = deque()
         self.events = 0
@@ -387,6 +418,10 @@ class RunFold:
             previous_ts = self.last_ts if self.last_ts is not None else ts
             self.last_ts = max(previous_ts, ts)
             self.counts[kind, actor, epoch] += 1
+            if kind in Kind.FENCED:
+                self._last_write[epoch] = (seq, ts)
+                if kind == Kind.LEASE:
+                    self._end_outage(seq, epoch, ts)
             if self.window is not None and ts >= cutoff:
                 self.recent.append((ts, kind, actor))
             if kind == Kind.RESUME:
@@ -437,15 +472,18 @@ class RunFold:
         state = self.state
         seq, epoch, actor, ts = row[0], row[4], row[6], row[8]
         if state.leased:
+            crash_seq, crash_ts = self._last_write.get(state.epoch, (state.head_seq, previous_ts))
             self.markers.append(
                 Marker(
                     "crash",
-                    state.head_seq,
-                    previous_ts,
+                    crash_seq,
+                    crash_ts,
                     state.epoch,
-                    f"epoch {state.epoch} ended with {len(state.leased)} samples leased",
+                    f"epoch {state.epoch} ended with {len(state.leased)} samples leased "
+                    "(the last write of its ranks)",
                 )
             )
+            self.outages.append(Outage(state.epoch, crash_seq, crash_ts))
         state.apply_rows((row,))
         self._seq = state.head_seq
         plan = state.plans.get(epoch)
@@ -458,6 +496,11 @@ class RunFold:
             )
             self.markers.append(Marker("resume", seq, ts, epoch, f"epoch {epoch} {where}"))
         self._point()
+
+    def _end_outage(self, seq: int, epoch: int, ts: float) -> None:
+        """A lease of an epoch after the crash of the open outage ends it."""
+        if self.outages and self.outages[-1].lease_seq is None and epoch > self.outages[-1].epoch:
+            self.outages[-1] = dataclasses.replace(self.outages[-1], lease_seq=seq, lease_ts=ts)
 
     def rates(self, now: float) -> Counter[tuple[str, str]]:
         """Events per (kind, actor) in the ``window`` seconds before ``now``."""
@@ -588,8 +631,25 @@ def run_report(fold: RunFold) -> dict[str, Any]:
         "throughput": throughput(fold),
         "markers": [
             {"kind": m.kind, "seq": m.seq, "time": iso_time(m.ts), "epoch": m.epoch, "text": m.text}
+            | {"ts": m.ts}
             for m in fold.markers
         ],
+        "outages": [outage_row(o) for o in fold.outages],
+    }
+
+
+def outage_row(outage: Outage) -> dict[str, Any]:
+    """An outage as ``replay --json`` shows it (the lease and seconds null while it lasts)."""
+    seconds = outage.seconds
+    return {
+        "epoch": outage.epoch,
+        "crash_seq": outage.crash_seq,
+        "crash_time": iso_time(outage.crash_ts),
+        "crash_ts": outage.crash_ts,
+        "first_lease_seq": outage.lease_seq,
+        "first_lease_time": None if outage.lease_ts is None else iso_time(outage.lease_ts),
+        "first_lease_ts": outage.lease_ts,
+        "seconds": None if seconds is None else round(seconds, 3),
     }
 
 
@@ -698,6 +758,7 @@ def status(fold: RunFold, now: float) -> dict[str, Any]:
     committed = len(state.committed)
     return {
         "run_id": state.run_id,
+        "events": fold.events,
         "head_seq": state.head_seq,
         "epoch": state.epoch,
         "world_size": state.world_size,
@@ -746,7 +807,8 @@ def status(fold: RunFold, now: float) -> dict[str, Any]:
 
 
 def plot_timeline(fold: RunFold, path: str) -> None:
-    """Draw committed, in flight and trained over time, crashes and resumes marked, to PNG.
+    """Draw committed, in flight and trained over time, crashes, resumes and outages
+    marked, to PNG.
 
     ImportError when matplotlib is not installed.
     """
@@ -784,6 +846,16 @@ def plot_timeline(fold: RunFold, path: str) -> None:
             ha="right",
             fontsize=7,
             color=color,
+        )
+    end = fold.last_ts or start
+    for n, outage in enumerate(fold.outages):
+        until = outage.lease_ts if outage.lease_ts is not None else end
+        axes.axvspan(
+            outage.crash_ts - start,
+            until - start,
+            color="tab:red",
+            alpha=0.1,
+            label="outage (crash to first lease)" if n == 0 else None,
         )
     axes.set_xlabel(f"seconds since the first event ({iso_time(start)})")
     axes.set_ylabel("samples")

@@ -22,6 +22,7 @@ from sqlalchemy import (
     func,
     insert,
     inspect,
+    literal_column,
     select,
     update,
 )
@@ -39,6 +40,7 @@ from dataflow._db import (
 from dataflow._errors import (
     ArgumentTypeError,
     CommitOutcomeUnknownError,
+    CorruptLedgerError,
     InvalidArgumentError,
     InvalidIdError,
     LedgerError,
@@ -131,7 +133,41 @@ def _page_between() -> Any:
     return _page_after().where(events.c.seq <= bindparam("upto"))
 
 
-_STATEMENTS = {"rows_after": _rows_after, "page_after": _page_after, "page_between": _page_between}
+def _seq_above(last_inserted: str) -> Callable[[], Any]:
+    """The run's highest seq above the seq of the row this connection inserted last."""
+    return lambda: (
+        select(events.c.seq)
+        .where(events.c.run_id == bindparam("run_id"), events.c.seq > literal_column(last_inserted))
+        .order_by(events.c.seq.desc())
+        .limit(1)
+    )
+
+
+_STATEMENTS = {
+    "rows_after": _rows_after,
+    "page_after": _page_after,
+    "page_between": _page_between,
+    "seq_above_rowid": _seq_above("last_insert_rowid()"),
+    "seq_above_lastval": _seq_above("lastval()"),
+    "unseen_rows": lambda: (
+        select(events.c.seq, events.c.kind, events.c.sample_id)
+        .where(events.c.run_id == bindparam("run_id"), events.c.seq <= 0)
+        .order_by(events.c.seq)
+        .limit(bindparam("limit"))
+    ),
+}
+# Each run id of the events once, one index probe per run (a skip scan; SQLite and
+# PostgreSQL both read DISTINCT as a scan of every event).
+_EVENT_RUN_IDS = f"""
+WITH RECURSIVE r(run_id) AS (
+    SELECT MIN(run_id) FROM {events.name}
+    UNION ALL
+    SELECT (SELECT MIN(e.run_id) FROM {events.name} e WHERE e.run_id > r.run_id)
+    FROM r WHERE r.run_id IS NOT NULL
+)
+SELECT run_id FROM r WHERE run_id IS NOT NULL
+"""
+_SEQ_ABOVE_INSERT = {"sqlite": "seq_above_rowid", "postgresql": "seq_above_lastval"}
 
 
 MAX_ID_LENGTH = 256
@@ -199,11 +235,36 @@ def _newest_commits(
             events.c.kind == Kind.COMMIT,
             events.c.revision.isnot(None),  # lets the planner use the partial commit index
             events.c.sample_id.in_(chunk),
+            events.c.seq > 0,  # what no fold reads is no commit (see _refuse_unseen_commits)
         )
         for sample_id, revision, payload in conn.execute(stmt):
             if sample_id not in found or revision > found[sample_id][0]:
                 found[sample_id] = (revision, payload)
     return found
+
+
+def _refuse_unseen_commits(conn: Connection, run_id: str, sample_ids: Sequence[str]) -> None:
+    """CorruptLedgerError when a row no fold reads (a seq <= 0, or a revision on an event
+    that is no commit) holds the commit index for one of ``sample_ids``: skipping those
+    commits would leave the samples untrained while the producer is told they were."""
+    for start in range(0, len(sample_ids), 900):
+        found = conn.execute(
+            select(events.c.seq, events.c.kind, events.c.sample_id)
+            .where(
+                events.c.run_id == run_id,
+                events.c.revision.isnot(None),
+                events.c.sample_id.in_(sample_ids[start : start + 900]),
+                (events.c.seq <= 0) | (events.c.kind != Kind.COMMIT),
+            )
+            .limit(1)
+        ).first()
+        if found is not None:
+            seq, kind, sample_id = found
+            raise CorruptLedgerError(
+                f"the commit of {sample_id!r} in run {run_id!r} is blocked by a {kind} row with "
+                f"seq {seq} that no replay reads (a hand-edited or damaged row): nothing was "
+                "committed. Delete that row or restore the ledger from a backup, then emit again"
+            )
 
 
 def _commit_payloads(conn: Connection, run_id: str, revisions: Mapping[str, int]) -> dict[str, str]:
@@ -328,7 +389,9 @@ class WriteTransaction:
                 .limit(inserted)
             ).scalars()
         )
-        return _newest_commits(self.conn, run_id, [s for s in payloads if s not in ours])
+        held = [s for s in payloads if s not in ours]
+        _refuse_unseen_commits(self.conn, run_id, held)
+        return _newest_commits(self.conn, run_id, held)
 
     def _insert(self, rows: list[tuple[Any, ...]], *, skip_held_commits: bool) -> int:
         """Insert ``rows``; the number inserted (short when commits were skipped)."""
@@ -342,7 +405,24 @@ class WriteTransaction:
         inserted = self.conn.exec_driver_sql(sql, params).rowcount
         if inserted < 0:
             raise AssertionError(f"the {self.conn.dialect.name} driver did not count inserted rows")
+        if inserted:  # else the connection's last insert is an older transaction's
+            self._refuse_seqs_above_insert()
         return inserted
+
+    def _refuse_seqs_above_insert(self) -> None:
+        """CorruptLedgerError (the transaction rolls back) when the run holds an event with a
+        seq above the one just given: a hand-edited seq (SQLite gives random rowids once one
+        is 2**63-1; PostgreSQL's sequence ignores the table). Every fold stops at the run's
+        highest seq, so what was just appended would never be read by a live one."""
+        above = _run_sql(self.conn, _SEQ_ABOVE_INSERT[self.conn.dialect.name], run_id=self.run_id)
+        seq = above.scalar()
+        if seq is not None:
+            raise CorruptLedgerError(
+                f"run {self.run_id!r} holds an event with seq {seq}, above the seq the ledger "
+                "gives new events: what is appended would sort before it, where no live fold "
+                "reads it (a hand-edited or damaged row). Nothing was written; restore the "
+                "ledger from a backup, or delete or renumber that row"
+            )
 
 
 _INSERT_KEYS = (
@@ -704,7 +784,7 @@ class Ledger:
                     state = _snapshot.decode(run_id, bytes(body), ref_source=self)
                 except (
                     ValueError, KeyError, TypeError, IndexError, AttributeError,
-                    OverflowError, struct.error, zlib.error,
+                    OverflowError, RecursionError, struct.error, zlib.error,
                 ) as exc:  # fmt: skip
                     why = f"it cannot be read ({type(exc).__name__}: {str(exc)[:120]})"
                 else:
@@ -735,6 +815,13 @@ class Ledger:
                 or 0
             )
 
+    def unseen_rows(self, run_id: str, *, limit: int = 20) -> list[tuple[int, str, str | None]]:
+        """(seq, kind, sample id) of up to ``limit`` events of the run that no fold reads: a
+        seq below 1, which only a hand-edited or damaged row has."""
+        _check_run_id(run_id)
+        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            return [tuple(r) for r in _run_sql(conn, "unseen_rows", run_id=run_id, limit=limit)]
+
     def kind_counts(self, run_id: str, *, upto_seq: int | None = None) -> dict[str, int]:
         """How many events of each kind the run holds (with ``seq <= upto_seq``)."""
         _check_run_id(run_id)
@@ -746,9 +833,17 @@ class Ledger:
             return {kind: count for kind, count in conn.execute(query.group_by(events.c.kind))}
 
     def runs(self) -> list[str]:
-        """Every run id this ledger holds, sorted."""
+        """Every run id this ledger holds (in its runs table or in its events), sorted."""
         with translate_errors("listing runs"), self._engine.connect() as conn:
-            return sorted(conn.execute(select(runs_table.c.run_id)).scalars())
+            listed = set(conn.execute(select(runs_table.c.run_id)).scalars())
+            return sorted(listed.union(conn.exec_driver_sql(_EVENT_RUN_IDS).scalars()))
+
+    def unlisted_runs(self) -> list[str]:
+        """The runs with events but no row in the runs table (deleted by hand): the next
+        write to such a run restores its row, at the newest epoch its events name."""
+        with translate_errors("listing runs"), self._engine.connect() as conn:
+            listed = set(conn.execute(select(runs_table.c.run_id)).scalars())
+            return sorted(set(conn.exec_driver_sql(_EVENT_RUN_IDS).scalars()) - listed)
 
     def close(self) -> None:
         """Close every pooled connection; the ledger can be reopened with Ledger.open."""

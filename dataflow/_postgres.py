@@ -17,11 +17,15 @@ from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from dataflow._db import Backend
-from dataflow._schema import runs
+from dataflow._schema import events, runs
 
 _LOCK_RUN = f"SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s FOR UPDATE"
+# A run's row starts at the newest epoch its events name: 0 for a new run, and the
+# epoch it had for a run whose row was deleted (so a live consumer is not fenced off).
 _NEW_RUN = (
-    f"INSERT INTO {runs.name} (run_id, epoch) VALUES (%(run_id)s, 0) "
+    f"INSERT INTO {runs.name} (run_id, epoch) SELECT CAST(%(run_id)s AS VARCHAR), "
+    f"COALESCE(MAX(epoch), 0) FROM {events.name} "
+    "WHERE run_id = CAST(%(run_id)s AS VARCHAR) AND kind = 'resume' "
     "ON CONFLICT (run_id) DO NOTHING"
 )
 

@@ -971,7 +971,8 @@ class RunState:
         leased, trained or regenerate; no sample was trained twice in a data
         epoch of the lineage; acks and nacks came from the consumer holding
         the lease; no write came from a fenced-off epoch; releases respected
-        the release policy.
+        the release policy; with the ledger it came from, no event has a seq
+        the fold cannot read (below 1).
         """
         problems = list(self.violations)
         places: dict[str, list[str]] = {}
@@ -996,6 +997,15 @@ class RunState:
         for sid in places:
             if sid not in self._commits:
                 problems.append(f"{sid!r} appears in {places[sid]} but was never committed")
+        if self._ref_source is not None:
+            for seq, kind, sid in self._ref_source.unseen_rows(self.run_id):
+                problems.append(
+                    f"seq {seq}: {kind} event"
+                    + (f" of {sid!r}" if sid is not None else "")
+                    + " has a seq below 1, which no replay reads (a hand-edited or damaged "
+                    "row; a commit there blocks the sample's commit): delete it or restore "
+                    "the ledger"
+                )
         return problems
 
 

@@ -18,12 +18,17 @@ from sqlalchemy.engine import make_url
 from dataflow._db import WRITE_OPTION, Backend, create_schema, write_options
 from dataflow._durable import fsync_path
 from dataflow._errors import InvalidArgumentError, NotALedgerError
-from dataflow._schema import runs, schema_info
+from dataflow._schema import events, runs, schema_info
 
 #: SQLite's smallest page size: a database file is never shorter.
 _MIN_PAGE = 512
 _RUN_EPOCH = f"SELECT epoch FROM {runs.name} WHERE run_id = ?"
-_NEW_RUN = f"INSERT INTO {runs.name} (run_id, epoch) VALUES (?, 0)"
+# A run's row starts at the newest epoch its events name: 0 for a new run, and the
+# epoch it had for a run whose row was deleted (so a live consumer is not fenced off).
+_NEW_RUN = (
+    f"INSERT INTO {runs.name} (run_id, epoch) SELECT ?, COALESCE(MAX(epoch), 0) "
+    f"FROM {events.name} WHERE run_id = ? AND kind = 'resume'"
+)
 
 
 def _enable_wal(cur: Any, timeout_s: float) -> None:
@@ -239,5 +244,5 @@ class SQLiteBackend(Backend):
         epoch = conn.exec_driver_sql(_RUN_EPOCH, (run_id,)).scalar()
         if epoch is not None:
             return int(epoch)
-        conn.exec_driver_sql(_NEW_RUN, (run_id,))
-        return 0
+        conn.exec_driver_sql(_NEW_RUN, (run_id, run_id))
+        return int(conn.exec_driver_sql(_RUN_EPOCH, (run_id,)).scalar_one())

@@ -34,6 +34,7 @@ from dataflow._errors import (
     NotALedgerError,
 )
 from dataflow._inspect import NotInRunError, Progress
+from dataflow._text import printable
 
 _MAX_SEQ = 2**63 - 1
 #: The environment variable that names the ledger when ``--ledger`` is not given.
@@ -52,7 +53,7 @@ class _Usage(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """One line, with where to look (argparse's default also prints the usage)."""
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, printable(f"{self.prog}: error: {message} (see `{self.prog} --help`)") + "\n")
 
 
 def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
@@ -232,6 +233,12 @@ def _progress(what: str, total: int) -> Iterator[Progress | None]:
         yield advance
 
 
+def _say(text: str, *, file: Any = None, end: str = "\n", flush: bool = False) -> None:
+    """Print a line of text with every control character escaped (see dataflow._text): what
+    it holds may come from the ledger (reasons, paths, ids) and so from anyone."""
+    print(printable(text), file=file, end=end, flush=flush)
+
+
 def _ids(ids: Sequence[str]) -> str:
     shown = ", ".join(ids[:_SHOWN_IDS])
     return shown + (f" (and {len(ids) - _SHOWN_IDS} more)" if len(ids) > _SHOWN_IDS else "")
@@ -264,7 +271,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         _print_report(report, args.plot)
     if violations:
-        print(
+        _say(
             f"dataflow: error: run {args.run!r} fails verification: {len(violations)} "
             f"violations (listed above; `dataflow replay --sample ID` shows a sample's events)",
             file=sys.stderr,
@@ -317,16 +324,16 @@ def _print_verify(args: argparse.Namespace, report: dict[str, Any]) -> None:
         keys = ("run_id", "head_seq", "events", "violations")
         print(json.dumps({k: report[k] for k in keys} | {"checks": list(_CHECKS)}, indent=2))
         return
-    print(f"run {report['run_id']!r}, {report['events']} events up to seq {report['head_seq']}")
+    _say(f"run {report['run_id']!r}, {report['events']} events up to seq {report['head_seq']}")
     for check in _CHECKS:
-        print(f"  checked: {check}")
+        _say(f"  checked: {check}")
     _print_verdict(violations)
 
 
 def _print_verdict(violations: list[str]) -> None:
-    print(f"{'verify':>15}: " + ("clean" if not violations else f"{len(violations)} violations"))
+    _say(f"{'verify':>15}: " + ("clean" if not violations else f"{len(violations)} violations"))
     for v in violations:
-        print(f"  - {v}")
+        _say(f"  - {v}")
 
 
 _HEADLINE = (
@@ -348,10 +355,8 @@ _HEADLINE = (
 
 def _print_report(report: dict[str, Any], plot: str | None) -> None:
     for key in _HEADLINE:
-        print(f"{key:>15}: {report[key]}")
-    print(
-        f"{'events':>15}: {report['events']} from {report['first_time']} to {report['last_time']}"
-    )
+        _say(f"{key:>15}: {report[key]}")
+    _say(f"{'events':>15}: {report['events']} from {report['first_time']} to {report['last_time']}")
     for c in report["checkpoints"]:
         flags = "".join(
             [
@@ -360,8 +365,8 @@ def _print_report(report: dict[str, Any], plot: str | None) -> None:
                 " [off the lineage]" if not c["in_lineage"] else "",
             ]
         )
-        print(f"{'checkpoint':>15}: step {c['step']} (epoch {c['epoch']}) {c['path']}{flags}")
-    print(f"{'lineage':>15}: " + " -> ".join(f"epoch {e}" for e in report["lineage"]))
+        _say(f"{'checkpoint':>15}: step {c['step']} (epoch {c['epoch']}) {c['path']}{flags}")
+    _say(f"{'lineage':>15}: " + " -> ".join(f"epoch {e}" for e in report["lineage"]))
     for e in report["epochs"]:
         origin = (
             "from scratch"
@@ -369,26 +374,35 @@ def _print_report(report: dict[str, Any], plot: str | None) -> None:
             else f"from step {e['checkpoint_step']} (epoch {e['parent']})"
             + (" [not on disk]" if e["checkpoint_on_disk"] is False else "")
         )
-        print(
+        _say(
             f"{'epoch ' + str(e['epoch']):>15}: {origin}, by {e['by']} at {e['time']}, world "
             f"size {e['world_size']}: requeued {e['requeued']}, regenerate {e['regenerate']}, "
             f"released {e['released']}" + ("" if e["in_lineage"] else " [abandoned]")
         )
     if report["throughput"]:
-        print(
+        _say(
             f"{'throughput':>15}: {'start':<29} {'seconds':>8} {'commits/s':>10} {'acks/s':>9}"
             f" {'committed':>9} {'in flight':>9} {'trained':>8}"
         )
         for t in report["throughput"]:
-            print(
+            _say(
                 f"{'':>15}  {t['start']:<29} {t['seconds']:>8.3f} {_rate(t['commits_per_s']):>10}"
                 f" {_rate(t['acks_per_s']):>9} {t['committed']:>9} {t['in_flight']:>9}"
                 f" {t['trained']:>8}"
             )
     for m in report["markers"]:
-        print(f"{m['kind']:>15}: {m['time']} (seq {m['seq']}) {m['text']}")
+        _say(f"{m['kind']:>15}: {m['time']} (seq {m['seq']}) {m['text']}")
+    for o in report["outages"]:
+        crash = f"the crash of epoch {o['epoch']} (seq {o['crash_seq']})"
+        if o["seconds"] is None:
+            _say(f"{'outage':>15}: since {crash}, no lease yet")
+        else:
+            _say(
+                f"{'outage':>15}: {o['seconds']:.3f} s from {crash} to the first lease after "
+                f"its resume (seq {o['first_lease_seq']}, {o['first_lease_time']})"
+            )
     if plot:
-        print(f"{'plot':>15}: {plot}")
+        _say(f"{'plot':>15}: {plot}")
     _print_verdict(report["violations"])
 
 
@@ -406,7 +420,7 @@ def _replay_sample(ledger: Any, args: argparse.Namespace, upto: int | None) -> i
         return 0
     now = history["current"]
     if now is None:
-        print(f"sample {args.sample!r} of run {args.run!r}: not committed")
+        _say(f"sample {args.sample!r} of run {args.run!r}: not committed")
     else:
         facts = [f"revision {now['revision']}", f"{now['attempts']} failed attempts"]
         if now["trained_step"] is not None:
@@ -417,11 +431,11 @@ def _replay_sample(ledger: Any, args: argparse.Namespace, upto: int | None) -> i
             facts.append("features released")
         if now["reason"]:
             facts.append(now["reason"])
-        print(f"sample {args.sample!r} of run {args.run!r}: {now['state']} ({', '.join(facts)})")
-    print(f"{'seq':>8}  {'time':<29} {'kind':<12} {'epoch':>5} {'step':>6}  {'actor':<16} detail")
+        _say(f"sample {args.sample!r} of run {args.run!r}: {now['state']} ({', '.join(facts)})")
+    _say(f"{'seq':>8}  {'time':<29} {'kind':<12} {'epoch':>5} {'step':>6}  {'actor':<16} detail")
     for e in history["events"]:
         step = "-" if e["step"] is None else e["step"]
-        print(
+        _say(
             f"{e['seq']:>8}  {e['time']:<29} {e['kind']:<12} {e['epoch']:>5} {step:>6}  "
             f"{e['actor']:<16} {e['detail']}".rstrip()
         )
@@ -436,15 +450,15 @@ def _replay_plan(ledger: Any, args: argparse.Namespace, upto: int | None) -> int
         return 0
     ckpt = plan["checkpoint"]
     if ckpt is None:
-        print(f"a resume of run {args.run!r} from scratch (nothing is written)")
+        _say(f"a resume of run {args.run!r} from scratch (nothing is written)")
     else:
         where = {True: "on disk", False: "NOT on disk", None: "remote"}[ckpt["on_disk"]]
-        print(
+        _say(
             f"a resume of run {args.run!r} from the checkpoint at step {ckpt['step']} "
             f"(epoch {ckpt['epoch']}, seq {ckpt['seq']}) {ckpt['path']} [{where}] "
             "(nothing is written)"
         )
-    print(
+    _say(
         f"it would start epoch {plan['epoch']} with world size {plan['world_size']} and "
         f"release policy {plan['release_policy']}"
     )
@@ -458,9 +472,9 @@ def _replay_plan(ledger: Any, args: argparse.Namespace, upto: int | None) -> int
         ("void leases", len(plan["leases_voided"]), _ids(plan["leases_voided"])),
     ]
     for name, count, ids in rows:
-        print(f"{name:>15}: {count:<6} {ids}".rstrip())
+        _say(f"{name:>15}: {count:<6} {ids}".rstrip())
     if len(per_rank) > 1:
-        print(f"{'per rank':>15}: " + ", ".join(f"{r}: {n}" for r, n in enumerate(per_rank)))
+        _say(f"{'per rank':>15}: " + ", ".join(f"{r}: {n}" for r, n in enumerate(per_rank)))
     return 0
 
 
@@ -500,44 +514,53 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _print_status(s: dict[str, Any]) -> None:
     done = ", every producer closed" if s["producers_done"] else ""
-    print(
-        f"run {s['run_id']!r} at seq {s['head_seq']}, epoch {s['epoch']} (world size "
+    _say(
+        f"run {s['run_id']!r}: {s['events']} events (newest at seq {s['head_seq']} of the "
+        f"ledger, whose seqs all runs share), epoch {s['epoch']} (world size "
         f"{s['world_size']}); last event {s['idle_s']:.1f} s ago, at {s['last_event']}{done}"
     )
-    print(
+    _say(
         f"samples: {s['committed']} committed, {s['pending']} pending, {s['leased']} leased, "
         f"{s['trained']} trained, {s['regenerate']} to regenerate ({s['lost']} lost), "
         f"{s['dead']} dead, {s['released']} released; lag {s['lag']} (committed, not trained)"
     )
     r = s["rates"]
-    print(
+    _say(
         f"rates over the last {s['window_s']:g} s: {r['commits_per_s']:.2f} commits/s, "
         f"{r['leases_per_s']:.2f} leases/s, {r['acks_per_s']:.2f} acks/s"
     )
-    print("producers:" + ("" if s["producers"] else " none"))
+    _say("producers:" + ("" if s["producers"] else " none"))
     for pid, p in s["producers"].items():
         state = "closed" if p["closed"] else "open"
-        print(
+        _say(
             f"  {pid:<20} {p['committed']:>8} committed  {state:<7}"
             f"{p['commits_per_s']:.2f} commits/s"
         )
-    print(f"consumers of epoch {s['epoch']}:" + ("" if s["consumers"] else " none"))
+    _say(f"consumers of epoch {s['epoch']}:" + ("" if s["consumers"] else " none"))
     for cid, c in s["consumers"].items():
-        print(
+        _say(
             f"  {cid:<20} {c['leased']:>8} leased  {c['acked']:>8} acked  step "
             f"{c['last_step']:<6} {c['acks_per_s']:.2f} acks/s"
         )
     pending = ", ".join(f"rank {r}: {n}" for r, n in enumerate(s["pending_per_rank"]))
-    print(f"pending per rank: {pending}")
+    _say(f"pending per rank: {pending}")
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
     ledger = _open(args)
     runs = ledger.runs()
     for run_id in runs:
-        print(run_id)
+        _say(run_id)
     if not runs:
-        print(f"dataflow: no runs in {ledger.safe_url}", file=sys.stderr)
+        _say(f"dataflow: no runs in {ledger.safe_url}", file=sys.stderr)
+    unlisted = ledger.unlisted_runs()
+    if unlisted:
+        _say(
+            f"dataflow: warning: {len(unlisted)} runs have events but no row in the runs table "
+            f"(deleted by hand?): {', '.join(repr(r) for r in unlisted[:20])}; the next write "
+            "to each restores it",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -545,7 +568,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     ledger = _open(args)
     if args.follow:
         if ledger.head_seq(args.run) == 0:
-            print(
+            _say(
                 f"dataflow: run {args.run!r} has no events in {ledger.safe_url} yet; waiting for "
                 f"its first (known runs: {_known_runs(ledger)})",
                 file=sys.stderr,
@@ -579,12 +602,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_run(ledger, args.run)
     with _progress("export", ledger.head_seq(args.run)) as progress:
         rows = export_parquet(ledger, args.run, out, samples_path=samples, progress=progress)
-    print(f"wrote {rows} events of run {args.run!r} to {out}")
+    _say(f"wrote {rows} events of run {args.run!r} to {out}")
     if samples is not None:
         import pyarrow.parquet as pq
 
         count = pq.ParquetFile(samples).metadata.num_rows
-        print(f"wrote the state of its {count} samples to {samples}")
+        _say(f"wrote the state of its {count} samples to {samples}")
     return 0
 
 
@@ -948,7 +971,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _fail(args: argparse.Namespace, message: str, code: int) -> int:
     if args.debug:
         traceback.print_exc()
-    print(f"dataflow: error: {' '.join(message.split())}", file=sys.stderr)
+    _say(f"dataflow: error: {' '.join(message.split())}", file=sys.stderr)
     return code
 
 
