@@ -20,7 +20,8 @@ keeps working around a store lookup::
     │   ├── LedgerStateError (ValueError)      a write the run's state forbids
     │   │   └── UnknownCheckpointError (LookupError)
     │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
-    │   ├── ReadOnlyLedgerError                a write through a ledger opened read_only=True
+    │   ├── ReadOnlyLedgerError                a write through a ledger opened read_only=True,
+    │   │                                      or one on a read-only file system opened to write
     │   ├── IntegrityError                     a database constraint refused a write
     │   └── OperationalError                   the database could not be reached or used
     │       ├── CommitOutcomeUnknownError      it failed while committing: the write may have landed
@@ -131,7 +132,8 @@ class StaleEpochError(LedgerError):
 
 
 class ReadOnlyLedgerError(LedgerError):
-    """A write through a ledger opened with ``Ledger.open(..., read_only=True)``.
+    """A write through a ledger opened with ``Ledger.open(..., read_only=True)``, or
+    a SQLite ledger on a read-only file system opened for writing.
 
     Nothing was written; open the ledger without ``read_only`` to write. A
     SQLite ledger on a read-only file system can only be opened read-only.

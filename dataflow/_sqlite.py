@@ -24,7 +24,7 @@ from dataflow._db import (
     write_options,
 )
 from dataflow._durable import fsync_path
-from dataflow._errors import InvalidArgumentError, NotALedgerError
+from dataflow._errors import InvalidArgumentError, NotALedgerError, ReadOnlyLedgerError
 from dataflow._schema import runs, schema_info
 
 #: SQLite's smallest page size: a database file is never shorter.
@@ -108,12 +108,11 @@ def _connect(
 ) -> sqlite3.Connection:
     """A connection to ``path``; without ``create`` it never creates the file (``mode=rw``).
 
-    ``read_only``: ``mode=ro``, or SQLite's immutable mode where no ``-wal``/``-shm``
-    can be made beside the file (a read-only file system: see ``_must_be_immutable``).
+    ``read_only``: where the ledger's directory cannot be written, ``mode=ro`` (with
+    SQLite's immutable mode if no -wal/-shm is beside it: see ``_read_only_mode``).
     """
-    if read_only:
-        mode = "ro&immutable=1" if _must_be_immutable(path) else "ro"
-    else:
+    mode = _read_only_mode(path) if read_only else None
+    if mode is None:
         mode = "rwc" if create else "rw"
         if not create:
             _refuse_deleted_files_held(path, timeout_s)
@@ -121,12 +120,19 @@ def _connect(
     return sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
 
 
-def _must_be_immutable(path: str) -> bool:
-    """No ``-wal``/``-shm`` beside ``path``, and none can be made: SQLite's ``mode=ro``
-    alone would fail ("unable to open database file") on such a WAL database."""
-    directory = os.path.dirname(os.path.abspath(path))
+def _read_only_mode(path: str) -> str | None:
+    """How a reader must open ``path``: None where its directory can be written.
+
+    There ``mode=rw`` serves, and its close folds the WAL into the file as a writer's
+    does (a ``mode=ro`` reader that closes last leaves the -wal and -shm behind); the
+    Ledger refuses writes. Elsewhere ``mode=ro`` reads the -wal and -shm beside the file,
+    and with none beside it (a backup or snapshot on a read-only mount) SQLite can make
+    none and opens the file only in its immutable mode: no locks, no WAL.
+    """
+    if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        return None
     beside = any(os.path.exists(path + suffix) for suffix in ("-wal", "-shm"))
-    return not beside and not os.access(directory, os.W_OK)
+    return "ro" if beside else "ro&immutable=1"
 
 
 def _file_ids(path: str) -> tuple[tuple[int, int] | None, ...]:
@@ -278,8 +284,15 @@ class SQLiteBackend(Backend):
     def prepare(self, url: str, *, create: bool, durability: str, busy_timeout_s: float) -> None:
         path = _database_path(url)
         if os.path.lexists(path):
+            if not self.read_only and _read_only_mode(path) == "ro&immutable=1":
+                raise ReadOnlyLedgerError(
+                    f"ledger {path} cannot be opened for writing: its directory cannot be "
+                    "written, so SQLite can make no -wal or -shm there (a read-only file "
+                    "system or mount?); to read it, open it with Ledger.open(url, "
+                    "read_only=True) (the dataflow commands that read do)"
+                )
             _check_ledger_file(path, busy_timeout_s, read_only=self.read_only)
-            self.immutable = self.read_only and _must_be_immutable(path)
+            self.immutable = self.read_only and _read_only_mode(path) == "ro&immutable=1"
             return
         if not create or self.read_only:
             shown = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
@@ -322,7 +335,7 @@ class SQLiteBackend(Backend):
         # Our own connect: the ledger's file exists (prepare made sure), and a
         # connection must never create an empty one in its place.
         path = _database_path(url)
-        read_only = self.read_only
+        read_only = self.read_only and _read_only_mode(path) is not None
         engine = create_engine(
             url,
             creator=lambda: _connect(path, busy_timeout_s, create=create_file, read_only=read_only),
@@ -337,7 +350,7 @@ class SQLiteBackend(Backend):
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-            if not read_only:
+            if not read_only:  # a mode=ro connection can switch nothing
                 _enable_wal(cur, busy_timeout_s)  # the pragma opens the -wal and -shm
                 cur.execute(f"PRAGMA synchronous={synchronous}")
                 record.info[_FILE_IDS] = _file_ids(path)
