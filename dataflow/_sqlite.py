@@ -363,8 +363,10 @@ class SQLiteBackend(Backend):
                 return
             dbapi_conn = conn.connection.driver_connection
             _begin_immediate(dbapi_conn, busy_timeout_s)
+            opened = conn.connection.info.get(_FILE_IDS)  # None: a mode=ro reader's
             try:
-                _check_files_unchanged(path, conn.connection.info[_FILE_IDS])
+                if opened is not None:
+                    _check_files_unchanged(path, opened)
             except SQLiteFilesReplaced:
                 dbapi_conn.execute("ROLLBACK")
                 raise

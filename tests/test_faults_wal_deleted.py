@@ -218,3 +218,23 @@ def test_a_ledger_file_replaced_while_open_refuses_writes(tmp_path: Path) -> Non
         os.replace(tmp_path / "copy.db", path)  # e.g. a backup restored over a live ledger
         with pytest.raises(LedgerFilesReplacedError, match=r"ledger\.db was replaced"):
             producer.emit("after", {"x": torch.ones(2)})
+
+
+def test_files_sqlite_itself_removes_and_makes_again_are_no_fault(tmp_path: Path) -> None:
+    """The last connection to close removes the -wal and -shm; the next makes new ones."""
+    path = tmp_path / "ledger.db"
+    url = f"sqlite:///{path}"
+    with SharedDirFeatureStore(tmp_path / "store") as store:
+        first, second = Ledger.open(url), Ledger.open(url)
+        Producer(first, store, run_id=RUN, producer_id="p1").emit("a", {"x": torch.ones(2)})
+        Producer(second, store, run_id=RUN, producer_id="p2").emit("b", {"x": torch.ones(2)})
+        first.close()
+        second.close()  # the last: folds the WAL into the file and removes both
+        assert not list(tmp_path.glob("ledger.db-*"))
+        for n, ledger in enumerate((first, second, first)):  # closed ledgers connect again
+            Producer(ledger, store, run_id=RUN, producer_id=f"q{n}").emit(
+                f"c{n}", {"x": torch.ones(2)}
+            )
+        first.close()
+        second.close()
+    assert _committed(path) == {"a", "b", "c0", "c1", "c2"}
