@@ -78,8 +78,8 @@ class Backend:
     """What differs between databases: finding or making the ledger, engines, run locks."""
 
     name: str
-    #: Set before ``prepare``: open without writing anything (no file, no table, no
-    #: WAL switch); a SQLite ledger on a read-only file system is opened immutable.
+    #: Set before ``prepare``: open to read only (create nothing); a SQLite ledger whose
+    #: directory cannot be written is opened with SQLite's ``mode=ro`` or immutable.
     read_only: bool = False
     #: Set by ``prepare`` when the ledger was opened in SQLite's immutable mode.
     immutable: bool = False

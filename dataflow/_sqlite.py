@@ -39,6 +39,8 @@ _FILE_IDS = "dataflow_file_ids"
 #: for the moment between its lock and its -shm appearing or going.
 _HOLDER_GRACE_S = 2.0
 _PROC_LOCKS = "/proc/locks"
+#: SQLite's mode for a file beside which no -wal or -shm exists or can be made.
+_IMMUTABLE = "ro&immutable=1"
 _LOCK_LINE = re.compile(r"\s(-?\d+)\s+([0-9a-f]+):([0-9a-f]+):(\d+)\s")
 
 
@@ -132,7 +134,7 @@ def _read_only_mode(path: str) -> str | None:
     if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
         return None
     beside = any(os.path.exists(path + suffix) for suffix in ("-wal", "-shm"))
-    return "ro" if beside else "ro&immutable=1"
+    return "ro" if beside else _IMMUTABLE
 
 
 def _file_ids(path: str) -> tuple[tuple[int, int] | None, ...]:
@@ -175,15 +177,11 @@ def _lock_holders(path: str) -> set[int]:
             lines = locks.readlines()
     except OSError:
         return set()
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     holders = set()
     for line in lines:
         found = _LOCK_LINE.search(line)
-        if found and (int(found[2], 16), int(found[3], 16), int(found[4])) == (
-            major,
-            minor,
-            st.st_ino,
-        ):
+        if found and (int(found[2], 16), int(found[3], 16), int(found[4])) == wanted:
             holders.add(int(found[1]))
     return holders
 
@@ -284,7 +282,7 @@ class SQLiteBackend(Backend):
     def prepare(self, url: str, *, create: bool, durability: str, busy_timeout_s: float) -> None:
         path = _database_path(url)
         if os.path.lexists(path):
-            if not self.read_only and _read_only_mode(path) == "ro&immutable=1":
+            if not self.read_only and _read_only_mode(path) == _IMMUTABLE:
                 raise ReadOnlyLedgerError(
                     f"ledger {path} cannot be opened for writing: its directory cannot be "
                     "written, so SQLite can make no -wal or -shm there (a read-only file "
@@ -292,7 +290,7 @@ class SQLiteBackend(Backend):
                     "read_only=True) (the dataflow commands that read do)"
                 )
             _check_ledger_file(path, busy_timeout_s, read_only=self.read_only)
-            self.immutable = self.read_only and _read_only_mode(path) == "ro&immutable=1"
+            self.immutable = self.read_only and _read_only_mode(path) == _IMMUTABLE
             return
         if not create or self.read_only:
             shown = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"

@@ -197,9 +197,9 @@ def _open(args: argparse.Namespace) -> Any:
         raise _Failure(f"{exc} (the URL came from ${LEDGER_ENV})") from exc
     if ledger.immutable:
         print(
-            f"dataflow: ledger {ledger.safe_url} is on a read-only file system (no -wal or "
-            "-shm beside it, and none can be made): opened read-only and immutable; it must "
-            "not change while it is read",
+            f"dataflow: ledger {ledger.safe_url} is on a read-only file system or in a "
+            "directory that cannot be written, with no -wal or -shm beside it: opened "
+            "read-only and immutable; it must not change while it is read",
             file=sys.stderr,
         )
     return ledger
