@@ -86,6 +86,11 @@ def test_the_reading_commands_read_a_ledger_on_a_read_only_mount(read_only_ledge
               .splitlines()]  # fmt: skip
     assert sum(e["kind"] == "commit" for e in events) == 12
 
+    out = Path(read_only_ledger.removeprefix("sqlite:///")).parent.parent / "r1.parquet"
+    assert "wrote 41 events of run 'r1'" in ok(
+        dataflow(read_only_ledger, "export", "--run", "r1", str(out))
+    )
+
     path = read_only_ledger.removeprefix("sqlite:///")
     assert sorted(os.listdir(os.path.dirname(path))) == ["ledger.db"]
 
