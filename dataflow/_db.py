@@ -16,6 +16,7 @@ from dataflow._errors import (
     IntegrityError,
     InvalidArgumentError,
     LedgerError,
+    LedgerFilesReplacedError,
     NotALedgerError,
     OperationalError,
 )
@@ -24,6 +25,11 @@ from dataflow._schema import SCHEMA_VERSION, metadata, schema_info
 DEFAULT_URL = "sqlite:///./dataflow.db"
 DURABILITY = ("full", "normal")
 WRITE_OPTION = "dataflow_write"
+
+
+class SQLiteFilesReplaced(sqlite3.OperationalError):
+    """Raised by the SQLite backend's hooks, as the driver would: a file of the open
+    ledger was deleted or replaced. translate_errors makes it LedgerFilesReplacedError."""
 
 
 @contextlib.contextmanager
@@ -44,6 +50,8 @@ def translate_errors(what: str) -> Iterator[None]:
 
 def _translated(what: str, exc: Exception) -> LedgerError:
     orig = getattr(exc, "orig", None) or exc
+    if isinstance(orig, SQLiteFilesReplaced):
+        return LedgerFilesReplacedError(f"{what}: {orig}")
     if getattr(orig, "sqlite_errorname", None) == "SQLITE_NOTADB":
         return NotALedgerError(
             f"{what}: the file is not a SQLite database ({orig}), so it is no ledger; "
@@ -70,6 +78,11 @@ class Backend:
     """What differs between databases: finding or making the ledger, engines, run locks."""
 
     name: str
+    #: Set before ``prepare``: open to read only (create nothing); a SQLite ledger whose
+    #: directory cannot be written is opened with SQLite's ``mode=ro`` or immutable.
+    read_only: bool = False
+    #: Set by ``prepare`` when the ledger was opened in SQLite's immutable mode.
+    immutable: bool = False
 
     def prepare(self, url: str, *, create: bool, durability: str, busy_timeout_s: float) -> None:
         """Before the engine: check that what ``url`` names can hold a ledger.

@@ -20,9 +20,13 @@ keeps working around a store lookup::
     │   ├── LedgerStateError (ValueError)      a write the run's state forbids
     │   │   └── UnknownCheckpointError (LookupError)
     │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
+    │   ├── ReadOnlyLedgerError                a write through a ledger opened read_only=True,
+    │   │                                      or one on a read-only file system opened to write
     │   ├── IntegrityError                     a database constraint refused a write
     │   └── OperationalError                   the database could not be reached or used
-    │       └── CommitOutcomeUnknownError      it failed while committing: the write may have landed
+    │       ├── CommitOutcomeUnknownError      it failed while committing: the write may have landed
+    │       └── LedgerFilesReplacedError       a SQLite ledger's file (-wal, -shm, the database)
+    │                                          was deleted or replaced while it was open
     ├── StoreError
     │   ├── UnknownStoreError (ValueError)     a URI scheme nobody registered
     │   ├── StoreDependencyError (ImportError) a store's package or binary is missing
@@ -127,6 +131,15 @@ class StaleEpochError(LedgerError):
     """A consumer wrote with an epoch older than the run's current one (it was fenced)."""
 
 
+class ReadOnlyLedgerError(LedgerError):
+    """A write through a ledger opened with ``Ledger.open(..., read_only=True)``, or
+    a SQLite ledger on a read-only file system opened for writing.
+
+    Nothing was written; open the ledger without ``read_only`` to write. A
+    SQLite ledger on a read-only file system can only be opened read-only.
+    """
+
+
 class IntegrityError(LedgerError):
     """The database refused a write that breaks one of its constraints."""
 
@@ -141,6 +154,21 @@ class CommitOutcomeUnknownError(OperationalError):
     A connection lost during COMMIT leaves the client unable to tell whether the
     server committed. Read the ledger back before acting as if it did not;
     ``Producer.commit`` does so itself and keeps the features meanwhile.
+    """
+
+
+class LedgerFilesReplacedError(OperationalError):
+    """A SQLite ledger's ``-wal``, ``-shm`` or database file was deleted or replaced
+    while a process had the ledger open.
+
+    SQLite keeps the commits not yet checkpointed in the ``-wal`` file and finds
+    them through the ``-shm`` file; a process that holds the deleted ones writes
+    where no other process looks, and one that opens the ledger afterwards makes
+    new ones that the first process's close would fold over or unlink. So a write
+    through such a connection is refused (nothing written), and so is opening a
+    ledger whose ``-shm`` is gone while another process holds it. Stop every
+    process of the ledger (close, not kill: the last close folds its WAL into the
+    database), then open it again; ``dataflow replay --verify`` shows what remains.
     """
 
 

@@ -45,6 +45,7 @@ from dataflow._errors import (
     InvalidIdError,
     LedgerError,
     NotALedgerError,
+    ReadOnlyLedgerError,
     SchemaVersionError,
     StaleEpochError,
 )
@@ -476,6 +477,7 @@ class Ledger:
         durability: str = "full",
         busy_timeout: float = 30.0,
         create: bool = True,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(url, str):
             raise ArgumentTypeError(f"ledger URL must be a str, got {type(url).__name__}")
@@ -490,9 +492,14 @@ class Ledger:
             )
         if not isinstance(create, bool):
             raise ArgumentTypeError(f"create must be a bool, got {create!r}")
+        if not isinstance(read_only, bool):
+            raise ArgumentTypeError(f"read_only must be a bool, got {read_only!r}")
+        create = create and not read_only
         self._backend = backend_for(url)
+        self._backend.read_only = read_only
         self.url = url
         self.durability = durability
+        self.read_only = read_only
         timeout_s = float(busy_timeout)
         with translate_errors(f"opening ledger {self.safe_url}"):
             self._backend.prepare(
@@ -515,6 +522,7 @@ class Ledger:
         create: bool = True,
         durability: str = "full",
         busy_timeout: float = 30.0,
+        read_only: bool = False,
     ) -> Ledger:
         """Open the ledger at ``url``; with ``create`` (default) make it where there is none.
 
@@ -531,9 +539,21 @@ class Ledger:
         is faster but may lose the last transactions on power loss (SQLite
         ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit=off``).
         ``busy_timeout`` bounds how long a writer waits for the write lock.
+
+        ``read_only=True`` creates nothing and writes nothing: a write raises
+        ReadOnlyLedgerError. A SQLite ledger where no ``-wal``/``-shm`` can be
+        made beside it (a read-only file system, a backup or snapshot mount) is
+        then opened in SQLite's immutable mode (:attr:`immutable`): it is read
+        without locks, so it must not change while it is open.
         """
         url = DEFAULT_URL if url is None else url
-        return cls(url, durability=durability, busy_timeout=busy_timeout, create=create)
+        return cls(
+            url,
+            durability=durability,
+            busy_timeout=busy_timeout,
+            create=create,
+            read_only=read_only,
+        )
 
     @property
     def safe_url(self) -> str:
@@ -542,6 +562,19 @@ class Ledger:
     @property
     def backend(self) -> str:
         return self._backend.name
+
+    @property
+    def immutable(self) -> bool:
+        """Opened in SQLite's immutable mode (read-only, no locks): see :meth:`open`."""
+        return self._backend.immutable
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyLedgerError(
+                f"cannot {what}: ledger {self.safe_url} was opened read-only "
+                "(Ledger.open(..., read_only=True)) and nothing was written; open it "
+                "without read_only to write"
+            )
 
     def __repr__(self) -> str:
         return f"Ledger({self.safe_url!r})"
@@ -577,6 +610,7 @@ class Ledger:
         from dataflow._metrics import observe_append  # cached after the first; no prometheus
 
         _check_run_id(run_id)
+        self._check_writable(f"write ({what}) in run {run_id!r}")
         started = time.perf_counter()
         committing = False
         try:
@@ -717,6 +751,7 @@ class Ledger:
             )
         if state.run_id != run_id:
             raise InvalidArgumentError(f"the state is of run {state.run_id!r}, not {run_id!r}")
+        self._check_writable(f"save a snapshot of run {run_id!r}")
         if (self._schema_version or SCHEMA_VERSION) < 2 or state.head_seq == 0:
             return False
         body = _snapshot.encode(state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import sqlite3
 import time
@@ -15,9 +16,15 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
-from dataflow._db import WRITE_OPTION, Backend, create_schema, write_options
+from dataflow._db import (
+    WRITE_OPTION,
+    Backend,
+    SQLiteFilesReplaced,
+    create_schema,
+    write_options,
+)
 from dataflow._durable import fsync_path
-from dataflow._errors import InvalidArgumentError, NotALedgerError
+from dataflow._errors import InvalidArgumentError, NotALedgerError, ReadOnlyLedgerError
 from dataflow._schema import events, runs, schema_info
 
 #: SQLite's smallest page size: a database file is never shorter.
@@ -29,6 +36,17 @@ _NEW_RUN = (
     f"INSERT INTO {runs.name} (run_id, epoch) SELECT ?, COALESCE(MAX(epoch), 0) "
     f"FROM {events.name} WHERE run_id = ? AND kind = 'resume'"
 )
+#: The files a connection works through, by suffix of the ledger's path.
+_FILES = ("", "-wal", "-shm")
+_FILE_IDS = "dataflow_file_ids"
+#: How long a lock on the ledger without a -shm beside it may last before it is taken for
+#: a process that holds deleted files: a process opening or closing the ledger holds one
+#: for the moment between its lock and its -shm appearing or going.
+_HOLDER_GRACE_S = 2.0
+_PROC_LOCKS = "/proc/locks"
+#: SQLite's mode for a file beside which no -wal or -shm exists or can be made.
+_IMMUTABLE = "ro&immutable=1"
+_LOCK_LINE = re.compile(r"\s(-?\d+)\s+([0-9a-f]+):([0-9a-f]+):(\d+)\s")
 
 
 def _enable_wal(cur: Any, timeout_s: float) -> None:
@@ -92,14 +110,116 @@ def _database_path(url: str) -> str:
     return database
 
 
-def _connect(path: str, timeout_s: float, *, create: bool = False) -> sqlite3.Connection:
-    """A connection to ``path``; without ``create`` it never creates the file (``mode=rw``)."""
-    mode = "rwc" if create else "rw"
+def _connect(
+    path: str, timeout_s: float, *, create: bool = False, read_only: bool = False
+) -> sqlite3.Connection:
+    """A connection to ``path``; without ``create`` it never creates the file (``mode=rw``).
+
+    ``read_only``: where the ledger's directory cannot be written, ``mode=ro`` (with
+    SQLite's immutable mode if no -wal/-shm is beside it: see ``_read_only_mode``).
+    """
+    mode = _read_only_mode(path) if read_only else None
+    if mode is None:
+        mode = "rwc" if create else "rw"
+        if not create:
+            _refuse_deleted_files_held(path, timeout_s)
     uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode={mode}"
     return sqlite3.connect(uri, uri=True, timeout=timeout_s, check_same_thread=False)
 
 
-def _check_ledger_file(path: str, timeout_s: float) -> None:
+def _read_only_mode(path: str) -> str | None:
+    """How a reader must open ``path``: None where its directory can be written.
+
+    There ``mode=rw`` serves, and its close folds the WAL into the file as a writer's
+    does (a ``mode=ro`` reader that closes last leaves the -wal and -shm behind); the
+    Ledger refuses writes. Elsewhere ``mode=ro`` reads the -wal and -shm beside the file,
+    and with none beside it (a backup or snapshot on a read-only mount) SQLite can make
+    none and opens the file only in its immutable mode: no locks, no WAL.
+    """
+    if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        return None
+    beside = any(os.path.exists(path + suffix) for suffix in ("-wal", "-shm"))
+    return "ro" if beside else _IMMUTABLE
+
+
+def _file_ids(path: str) -> tuple[tuple[int, int] | None, ...]:
+    """(st_dev, st_ino) of the ledger's database, -wal and -shm files (None: missing)."""
+    ids: list[tuple[int, int] | None] = []
+    for suffix in _FILES:
+        try:
+            st = os.stat(path + suffix)
+        except FileNotFoundError:
+            ids.append(None)
+        else:
+            ids.append((st.st_dev, st.st_ino))
+    return tuple(ids)
+
+
+def _check_files_unchanged(path: str, opened: tuple[tuple[int, int] | None, ...]) -> None:
+    """Raise SQLiteFilesReplaced unless the paths still name the files the connection opened.
+
+    While any connection is open SQLite itself never deletes the -wal or -shm (the last
+    close does, and this one is open), so a change means someone else deleted or replaced
+    them: this connection's commits would go where no other process looks, and be lost.
+    """
+    now = _file_ids(path)
+    for suffix, before, after in zip(_FILES, opened, now, strict=True):
+        if before is not None and after != before:
+            what = "was deleted" if after is None else "was replaced by another file"
+            raise SQLiteFilesReplaced(
+                f"the ledger's file {path}{suffix} {what} while this connection had it open; "
+                "a write through it cannot be durable (other processes would not see it, "
+                "and it could be lost when they close), so nothing was written. Stop every "
+                "process of this ledger (close, not kill), then open it again"
+            )
+
+
+def _lock_holders(path: str) -> set[int]:
+    """Pids holding a POSIX lock on the file at ``path`` (from /proc/locks; Linux)."""
+    try:
+        st = os.stat(path)
+        with open(_PROC_LOCKS) as locks:
+            lines = locks.readlines()
+    except OSError:
+        return set()
+    wanted = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    holders = set()
+    for line in lines:
+        found = _LOCK_LINE.search(line)
+        if found and (int(found[2], 16), int(found[3], 16), int(found[4])) == wanted:
+            holders.add(int(found[1]))
+    return holders
+
+
+def _refuse_deleted_files_held(path: str, timeout_s: float) -> None:
+    """Raise SQLiteFilesReplaced if a process holds the ledger open but its -shm is gone.
+
+    A connection in WAL mode holds a lock on the database file for as long as it is open,
+    and its -shm file stays until the last connection closes. A lock with no -shm beside
+    it (for longer than an opening or closing connection takes) is a process whose -wal
+    and -shm were deleted under it: a connection opened now would make new ones, and that
+    process's close would fold its own WAL over the database and unlink ours, losing
+    every commit made through them.
+    """
+    deadline = time.monotonic() + min(timeout_s, _HOLDER_GRACE_S)
+    while not os.path.exists(path + "-shm"):
+        holders = _lock_holders(path)
+        if not holders:
+            return
+        if time.monotonic() >= deadline:
+            pids = ", ".join(str(pid) for pid in sorted(holders))
+            raise SQLiteFilesReplaced(
+                f"process(es) {pids} hold the ledger {path} open, but its {path}-shm is gone: "
+                "its -wal and -shm files were deleted while they had it open. What they "
+                "committed since the last checkpoint is only in those deleted files, and a "
+                "-wal made now would be lost when they close. Nothing was opened or "
+                f"written: stop every process of this ledger ({pids}; close, not kill: a "
+                "clean close folds its WAL into the database), then open it again"
+            )
+        time.sleep(0.01)
+
+
+def _check_ledger_file(path: str, timeout_s: float, *, read_only: bool = False) -> None:
     """Raise NotALedgerError unless ``path`` is a SQLite database holding our schema.
 
     Reads only: a foreign database is not even switched to WAL.
@@ -124,7 +244,7 @@ def _check_ledger_file(path: str, timeout_s: float) -> None:
             f"{path} is not a SQLite database ({size} bytes, less than one database page), "
             "so it is no ledger. It was left as it is: check the path"
         )
-    conn = _connect(path, timeout_s)
+    conn = _connect(path, timeout_s, read_only=read_only)
     try:
         tables = sorted(
             name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
@@ -167,9 +287,17 @@ class SQLiteBackend(Backend):
     def prepare(self, url: str, *, create: bool, durability: str, busy_timeout_s: float) -> None:
         path = _database_path(url)
         if os.path.lexists(path):
-            _check_ledger_file(path, busy_timeout_s)
+            if not self.read_only and _read_only_mode(path) == _IMMUTABLE:
+                raise ReadOnlyLedgerError(
+                    f"ledger {path} cannot be opened for writing: its directory cannot be "
+                    "written, so SQLite can make no -wal or -shm there (a read-only file "
+                    "system or mount?); to read it, open it with Ledger.open(url, "
+                    "read_only=True) (the dataflow commands that read do)"
+                )
+            _check_ledger_file(path, busy_timeout_s, read_only=self.read_only)
+            self.immutable = self.read_only and _read_only_mode(path) == _IMMUTABLE
             return
-        if not create:
+        if not create or self.read_only:
             shown = path if os.path.isabs(path) else f"{path} ({os.path.abspath(path)})"
             raise NotALedgerError(
                 f"no ledger at {shown}: the file does not exist (nothing was created); "
@@ -210,29 +338,41 @@ class SQLiteBackend(Backend):
         # Our own connect: the ledger's file exists (prepare made sure), and a
         # connection must never create an empty one in its place.
         path = _database_path(url)
+        read_only = self.read_only and _read_only_mode(path) is not None
         engine = create_engine(
-            url, creator=lambda: _connect(path, busy_timeout_s, create=create_file)
+            url,
+            creator=lambda: _connect(path, busy_timeout_s, create=create_file, read_only=read_only),
         )
         synchronous = "FULL" if durability == "full" else "NORMAL"
 
         @event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        def _on_connect(dbapi_conn: Any, record: Any) -> None:
             # Take transaction control from pysqlite: it would BEGIN lazily and
             # DEFERRED, and two deferred writers that both read first deadlock
             # on the lock upgrade (SQLITE_BUSY, no busy-wait).
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-            _enable_wal(cur, busy_timeout_s)
-            cur.execute(f"PRAGMA synchronous={synchronous}")
+            if not read_only:  # a mode=ro connection can switch nothing
+                _enable_wal(cur, busy_timeout_s)  # the pragma opens the -wal and -shm
+                cur.execute(f"PRAGMA synchronous={synchronous}")
+                record.info[_FILE_IDS] = _file_ids(path)
             cur.close()
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
-            if conn.get_execution_options().get(WRITE_OPTION, False):
-                _begin_immediate(conn.connection.driver_connection, busy_timeout_s)
-            else:
+            if not conn.get_execution_options().get(WRITE_OPTION, False):
                 conn.exec_driver_sql("BEGIN")
+                return
+            dbapi_conn = conn.connection.driver_connection
+            _begin_immediate(dbapi_conn, busy_timeout_s)
+            opened = conn.connection.info.get(_FILE_IDS)  # None: a mode=ro reader's
+            try:
+                if opened is not None:
+                    _check_files_unchanged(path, opened)
+            except SQLiteFilesReplaced:
+                dbapi_conn.execute("ROLLBACK")
+                raise
 
         return engine
 

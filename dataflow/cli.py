@@ -185,16 +185,25 @@ def _ledger_source(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _open(args: argparse.Namespace) -> Any:
-    """The ledger the arguments name, for reading: nothing is created, a missing one is an error."""
+    """The ledger the arguments name, read-only: nothing is created or written, a missing
+    one is an error, and one on a read-only file system is opened immutable (said on stderr)."""
     from dataflow._ledger import Ledger
 
     url, source = _ledger_source(args)
     try:
-        return Ledger.open(url, create=False)
+        ledger = Ledger.open(url, create=False, read_only=True)
     except NotALedgerError as exc:
         if source != LEDGER_ENV:
             raise
         raise _Failure(f"{exc} (the URL came from ${LEDGER_ENV})") from exc
+    if ledger.immutable:
+        print(
+            f"dataflow: ledger {ledger.safe_url} is on a read-only file system or in a "
+            "directory that cannot be written, with no -wal or -shm beside it: opened "
+            "read-only and immutable; it must not change while it is read",
+            file=sys.stderr,
+        )
+    return ledger
 
 
 def _known_runs(ledger: Any) -> str:

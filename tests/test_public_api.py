@@ -62,6 +62,8 @@ def test_every_error_derives_from_the_root() -> None:
     assert issubclass(dataflow.InvalidArgumentError, ValueError)
     assert issubclass(dataflow.ArgumentTypeError, TypeError)
     assert issubclass(dataflow.CommitOutcomeUnknownError, dataflow.OperationalError)
+    assert issubclass(dataflow.LedgerFilesReplacedError, dataflow.OperationalError)
+    assert issubclass(dataflow.ReadOnlyLedgerError, dataflow.LedgerError)
 
 
 def test_layering() -> None:
