@@ -46,6 +46,79 @@ def test_database_names_are_checked_before_connecting(name):
         drop_database(unreachable, name)
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "named"),
+    [
+        ({"listen": "10.41.0.1"}, TypeError, "pass listen=\\['10.41.0.1'\\]"),
+        ({"listen": ["10.41.0.300"]}, ValueError, "10.41.0.300"),
+        ({"trust": ["10.41.0.1/8"]}, ValueError, "10.41.0.1/8"),
+    ],
+)
+def test_listen_addresses_and_trusted_networks_are_checked(options, error, named):
+    with pytest.raises(error, match=named):
+        PostgresServer(**options)
+
+
+def test_a_url_at_an_address_the_server_does_not_listen_on_is_refused():
+    server = PostgresServer(listen=["10.41.0.1"])
+    server.port = 5432  # as if started: url_at only formats
+    assert server.url_at("10.41.0.1") == "postgresql+psycopg://postgres@10.41.0.1:5432/postgres"
+    with pytest.raises(ValueError, match=r"does not listen on '10\.41\.0\.2'"):
+        server.url_at("10.41.0.2")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("busy_timeout", "settings"),
+    [
+        (
+            2,
+            {
+                "lock_timeout": "2s",
+                "statement_timeout": "4s",
+                "idle_in_transaction_session_timeout": "2s",
+                "tcp_keepalives_idle": "1",
+                "tcp_keepalives_interval": "1",
+                "tcp_user_timeout": "2000",
+            },
+        ),
+        (
+            0.05,  # the bounds on a dead peer stay at 1 s: no session ends between statements
+            {
+                "lock_timeout": "50ms",
+                "statement_timeout": "1050ms",
+                "idle_in_transaction_session_timeout": "1s",
+                "tcp_user_timeout": "1000",
+            },
+        ),
+        (
+            30,
+            {
+                "lock_timeout": "30s",
+                "statement_timeout": "1min",
+                "idle_in_transaction_session_timeout": "30s",
+                "tcp_keepalives_idle": "8",
+                "tcp_keepalives_interval": "8",
+                "tcp_keepalives_count": "4",
+                "tcp_user_timeout": "30000",
+            },
+        ),
+    ],
+)
+def test_every_session_bounds_its_waits_by_the_busy_timeout(postgres_url, busy_timeout, settings):
+    """The bounds docs/reliability.md ("Timeouts") documents, as the server applies them
+    (the keepalives only on TCP connections, as the test server's are)."""
+    with (
+        Ledger.open(postgres_url, busy_timeout=busy_timeout) as ledger,
+        ledger._engine.connect() as conn,
+    ):
+        shown = {name: conn.exec_driver_sql(f"SHOW {name}").scalar() for name in settings}
+        client = conn.connection.driver_connection.info.get_parameters()
+    assert shown == settings
+    assert client["keepalives"] == "1"
+    assert client["tcp_user_timeout"] == settings["tcp_user_timeout"]
+
+
 def test_startup_timeout_must_be_positive():
     with pytest.raises(ValueError, match="got 0"):
         PostgresServer(startup_timeout=0)
