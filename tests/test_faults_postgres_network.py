@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from sqlalchemy.engine import make_url
 
 from dataflow import Kind, Ledger, Producer, replay
 from dataflow.testing._postgres import PostgresServer
@@ -163,17 +164,19 @@ def network() -> Iterator[tuple[Link, PostgresServer]]:
     reason = why_unavailable()
     if reason is not None:
         unavailable(reason)
-    with veth_namespace("df-pgn", "10.41.0.0/16") as link:
+    with contextlib.ExitStack() as stack:
+        try:
+            link = stack.enter_context(veth_namespace("df-pgn", "10.41.0.0/16"))
+        except RuntimeError as exc:  # e.g. a container without CAP_SYS_ADMIN
+            unavailable(f"cannot make a network namespace: {exc}")
         subnet = ipaddress.ip_interface(f"{link.host_address}/24").network
         try:
             server = PostgresServer(listen=[link.host_address], trust=[str(subnet)])
             server.start()
         except (RuntimeError, OSError) as exc:
             unavailable(f"no PostgreSQL server for the network fault tests: {exc}")
-        try:
-            yield link, server
-        finally:
-            server.stop()
+        stack.callback(server.stop)
+        yield link, server
 
 
 @pytest.fixture
@@ -183,7 +186,7 @@ def cut_link(network, request) -> Iterator[tuple[Link, str, str]]:
     link, server = network
     name = f"net_{os.getpid()}_{random.getrandbits(32):08x}"
     host_url = server.create_database(name)
-    namespace_url = host_url.replace("@127.0.0.1:", f"@{link.host_address}:")
+    namespace_url = make_url(host_url).set(host=link.host_address).render_as_string(False)
     try:
         yield link, host_url, namespace_url
     finally:
