@@ -27,6 +27,7 @@ _NEW_RUN = (
     "ON CONFLICT (run_id) DO NOTHING"
 )
 _PROBES = 4
+_MIN_DEAD_PEER_S = 2.0  # also libpq's least connect_timeout
 
 
 def dead_peer_s(busy_timeout_s: float) -> float:
@@ -34,10 +35,10 @@ def dead_peer_s(busy_timeout_s: float) -> float:
 
     ``busy_timeout`` already bounds how long a writer waits for a run's lock, so a
     holder silent for longer has made others fail: its session is ended then, and
-    the lock goes with it. At least a second, so that a tiny busy_timeout does not
-    end healthy sessions between two statements of one transaction.
+    the lock goes with it. At least two seconds, so that a tiny busy_timeout does
+    not end a healthy session that a loaded machine keeps between two statements.
     """
-    return max(busy_timeout_s, 1.0)
+    return max(busy_timeout_s, _MIN_DEAD_PEER_S)
 
 
 def connect_args(busy_timeout_s: float, *, synchronous_commit: str) -> dict[str, object]:
@@ -70,7 +71,7 @@ def connect_args(busy_timeout_s: float, *, synchronous_commit: str) -> dict[str,
         "tcp_user_timeout": dead_ms,
     }
     return {
-        "connect_timeout": max(2, math.ceil(dead)),  # libpq's minimum is 2 s
+        "connect_timeout": math.ceil(dead),
         "keepalives": 1,
         "keepalives_idle": probe_s,
         "keepalives_interval": probe_s,

@@ -83,12 +83,12 @@ def test_a_url_at_an_address_the_server_does_not_listen_on_is_refused():
             },
         ),
         (
-            0.05,  # the bounds on a dead peer stay at 1 s: no session ends between statements
+            0.05,  # the bounds on a dead peer stay at 2 s: no session ends between statements
             {
                 "lock_timeout": "50ms",
-                "statement_timeout": "1050ms",
-                "idle_in_transaction_session_timeout": "1s",
-                "tcp_user_timeout": "1000",
+                "statement_timeout": "2050ms",
+                "idle_in_transaction_session_timeout": "2s",
+                "tcp_user_timeout": "2000",
             },
         ),
         (
