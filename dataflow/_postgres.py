@@ -28,6 +28,8 @@ _NEW_RUN = (
 )
 _PROBES = 4
 _MIN_DEAD_PEER_S = 2.0  # also libpq's least connect_timeout
+_MAX_INT = 2**31 - 1
+_MAX_KEEPALIVE_S = 32767  # Linux refuses longer keepalive times and intervals
 
 
 def dead_peer_s(busy_timeout_s: float) -> float:
@@ -56,14 +58,14 @@ def connect_args(busy_timeout_s: float, *, synchronous_commit: str) -> dict[str,
       minutes, and ``connect_timeout`` D for a new connection.
     """
     dead = dead_peer_s(busy_timeout_s)
-    dead_ms = math.ceil(dead * 1000)
+    dead_ms = _ms(dead)
     # Probes every quarter of D; tcp_user_timeout then ends the connection at the first
     # unanswered probe past D (Linux), and without it four unanswered probes end it.
-    probe_s = max(1, math.ceil(dead / 4))
+    probe_s = min(max(1, math.ceil(dead / 4)), _MAX_KEEPALIVE_S)
     session = {
         "synchronous_commit": synchronous_commit,
-        "lock_timeout": math.ceil(busy_timeout_s * 1000),
-        "statement_timeout": math.ceil(busy_timeout_s * 1000) + dead_ms,
+        "lock_timeout": _ms(busy_timeout_s),
+        "statement_timeout": _ms(busy_timeout_s + dead),
         "idle_in_transaction_session_timeout": dead_ms,
         "tcp_keepalives_idle": probe_s,
         "tcp_keepalives_interval": probe_s,
@@ -79,6 +81,12 @@ def connect_args(busy_timeout_s: float, *, synchronous_commit: str) -> dict[str,
         "tcp_user_timeout": dead_ms,
         "options": " ".join(f"-c {name}={value}" for name, value in session.items()),
     }
+
+
+def _ms(seconds: float) -> int:
+    """``seconds`` in whole milliseconds, at most what PostgreSQL's settings and the
+    socket's TCP_USER_TIMEOUT take (a C int): a huge busy_timeout means "no bound"."""
+    return min(math.ceil(seconds * 1000), _MAX_INT)
 
 
 class PostgresBackend(Backend):

@@ -1,5 +1,6 @@
 """The throw-away PostgreSQL server of dataflow.testing, and PostgreSQL specifics."""
 
+import math
 import os
 import re
 
@@ -7,8 +8,11 @@ import psycopg
 import pytest
 import sqlalchemy
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dataflow import Ledger, NotALedgerError, Producer, replay
+from dataflow._postgres import connect_args
 from dataflow.testing import _postgres
 from dataflow.testing._postgres import (
     PostgresServer,
@@ -92,6 +96,15 @@ def test_a_url_at_an_address_the_server_does_not_listen_on_is_refused():
             },
         ),
         (
+            1e7,  # ~4 months: each setting at the most it takes, not refused at connect
+            {
+                "lock_timeout": "2147483647ms",
+                "statement_timeout": "2147483647ms",
+                "tcp_keepalives_idle": "32767",
+                "tcp_user_timeout": "2147483647",
+            },
+        ),
+        (
             30,
             {
                 "lock_timeout": "30s",
@@ -117,6 +130,35 @@ def test_every_session_bounds_its_waits_by_the_busy_timeout(postgres_url, busy_t
     assert shown == settings
     assert client["keepalives"] == "1"
     assert client["tcp_user_timeout"] == settings["tcp_user_timeout"]
+
+
+@given(busy_timeout=st.floats(min_value=1e-6, max_value=1e12))
+def test_the_session_bounds_keep_their_order_and_their_ranges(busy_timeout):
+    args = connect_args(busy_timeout, synchronous_commit="on")
+    session = dict(option.split("=") for option in args["options"].split(" -c ")[1:] if option)
+    millis = {name: int(session[name]) for name in _MILLISECOND_SETTINGS}
+    seconds = {name: int(session[name]) for name in _SECOND_SETTINGS}
+    assert all(0 < value <= 2**31 - 1 for value in millis.values())
+    assert all(1 <= value <= 32767 for value in seconds.values())
+    dead_ms = min(math.ceil(max(busy_timeout, 2.0) * 1000), 2**31 - 1)
+    assert millis["idle_in_transaction_session_timeout"] == millis["tcp_user_timeout"] == dead_ms
+    assert args["tcp_user_timeout"] == dead_ms
+    assert millis["lock_timeout"] <= dead_ms
+    assert millis["lock_timeout"] <= millis["statement_timeout"]
+    # Without tcp_user_timeout, the unanswered probes alone take at least D (or the most
+    # the kernel allows).
+    probes = seconds["tcp_keepalives_idle"] + 4 * seconds["tcp_keepalives_interval"]
+    assert probes * 1000 >= min(dead_ms, 5 * 32767 * 1000)
+    assert args["connect_timeout"] >= 2
+
+
+_MILLISECOND_SETTINGS = (
+    "lock_timeout",
+    "statement_timeout",
+    "idle_in_transaction_session_timeout",
+    "tcp_user_timeout",
+)
+_SECOND_SETTINGS = ("tcp_keepalives_idle", "tcp_keepalives_interval")
 
 
 def test_startup_timeout_must_be_positive():
