@@ -67,6 +67,7 @@ def test_a_url_at_an_address_the_server_does_not_listen_on_is_refused():
     server = PostgresServer(listen=["10.41.0.1"])
     server.port = 5432  # as if started: url_at only formats
     assert server.url_at("10.41.0.1") == "postgresql+psycopg://postgres@10.41.0.1:5432/postgres"
+    assert server.url_at("127.0.0.1") == server.url
     with pytest.raises(ValueError, match=r"does not listen on '10\.41\.0\.2'"):
         server.url_at("10.41.0.2")
 

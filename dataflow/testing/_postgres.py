@@ -183,8 +183,10 @@ class PostgresServer:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
 
     def url_at(self, address: str) -> str:
-        """SQLAlchemy URL of the ``postgres`` database at ``address``, one of ``listen``."""
-        if _checked("address", ipaddress.ip_address, address) not in self.listen:
+        """SQLAlchemy URL of the ``postgres`` database at ``address``: 127.0.0.1 or one of
+        ``listen``."""
+        served = (ipaddress.ip_address("127.0.0.1"), *self.listen)
+        if _checked("address", ipaddress.ip_address, address) not in served:
             raise InvalidArgumentError(
                 f"{self!r} does not listen on {address!r}, only on 127.0.0.1 and "
                 f"{', '.join(map(str, self.listen)) or 'nothing else'}: pass listen=[...]"
