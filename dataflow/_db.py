@@ -59,11 +59,18 @@ def _translated(what: str, exc: Exception) -> LedgerError:
         )
     if isinstance(exc, sa_exc.IntegrityError):
         return IntegrityError(f"{what}: the database refused the write: {orig}")
-    if getattr(orig, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+    if _lock_timed_out(orig):
         return OperationalError(
             f"{what}: {orig}: another connection held the ledger's write lock for longer "
             "than busy_timeout, and this transaction wrote nothing; retry, or open the "
             "ledger with a longer Ledger.open(busy_timeout=...)"
+        )
+    if _unreachable(exc, orig):
+        return OperationalError(
+            f"{what}: the ledger is unreachable ({str(orig).strip()}): the connection failed, or "
+            "the link stayed silent for longer than the bound that Ledger.open(busy_timeout=...) "
+            'sets (docs/reliability.md, "Timeouts"); retry once it answers: a retried commit '
+            "of the same samples settles what this one did"
         )
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError)):
         return OperationalError(f"{what}: {orig}")
@@ -72,6 +79,28 @@ def _translated(what: str, exc: Exception) -> LedgerError:
     if isinstance(exc, sa_exc.SQLAlchemyError):
         return LedgerError(f"{what}: {exc}")
     return OperationalError(f"{what}: {exc}")
+
+
+def _lock_timed_out(orig: object) -> bool:
+    """SQLite's busy_timeout, or PostgreSQL's lock_timeout (SQLSTATE 55P03), ran out."""
+    return (
+        getattr(orig, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED")
+        or getattr(orig, "sqlstate", None) == "55P03"
+    )
+
+
+def _unreachable(exc: Exception, orig: object) -> bool:
+    """The database server could not be reached or stopped answering.
+
+    An error of the driver's own (psycopg's have no SQLSTATE: the server sent none)
+    on connecting, a link that timed out or a connection the pool found dead; not an
+    error the server reported.
+    """
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    return isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)) and (
+        getattr(orig, "sqlstate", False) is None
+    )
 
 
 class Backend:

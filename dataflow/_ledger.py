@@ -538,7 +538,9 @@ class Ledger:
         ``durability="full"`` (default) fsyncs every transaction; ``"normal"``
         is faster but may lose the last transactions on power loss (SQLite
         ``synchronous=NORMAL``, PostgreSQL ``synchronous_commit=off``).
-        ``busy_timeout`` bounds how long a writer waits for the write lock.
+        ``busy_timeout`` bounds how long a writer waits for the write lock; on
+        PostgreSQL also how long a dead client holds a run's lock and how long a call
+        waits on a silent link (docs/reliability.md, "Timeouts").
 
         ``read_only=True`` creates nothing and writes nothing: a write raises
         ReadOnlyLedgerError. A SQLite ledger where no ``-wal``/``-shm`` can be

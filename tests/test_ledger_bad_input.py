@@ -803,7 +803,7 @@ def test_without_create_a_missing_ledger_is_refused_and_nothing_is_made(tmp_path
 
 
 def test_an_unreachable_postgres_is_an_operational_error():
-    with pytest.raises(OperationalError, match=r"127\.0\.0\.1:1/none"):
+    with pytest.raises(OperationalError, match=r"127\.0\.0\.1:1/none: the ledger is unreachable"):
         Ledger.open("postgresql+psycopg://nobody@127.0.0.1:1/none", busy_timeout=1)
 
 

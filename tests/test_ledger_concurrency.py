@@ -257,7 +257,10 @@ def test_a_writer_gives_up_after_the_busy_timeout(ledger_url, request):
     thread.start()
     assert inserted.wait(timeout=60)
     try:
-        with pytest.raises(OperationalError), waiter.write("locked", "wait") as tx:
+        with (
+            pytest.raises(OperationalError, match=r"held the ledger's write lock.*busy_timeout"),
+            waiter.write("locked", "wait") as tx,
+        ):
             tx.append([NewEvent(Kind.CLOSE, "waiter")])
     finally:
         done.set()

@@ -1,5 +1,6 @@
 """The throw-away PostgreSQL server of dataflow.testing, and PostgreSQL specifics."""
 
+import math
 import os
 import re
 
@@ -7,8 +8,11 @@ import psycopg
 import pytest
 import sqlalchemy
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dataflow import Ledger, NotALedgerError, Producer, replay
+from dataflow._postgres import connect_args
 from dataflow.testing import _postgres
 from dataflow.testing._postgres import (
     PostgresServer,
@@ -44,6 +48,118 @@ def test_database_names_are_checked_before_connecting(name):
         create_database(unreachable, name)
     with pytest.raises(ValueError, match="database name"):
         drop_database(unreachable, name)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "named"),
+    [
+        ({"listen": "10.41.0.1"}, TypeError, "pass listen=\\['10.41.0.1'\\]"),
+        ({"listen": ["10.41.0.300"]}, ValueError, "10.41.0.300"),
+        ({"trust": ["10.41.0.1/8"]}, ValueError, "10.41.0.1/8"),
+    ],
+)
+def test_listen_addresses_and_trusted_networks_are_checked(options, error, named):
+    with pytest.raises(error, match=named):
+        PostgresServer(**options)
+
+
+def test_a_url_at_an_address_the_server_does_not_listen_on_is_refused():
+    server = PostgresServer(listen=["10.41.0.1"])
+    server.port = 5432  # as if started: url_at only formats
+    assert server.url_at("10.41.0.1") == "postgresql+psycopg://postgres@10.41.0.1:5432/postgres"
+    assert server.url_at("127.0.0.1") == server.url
+    with pytest.raises(ValueError, match=r"does not listen on '10\.41\.0\.2'"):
+        server.url_at("10.41.0.2")
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("busy_timeout", "settings"),
+    [
+        (
+            2,
+            {
+                "lock_timeout": "2s",
+                "statement_timeout": "4s",
+                "idle_in_transaction_session_timeout": "2s",
+                "tcp_keepalives_idle": "1",
+                "tcp_keepalives_interval": "1",
+                "tcp_user_timeout": "2000",
+            },
+        ),
+        (
+            0.05,  # the bounds on a dead peer stay at 2 s: no session ends between statements
+            {
+                "lock_timeout": "50ms",
+                "statement_timeout": "2050ms",
+                "idle_in_transaction_session_timeout": "2s",
+                "tcp_user_timeout": "2000",
+            },
+        ),
+        (
+            1e7,  # ~4 months: each setting at the most it takes, not refused at connect
+            {
+                "lock_timeout": "2147483647ms",
+                "statement_timeout": "2147483647ms",
+                "tcp_keepalives_idle": "32767",
+                "tcp_user_timeout": "2147483647",
+            },
+        ),
+        (
+            30,
+            {
+                "lock_timeout": "30s",
+                "statement_timeout": "1min",
+                "idle_in_transaction_session_timeout": "30s",
+                "tcp_keepalives_idle": "8",
+                "tcp_keepalives_interval": "8",
+                "tcp_keepalives_count": "4",
+                "tcp_user_timeout": "30000",
+            },
+        ),
+    ],
+)
+def test_every_session_bounds_its_waits_by_the_busy_timeout(postgres_url, busy_timeout, settings):
+    """The bounds docs/reliability.md ("Timeouts") documents, as the server applies them
+    (the keepalives only on TCP connections, as the test server's are)."""
+    with (
+        Ledger.open(postgres_url, busy_timeout=busy_timeout) as ledger,
+        ledger._engine.connect() as conn,
+    ):
+        shown = {name: conn.exec_driver_sql(f"SHOW {name}").scalar() for name in settings}
+        client = conn.connection.driver_connection.info.get_parameters()
+    assert shown == settings
+    assert client["keepalives"] == "1"
+    assert client["tcp_user_timeout"] == settings["tcp_user_timeout"]
+
+
+@given(busy_timeout=st.floats(min_value=1e-6, max_value=1e12))
+def test_the_session_bounds_keep_their_order_and_their_ranges(busy_timeout):
+    args = connect_args(busy_timeout, synchronous_commit="on")
+    session = dict(option.split("=") for option in args["options"].split(" -c ")[1:] if option)
+    millis = {name: int(session[name]) for name in _MILLISECOND_SETTINGS}
+    seconds = {name: int(session[name]) for name in _SECOND_SETTINGS}
+    assert all(0 < value <= 2**31 - 1 for value in millis.values())
+    assert all(1 <= value <= 32767 for value in seconds.values())
+    dead_ms = min(math.ceil(max(busy_timeout, 2.0) * 1000), 2**31 - 1)
+    assert millis["idle_in_transaction_session_timeout"] == millis["tcp_user_timeout"] == dead_ms
+    assert args["tcp_user_timeout"] == dead_ms
+    assert millis["lock_timeout"] <= dead_ms
+    assert millis["lock_timeout"] <= millis["statement_timeout"]
+    # Without tcp_user_timeout, the unanswered probes alone take at least D (or the most
+    # the kernel allows).
+    probes = seconds["tcp_keepalives_idle"] + 4 * seconds["tcp_keepalives_interval"]
+    assert probes * 1000 >= min(dead_ms, 5 * 32767 * 1000)
+    assert args["connect_timeout"] >= 2
+
+
+_MILLISECOND_SETTINGS = (
+    "lock_timeout",
+    "statement_timeout",
+    "idle_in_transaction_session_timeout",
+    "tcp_user_timeout",
+)
+_SECOND_SETTINGS = ("tcp_keepalives_idle", "tcp_keepalives_interval")
 
 
 def test_startup_timeout_must_be_positive():

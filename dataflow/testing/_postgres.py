@@ -16,6 +16,7 @@ To test against a server you already run, set ``DATAFLOW_TEST_POSTGRES_URL``
 from __future__ import annotations
 
 import glob
+import ipaddress
 import math
 import os
 import re
@@ -25,6 +26,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +135,11 @@ class PostgresServer:
     running when the interpreter exits is stopped then. Running as root, the
     server runs as the ``postgres`` system user, which must exist (PostgreSQL
     refuses to run as root).
+
+    ``listen``: IP addresses to serve on besides 127.0.0.1 (an address of a
+    network namespace's link, say; it must exist when the server starts), and
+    ``trust``: networks (``10.41.0.0/24``) whose clients connect without a
+    password, besides loopback. :meth:`url_at` names the server at one of them.
     """
 
     def __init__(
@@ -141,6 +148,8 @@ class PostgresServer:
         bin_dir: str | os.PathLike[str] | None = None,
         startup_timeout: float = 60.0,
         durable: bool = False,
+        listen: Sequence[str] = (),
+        trust: Sequence[str] = (),
     ) -> None:
         if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)):
             raise ArgumentTypeError(
@@ -159,6 +168,8 @@ class PostgresServer:
                 f"{INSTALL_HINT}"
             )
         self.startup_timeout = float(startup_timeout)
+        self.listen = _addresses("listen", ipaddress.ip_address, listen)
+        self.trust = _addresses("trust", ipaddress.ip_network, trust)
         self.durable = bool(durable)
         self.port: int | None = None
         self.directory: Path | None = None
@@ -170,6 +181,17 @@ class PostgresServer:
         if self.port is None:
             raise RuntimeError(f"{self!r} is not running: call start() first")
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def url_at(self, address: str) -> str:
+        """SQLAlchemy URL of the ``postgres`` database at ``address``: 127.0.0.1 or one of
+        ``listen``."""
+        served = (ipaddress.ip_address("127.0.0.1"), *self.listen)
+        if _checked("address", ipaddress.ip_address, address) not in served:
+            raise InvalidArgumentError(
+                f"{self!r} does not listen on {address!r}, only on 127.0.0.1 and "
+                f"{', '.join(map(str, self.listen)) or 'nothing else'}: pass listen=[...]"
+            )
+        return make_url(self.url).set(host=address).render_as_string(hide_password=False)
 
     def create_database(self, name: str) -> str:
         """Create database ``name``; return its URL."""
@@ -212,6 +234,8 @@ class PostgresServer:
                 "UTF8",
                 "--no-sync",
             )
+            with open(Path(data) / "pg_hba.conf", "a") as hba:
+                hba.writelines(f"host all all {network} trust\n" for network in self.trust)
             self.port = self._start_on_free_port(data)
             self._wait_ready()
         except BaseException:
@@ -259,8 +283,10 @@ class PostgresServer:
     def server_options(self, port: int) -> str:
         """The server's command line (``pg_ctl -o``) on ``port``: to start it again."""
         assert self.directory is not None
+        addresses = ",".join(["127.0.0.1", *map(str, self.listen)])
         options = (
-            f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='{self.directory}'"
+            f"-p {port} -c listen_addresses='{addresses}' "
+            f"-c unix_socket_directories='{self.directory}'"
         )
         if not self.durable:
             options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
@@ -280,6 +306,25 @@ class PostgresServer:
                         f"{self.startup_timeout:g}s: {exc}"
                     ) from exc
                 time.sleep(0.1)
+
+
+def _addresses(name: str, parse: Any, values: Sequence[str]) -> tuple[Any, ...]:
+    if isinstance(values, str) or not isinstance(values, Sequence):
+        raise ArgumentTypeError(
+            f"{name} must be a list of str, got {type(values).__name__} {values!r}: "
+            f"pass {name}=[{values!r}]"
+        )
+    return tuple(_checked(name, parse, value) for value in values)
+
+
+def _checked(name: str, parse: Any, value: object) -> Any:
+    """``parse(value)`` (an ipaddress constructor), or InvalidArgumentError naming ``value``."""
+    try:
+        return parse(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"{name} must hold IP addresses (or networks, e.g. '10.41.0.0/24'), got {value!r}"
+        ) from None
 
 
 def _shutdown(bin_dir: Path, directory: Path) -> None:
