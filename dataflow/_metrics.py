@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from dataflow._backpressure import Backlog
+from dataflow._backpressure import Backlog, producer_blockings
 from dataflow._contracts import FeatureStore
 from dataflow._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
 from dataflow._events import Kind
@@ -93,7 +93,11 @@ class RunMetrics:
       (``FeatureStore.stats()``, label ``store``, orphans included);
     * ``dataflow_append_seconds{op}``: a histogram of this process's append
       transactions to the run, from their start (lock wait included) to their
-      commit, by operation (commit, lease, ack, ...).
+      commit, by operation (commit, lease, ack, ...);
+    * for the run's producers in this process, labels ``producer`` and ``cause``
+      (``credit``: the stream's windows are full; ``high_mark``: the backlog is at
+      the :class:`Watermarks`' high mark): ``dataflow_producer_blocked`` (1 while
+      blocked) and ``dataflow_producer_blocked_seconds_total`` (seconds waited).
 
     ``registry``: a ``prometheus_client.CollectorRegistry`` to register with
     (None: none; :func:`serve_metrics` registers it). One run per registry:
@@ -208,6 +212,7 @@ class RunMetrics:
             yield family
         if self.store is not None:
             yield from self._store_families(read)
+        yield from self._blocked_families(read)
         yield from self._append.collect() if read else self._append.describe()
 
     def _store_families(self, read: bool) -> Iterator[Any]:
@@ -227,6 +232,35 @@ class RunMetrics:
             if stats is not None:
                 family.add_metric([self.store.uri], getattr(stats, attr))  # type: ignore[union-attr]
             yield family
+
+    def _blocked_families(self, read: bool) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["run", "producer", "cause"]
+        blocked = GaugeMetricFamily(
+            "dataflow_producer_blocked",
+            "1 while a producer of this process is blocked on the cause (credit: its "
+            "stream's windows are full; high_mark: the run's backlog is at its high mark)",
+            labels=labels,
+        )
+        seconds = CounterMetricFamily(
+            "dataflow_producer_blocked_seconds",
+            "Seconds a producer of this process spent waiting, by cause",
+            labels=labels,
+        )
+        if read:
+            # Two Producers of one id in a process (a closed one, its successor) are one.
+            readings: dict[tuple[str, str, str], tuple[bool, float]] = {}
+            for blocking in producer_blockings(self.run_id):
+                key = (self.run_id, blocking.producer_id, blocking.cause)
+                now_blocked, waited = blocking.reading()
+                was_blocked, had_waited = readings.get(key, (False, 0.0))
+                readings[key] = (now_blocked or was_blocked, waited + had_waited)
+            for key, (now_blocked, waited) in sorted(readings.items()):
+                blocked.add_metric(list(key), int(now_blocked))
+                seconds.add_metric(list(key), waited)
+        yield blocked
+        yield seconds
 
 
 #: How many connections an endpoint serves at once (``serve_metrics(max_connections=)``).
