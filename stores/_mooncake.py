@@ -50,7 +50,6 @@ from dataflow._contracts import (
     FeatureStore,
     SampleRef,
     StoredObject,
-    StoreStats,
     validate_sample_id,
 )
 from dataflow._errors import (
@@ -336,7 +335,8 @@ class MooncakeFeatureStore(FeatureStore):
     ``admin``, by default port 9003 of the master's host) and reads the record
     of each generation in batches. Handles in one process share one Mooncake
     client per cluster (the first handle's ``segment_size`` / ``buffer_size``
-    win). ``stats()`` counts what this handle put and has not deleted.
+    win). ``stats()`` counts what ``scan`` lists: the namespace's generations,
+    whichever process put them (it counted only this handle's puts).
 
     The head holds the XXH3-64 of every tensor and a checksum of its own; a get
     checks the head and every tensor it reads, and raises CorruptFeatureError
@@ -1014,10 +1014,6 @@ class MooncakeFeatureStore(FeatureStore):
                 log.warning("scan of %s skips a record no delete can use: %s", self.uri, exc)
                 continue
             yield StoredObject(sample_id, generation, record.nbytes, record.created)
-
-    def _stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(len(self._live), sum(size for _, size in self._live.values()))
 
     def _close(self) -> None:
         client = self._client

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from dataflow import (
     replay,
     serve_metrics,
 )
-from stores import LocalFeatureStore, SharedDirFeatureStore
+from stores import LocalFeatureStore, SharedDirFeatureStore, open_store
 
 RUN = "run"
 
@@ -468,3 +469,72 @@ def test_collectors_run_at_most_once_per_interval_however_many_clients_scrape() 
 def test_bad_endpoint_limits_are_refused_naming_the_value(option, bad, error, says) -> None:
     with pytest.raises(error, match=re.escape(says)):
         serve_metrics(0, **{option: bad})
+
+
+def produce_and_serve(url: str, store_uri: str, count: int, port, done) -> None:
+    """A producer process: commit ``count`` samples, serve the run's metrics until ``done``."""
+    store = open_store(store_uri)
+    with Ledger.open(url) as led:
+        prod = Producer(led, store, run_id=RUN, metrics_port=0)
+        for i in range(count):
+            prod.emit(f"p{i:02d}", features(i))
+        port.put(prod.metrics.port)
+        done.wait(120)
+        prod.close()
+    store.close()
+
+
+def train_and_release(url: str, store_uri: str, count: int) -> None:
+    """A trainer process: train ``count`` samples, releasing their features at the ack."""
+    store = open_store(store_uri)
+    with Ledger.open(url) as led:
+        cons = Consumer(led, store, run_id=RUN, consumer_id="rank0", release_policy="on_ack")
+        cons.resume()
+        cons.ack(cons.lease(count), step=1)
+    store.close()  # Mooncake: waits until its removals are done
+
+
+@pytest.fixture(params=["shared_dir", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def store_uris(request, tmp_path) -> tuple[str, str]:
+    """(URI for this process, URI for the producer and trainer processes) of a fresh store."""
+    if request.param == "shared_dir":
+        uri = f"dir://{tmp_path / 'features'}"
+        return uri, uri
+    master = request.getfixturevalue("mooncake_master")
+    uri = master.store_uri(namespace=f"gauges{uuid.uuid4().hex[:12]}")
+    # The other processes lend no memory: what they put lives in this process's segment.
+    return uri, f"{uri}&segment_size=0"
+
+
+def test_the_store_gauges_say_what_the_store_holds_in_every_process(sqlite_url, store_uris) -> None:
+    # On Mooncake a producer reported its own puts (205, though the ranks had freed most)
+    # and every rank reported 0: the gauges counted what this process's handle had put.
+    here, there = store_uris
+    store = open_store(here)  # on Mooncake, the memory the objects live in
+    context = multiprocessing.get_context("spawn")
+    port, done = context.Queue(), context.Event()
+    producer = context.Process(target=produce_and_serve, args=(sqlite_url, there, 12, port, done))
+    producer.start()
+    try:
+        producer_url = f"http://127.0.0.1:{port.get(timeout=120)}/metrics"
+        trainer = context.Process(target=train_and_release, args=(sqlite_url, there, 5))
+        trainer.start()
+        trainer.join(120)
+        assert trainer.exitcode == 0
+        left = [f"p{i:02d}" for i in range(5, 12)]  # the first five were leased and released
+        assert sorted(obj.sample_id for obj in store.scan()) == left
+        nbytes = sum(4 * (i + 1) + 16 for i in range(5, 12))
+        with serve_metrics(0, RunMetrics(Ledger.open(sqlite_url), RUN, store=store)) as own:
+            for url in (producer_url, own.url):  # the producer's endpoint, a sidecar's
+                samples = scrape(url)
+                assert value(samples, "dataflow_store_objects", store=store.uri) == 12 - 5
+                assert value(samples, "dataflow_store_bytes", store=store.uri) == nbytes
+                assert value(samples, "dataflow_backlog_refs", run=RUN) == 12 - 5
+        done.set()
+        producer.join(120)
+        assert producer.exitcode == 0
+    finally:
+        done.set()
+        if producer.is_alive():
+            producer.kill()
+        store.close()
