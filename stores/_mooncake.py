@@ -31,7 +31,6 @@ import logging
 import re
 import socket
 import struct
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -397,8 +396,6 @@ class MooncakeFeatureStore(FeatureStore):
         # from the tensors; RDMA reads only registered memory, so there puts
         # copy the tensors into the registered pool first.
         self._stage_puts = protocol != "tcp"
-        self._lock = threading.Lock()
-        self._live: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def from_uri(cls, uri: str) -> MooncakeFeatureStore:
@@ -470,11 +467,6 @@ class MooncakeFeatureStore(FeatureStore):
             for put in puts:
                 if put.staged is not None:
                     client.pool.release(put.staged)
-        with self._lock:
-            for put, generation in zip(puts, generations, strict=True):
-                current = self._live.get(put.sample_id)
-                if current is None or current[0] < generation:
-                    self._live[put.sample_id] = (generation, put.nbytes)
         return [
             SampleRef(put.sample_id, self.uri, generation, put.specs, metadata)
             for put, generation, (_, _, metadata) in zip(puts, generations, items, strict=True)
@@ -928,9 +920,6 @@ class MooncakeFeatureStore(FeatureStore):
             client.removals.remove(keys)
         with client.id_locks([self._head_key(sample_id)]):
             self._drop_head(sample_id, generation)
-        with self._lock:
-            if self._live.get(sample_id, (None,))[0] == generation:
-                del self._live[sample_id]
 
     def _drop_head(self, sample_id: str, generation: int) -> bool:
         """Force-remove the head of ``sample_id`` while it names ``generation``; the caller
