@@ -291,7 +291,13 @@ class ProducerBlocking:
         self._wait_started: float | None = None
         self._episode_started: float | None = None
         self._warned = False
-        _BLOCKINGS.add(self)
+        with _blockings_lock:  # a metrics thread may be listing them
+            _BLOCKINGS.add(self)
+
+    @property
+    def in_episode(self) -> bool:
+        """Whether the producer is blocked now (read without the lock: a hint)."""
+        return self._episode_started is not None
 
     def reading(self) -> tuple[bool, float]:
         """Whether an episode is on, and the seconds spent waiting so far (this wait's too)."""
@@ -341,7 +347,7 @@ class ProducerBlocking:
 
     def end(self, how: str = "goes on") -> None:
         """The producer got through (or closes): the episode, if one is on, ends."""
-        if self._episode_started is None:  # the common case, read without the lock
+        if not self.in_episode:  # the common case, read without the lock
             return
         with self._lock:
             if self._episode_started is None:
@@ -373,10 +379,12 @@ class ProducerBlocking:
 
 def producer_blockings(run_id: str) -> list[ProducerBlocking]:
     """The producers of ``run_id`` in this process, each cause apart (for the metrics)."""
-    return [b for b in list(_BLOCKINGS) if b.run_id == run_id]
+    with _blockings_lock:
+        return [b for b in _BLOCKINGS if b.run_id == run_id]
 
 
 _BLOCKINGS: weakref.WeakSet[ProducerBlocking] = weakref.WeakSet()
+_blockings_lock = threading.Lock()
 _watched: set[ProducerBlocking] = set()
 _watch_lock = threading.Lock()
 _watcher: threading.Thread | None = None
@@ -448,10 +456,11 @@ class ProducerGate:
                     )
                     if self._admits(add_refs, add_bytes, idle):
                         break
-        self.blocking.end(
-            f"goes on, the backlog below the low marks ({self.backlog.refs} un-trained refs, "
-            f"{self.backlog.bytes} bytes)"
-        )
+        if self.blocking.in_episode:
+            self.blocking.end(
+                f"goes on, the backlog below the low marks ({self.backlog.refs} un-trained "
+                f"refs, {self.backlog.bytes} bytes)"
+            )
 
     def _admits(self, add_refs: int, add_bytes: int, idle: Callable[[], object] | None) -> bool:
         if idle is not None:

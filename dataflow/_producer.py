@@ -538,7 +538,7 @@ class Producer:
                 with self.ledger.write(self.run_id, "close") as tx:
                     tx.append([NewEvent(Kind.CLOSE, self.producer_id, payload=payload)])
             finally:
-                for blocking in (self._credit, self._gate and self._gate.blocking):
+                for blocking in (self._credit, None if self._gate is None else self._gate.blocking):
                     if blocking is not None:
                         blocking.end("closes")
                 if self.metrics is not None:

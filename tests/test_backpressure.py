@@ -11,6 +11,7 @@ import multiprocessing
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -479,24 +480,37 @@ class _SetOnUnsent(logging.Handler):
                 self.event.set()
 
 
-def _blocked_records(caplog, cause: str) -> list[logging.LogRecord]:
+def _fresh_producer_id() -> str:
+    # The metrics sum the producers of one id in the process: other tests' stay apart.
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _blocked_records(caplog, cause: str, producer_id: str) -> list[logging.LogRecord]:
     return [
         r
         for r in caplog.records
-        if getattr(r, "blocked_on", None) == cause and r.levelno >= logging.INFO
+        if getattr(r, "blocked_on", None) == cause
+        and r.producer_id == producer_id
+        and r.levelno >= logging.INFO
     ]
 
 
-def _quiet_stream(kind: str, window: int, send_timeout: float) -> tuple[Any, Any, Callable]:
+def _quiet_stream(
+    kind: str, producer_id: str, window: int, send_timeout: float
+) -> tuple[Any, Any, Callable]:
     """A stream whose consumer receives only when the test says so."""
     if kind == "memory":
         stream = MemoryStream(window=window, send_timeout=send_timeout, expected_producers=1)
-        return stream.receiver(0), stream.sender("p"), lambda: None
+        return stream.receiver(0), stream.sender(producer_id), lambda: None
     fast = {"heartbeat_interval": 0.05, "heartbeat_timeout": 10.0}
     receiver = ZmqRefReceiver(ReceiverConfig(window=window, expected_producers=1, **fast))
     sender = ZmqRefSender(
         SenderConfig(
-            endpoints=(receiver.endpoint,), send_timeout=send_timeout, close_timeout=5, **fast
+            endpoints=(receiver.endpoint,),
+            producer_id=producer_id,
+            send_timeout=send_timeout,
+            close_timeout=5,
+            **fast,
         )
     )
     return receiver, sender, lambda: (sender.close(), receiver.close())
@@ -509,14 +523,15 @@ def test_a_producer_blocked_on_credit_warns_once_per_episode_and_exports_it(
     # A trainer outage: the stream's window stays full. Producers stalled for 40 s with
     # one unprefixed stderr line per emit as the only sign.
     monkeypatch.setattr(_backpressure, "BLOCKED_WARNING_S", 0.3)
-    receiver, sender, close = _quiet_stream(kind, window=4, send_timeout=1.0)
+    pid = _fresh_producer_id()
+    receiver, sender, close = _quiet_stream(kind, pid, window=4, send_timeout=1.0)
     led, store = Ledger.open(sqlite_url), LocalFeatureStore()
-    prod = Producer(led, store, run_id=RUN, producer_id="p", stream=sender)
+    prod = Producer(led, store, run_id=RUN, producer_id=pid, stream=sender)
     registry = CollectorRegistry()
     RunMetrics(led, RUN, registry=registry)
 
     def metric(name: str) -> float | None:
-        labels = {"run": RUN, "producer": "p", "cause": "credit"}
+        labels = {"run": RUN, "producer": pid, "cause": "credit"}
         return registry.get_sample_value(f"dataflow_producer_{name}", labels)
 
     caplog.set_level(logging.INFO, logger="dataflow")
@@ -531,10 +546,10 @@ def test_a_producer_blocked_on_credit_warns_once_per_episode_and_exports_it(
         assert metric("blocked") == 1
         assert metric("blocked_seconds_total") - before >= 1.0 - 0.05
         prod.emit("s5", features(5))  # the same episode: no second warning
-        (started,) = _blocked_records(caplog, "credit")
+        (started,) = _blocked_records(caplog, "credit", pid)
         assert started.levelno == logging.WARNING
-        assert (started.run_id, started.producer_id) == (RUN, "p")
-        assert f"producer 'p' of run {RUN!r} is blocked" in started.getMessage()
+        assert (started.run_id, started.producer_id) == (RUN, pid)
+        assert f"producer {pid!r} of run {RUN!r} is blocked" in started.getMessage()
         assert "grant no credit" in started.getMessage()
         assert started.created < returned  # said while the producer waited, not after
         received: list[Any] = []
@@ -544,27 +559,28 @@ def test_a_producer_blocked_on_credit_warns_once_per_episode_and_exports_it(
         prod.emit("s6", features(6))  # s4, s5 and s6 go out: the episode ends
         assert metric("blocked") == 0
         assert metric("blocked_seconds_total") - before >= 2 * (1.0 - 0.05)
-        started, ended = _blocked_records(caplog, "credit")
+        started, ended = _blocked_records(caplog, "credit", pid)
         assert ended.levelno == logging.WARNING and "goes on" in ended.getMessage()
-        assert (ended.run_id, ended.producer_id) == (RUN, "p")
+        assert (ended.run_id, ended.producer_id) == (RUN, pid)
         assert ended.blocked_seconds >= 2 * (1.0 - 0.05)
         assert f"after {ended.blocked_seconds:.1f} s blocked" in ended.getMessage()
         prod.close()
     finally:
         close()
-    assert len(_blocked_records(caplog, "credit")) == 2
+    assert len(_blocked_records(caplog, "credit", pid)) == 2
 
 
 def test_a_producer_blocked_at_the_high_mark_warns_once_and_exports_it(
     sqlite_url, caplog, monkeypatch
 ) -> None:
     monkeypatch.setattr(_backpressure, "BLOCKED_WARNING_S", 0.3)
+    pid = _fresh_producer_id()
     led, store = Ledger.open(sqlite_url), LocalFeatureStore()
     prod = Producer(
         led,
         store,
         run_id=RUN,
-        producer_id="p",
+        producer_id=pid,
         backpressure=Watermarks(high_refs=2, low_refs=1),
         metrics_port=0,
     )
@@ -572,7 +588,7 @@ def test_a_producer_blocked_at_the_high_mark_warns_once_and_exports_it(
     def metric(name: str) -> float:
         with urllib.request.urlopen(prod.metrics.url, timeout=30) as response:
             text = response.read().decode()
-        labels = {"run": RUN, "producer": "p", "cause": "high_mark"}
+        labels = {"run": RUN, "producer": pid, "cause": "high_mark"}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == f"dataflow_producer_{name}" and sample.labels == labels:
@@ -587,7 +603,7 @@ def test_a_producer_blocked_at_the_high_mark_warns_once_and_exports_it(
         emit = threading.Thread(target=lambda: emitted.append(prod.emit("c", features(2))))
         emit.start()
         deadline = time.monotonic() + 30
-        while not _blocked_records(caplog, "high_mark"):
+        while not _blocked_records(caplog, "high_mark", pid):
             assert time.monotonic() < deadline, "no warning from the blocked producer"
             time.sleep(0.02)
         assert metric("blocked") == 1 and metric("blocked_seconds_total") > 0.3 - 0.05
@@ -599,13 +615,13 @@ def test_a_producer_blocked_at_the_high_mark_warns_once_and_exports_it(
         assert len(emitted) == 1 and emitted[0] is not None
         assert metric("blocked") == 0
         waited = metric("blocked_seconds_total")
-        started, ended = _blocked_records(caplog, "high_mark")
+        started, ended = _blocked_records(caplog, "high_mark", pid)
         for record in (started, ended):
             assert record.levelno == logging.WARNING
-            assert (record.run_id, record.producer_id) == (RUN, "p")
+            assert (record.run_id, record.producer_id) == (RUN, pid)
         assert "at the producer's high mark (high_refs=2, low_refs=1)" in started.getMessage()
         assert "goes on, the backlog below the low marks" in ended.getMessage()
         assert ended.blocked_seconds >= waited - 0.1 > 0.3 - 0.15
     finally:
         prod.close()
-    assert len(_blocked_records(caplog, "high_mark")) == 2
+    assert len(_blocked_records(caplog, "high_mark", pid)) == 2
