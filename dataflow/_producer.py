@@ -132,7 +132,9 @@ class Producer:
             else ProducerGate(ledger, run_id, self.producer_id, backpressure)
         )
         self._credit = (
-            None if stream is None else ProducerBlocking(run_id, producer_id, "credit", _NO_CREDIT)
+            None
+            if stream is None
+            else ProducerBlocking(run_id, self.producer_id, "credit", _NO_CREDIT)
         )
         #: The metrics endpoint (``metrics_port``), None when not serving.
         self.metrics: MetricsServer | None = serve_run_metrics(
@@ -382,18 +384,12 @@ class Producer:
     def _send_unsent(self, *, timeout: float | None) -> int:
         """Send the refs not sent yet, oldest first, each within ``timeout`` (None: the
         sender's); how many are left when the stream's window stays full."""
-        stream, unsent, credit = self.stream, self._unsent, self._credit
-        assert stream is not None and credit is not None
+        unsent, credit = self._unsent, self._credit
+        assert credit is not None
         while unsent:
             ref = unsent[0]
             try:
-                try:
-                    stream.send(ref, timeout=0)  # a window with room: no wait, no episode
-                except BackpressureError:
-                    if timeout == 0:
-                        raise
-                    with credit.waiting():
-                        stream.send(ref, timeout=timeout)
+                self._send_one(ref, timeout, credit)
             except BackpressureError:
                 return len(unsent)
             except DataflowError as exc:  # check() let through a ref send() refuses
@@ -408,6 +404,17 @@ class Producer:
             unsent.popleft()
         credit.end("goes on: its stream takes refs again")
         return 0
+
+    def _send_one(self, ref: SampleRef, timeout: float | None, credit: ProducerBlocking) -> None:
+        """Send ``ref``; a wait for credit (a window with room needs none) is a blocked episode."""
+        assert self.stream is not None
+        try:
+            self.stream.send(ref, timeout=0)
+        except BackpressureError:
+            if timeout == 0:
+                raise
+            with credit.waiting():
+                self.stream.send(ref, timeout=timeout)
 
     def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
         """Another producer committed this id first; keep whichever features are live.
