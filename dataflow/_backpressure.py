@@ -400,7 +400,7 @@ def _watch(blocking: ProducerBlocking) -> None:
     global _watcher
     with _watch_lock:
         _watched.add(blocking)
-        if _watcher is None:
+        if _watcher is None or not _watcher.is_alive():  # not alive: a forked child
             _watcher = threading.Thread(
                 target=_watch_episodes, name="dataflow-backpressure-watch", daemon=True
             )

@@ -3,8 +3,10 @@
 :class:`RunMetrics` is a collector: at each scrape it folds the events
 appended since the last one (never the whole log again) and reports event
 counters, the run's backlog and in-flight work, the store's size, and the
-latency of this process's append transactions. :func:`serve_metrics` serves
-collectors over HTTP, on the loopback interface unless told otherwise.
+latency of this process's append transactions, and how long this process's
+producers of the run were blocked. :func:`serve_metrics` serves collectors over
+HTTP, on the loopback interface unless told otherwise, with a cap on connections,
+a deadline on silent ones, and the collectors run at most once per interval.
 
 ``prometheus_client`` is imported inside the functions that need it, so
 ``import dataflow`` stays fast.
