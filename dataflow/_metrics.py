@@ -313,8 +313,11 @@ class _ScrapeHandler(BaseHTTPRequestHandler):
     server: _ScrapeServer
 
     def parse_request(self) -> bool:
-        self.server.request_read(self.connection)
-        return super().parse_request()
+        parsed = super().parse_request()  # reads the headers: the deadline holds till then
+        if not self.server.request_read(self.connection):
+            self.close_connection = True
+            return False  # shut down at its deadline: nothing to answer
+        return parsed
 
     def do_GET(self) -> None:
         asked = time.monotonic()
@@ -393,10 +396,17 @@ class _ScrapeServer(ThreadingHTTPServer):
         finally:
             self._slots.release()
 
-    def request_read(self, request: socket.socket) -> None:
+    def request_read(self, request: socket.socket) -> bool:
+        """The request is in: its deadline no longer holds. False if it was shut down."""
         with self._lock:
-            if request in self._open:
-                self._open[request] = math.inf
+            if request not in self._open:
+                return False
+            self._open[request] = math.inf
+            return True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away mid-answer: no traceback on stderr (socketserver's way).
+        _served_log.debug("serving metrics to %s failed", client_address, exc_info=True)
 
     def shutdown_request(self, request: Any) -> None:
         with self._lock:  # before the close: the reaper never touches a closed socket

@@ -386,8 +386,9 @@ def test_a_client_sending_its_request_byte_by_byte_is_dropped_at_the_deadline(
         threads = threading.active_count()
         slow = socket.create_connection((server.host, server.port), timeout=10)
         started = time.monotonic()
-        request, dropped = b"GET /metrics HTTP/1.0\r\nX-Padding: " + b"a" * 100, False
-        for byte in request:  # one byte every 0.2 s: never silent for the idle timeout
+        slow.sendall(b"GET /metrics HTTP/1.0\r\n")  # the request line at once
+        headers, dropped = b"X-Padding: " + b"a" * 100, False
+        for byte in headers:  # one byte every 0.2 s: never silent for the idle timeout
             try:
                 slow.sendall(bytes([byte]))
             except OSError:  # reset by the server
