@@ -411,6 +411,22 @@ def test_a_client_sending_its_request_byte_by_byte_is_dropped_at_the_deadline(
         assert value(scrape(server.url), "dataflow_lag_refs", run=RUN) == 0
 
 
+def test_close_drops_the_connections_it_holds(sqlite_url) -> None:
+    led = Ledger.open(sqlite_url)
+    threads = threading.active_count()
+    server = serve_metrics(0, RunMetrics(led, RUN), idle_timeout=60.0)
+    clients = [socket.create_connection((server.host, server.port), timeout=10) for _ in range(3)]
+    try:
+        wait_for(lambda: threading.active_count() >= threads + 4, 10, "the clients served")
+        server.close()
+        assert all(data == b"" for data in answers(clients, 10).values())  # not after 60 s
+        wait_for(lambda: threading.active_count() <= threads, 10, "the server's threads ended")
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+
+
 class CountingCollector:
     """A collector that counts its runs and the threads they ran on."""
 
