@@ -18,13 +18,16 @@ collector uses it too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import logging
 import math
 import re
+import threading
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -35,10 +38,14 @@ from dataflow._projection import RunState
 if TYPE_CHECKING:
     from dataflow._ledger import Ledger
 
-log = logging.getLogger("dataflow")
+log = logging.getLogger("dataflow.backpressure")
 
 #: How often a blocked producer looks at the ledger again.
 POLL_S = 0.05
+#: A producer blocked this long in one episode logs a warning, and the episode's end.
+BLOCKED_WARNING_S = 2.0
+#: How often the watch thread looks at the episodes that have not warned yet.
+_WATCH_S = 0.1
 _CHUNK = 5000
 _BITS = re.compile(r"\d+")
 
@@ -261,12 +268,164 @@ class Backlog:
         self.bytes = sum(self._members.values())
 
 
+class ProducerBlocking:
+    """One producer's time blocked on one cause, in episodes: logged once each, and counted.
+
+    ``cause`` is ``"credit"`` (its stream's consumers grant no credit: every window is
+    full, or none is reachable) or ``"high_mark"`` (the run's un-trained backlog is at
+    its :class:`Watermarks`' high mark). An episode starts when the producer has to wait
+    and ends when it gets through (the stream took every committed ref; the gate
+    admitted an emit) or closes. One that lasts ``BLOCKED_WARNING_S`` logs a warning
+    then (on logger ``dataflow.backpressure``, with the run and producer id, while the
+    producer is still blocked), and another with its duration when it ends. The metrics
+    (:class:`RunMetrics`) report ``blocked`` and the ``seconds`` spent waiting.
+    """
+
+    def __init__(self, run_id: str, producer_id: str, cause: str, what: str) -> None:
+        self.run_id = run_id
+        self.producer_id = producer_id
+        self.cause = cause
+        self._what = what  # what the producer waits for, in the log
+        self._lock = threading.Lock()
+        self._seconds = 0.0  # waits that ended
+        self._wait_started: float | None = None
+        self._episode_started: float | None = None
+        self._warned = False
+        with _blockings_lock:  # a metrics thread may be listing them
+            _BLOCKINGS.add(self)
+
+    @property
+    def in_episode(self) -> bool:
+        """Whether the producer is blocked now (read without the lock: a hint)."""
+        return self._episode_started is not None
+
+    def reading(self) -> tuple[bool, float]:
+        """Whether an episode is on, and the seconds spent waiting so far (this wait's too)."""
+        with self._lock:
+            waiting = 0.0 if self._wait_started is None else time.monotonic() - self._wait_started
+            return self._episode_started is not None, self._seconds + waiting
+
+    @contextlib.contextmanager
+    def waiting(self, what: str | None = None) -> Iterator[None]:
+        """Around one wait of the producer; it starts an episode unless one is on."""
+        with self._lock:
+            self._wait_started = now = time.monotonic()
+            starts = self._episode_started is None
+            if starts:
+                self._episode_started = now
+            if what is not None:
+                self._what = what
+        if starts:
+            _watch(self)  # outside our lock: the watch thread takes its lock, then ours
+            log.debug(
+                "producer %r of run %r waits (%s): %s",
+                self.producer_id, self.run_id, self.cause, self._what,
+                extra=self._extra(0.0),
+            )  # fmt: skip
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._seconds += time.monotonic() - now
+                self._wait_started = None
+
+    def warn_if_long(self) -> bool:
+        """Warn once the episode has lasted ``BLOCKED_WARNING_S``; True when no longer watched."""
+        with self._lock:
+            if self._episode_started is None or self._warned:
+                return True
+            lasted = time.monotonic() - self._episode_started
+            if lasted < BLOCKED_WARNING_S:
+                return False
+            self._warned = True
+            log.warning(
+                "producer %r of run %r is blocked for %.1f s so far: %s",
+                self.producer_id, self.run_id, lasted, self._what,
+                extra=self._extra(lasted),
+            )  # fmt: skip
+            return True
+
+    def end(self, how: str = "goes on") -> None:
+        """The producer got through (or closes): the episode, if one is on, ends."""
+        if not self.in_episode:  # the common case, read without the lock
+            return
+        with self._lock:
+            if self._episode_started is None:
+                return
+            lasted = time.monotonic() - self._episode_started
+            self._episode_started = None
+            warned, self._warned = self._warned, False
+            if warned:
+                log.warning(
+                    "producer %r of run %r %s after %.1f s blocked (%s)",
+                    self.producer_id, self.run_id, how, lasted, self.cause,
+                    extra=self._extra(lasted),
+                )  # fmt: skip
+            else:
+                log.debug(
+                    "producer %r of run %r %s after %.3f s blocked (%s)",
+                    self.producer_id, self.run_id, how, lasted, self.cause,
+                    extra=self._extra(lasted),
+                )  # fmt: skip
+
+    def _extra(self, lasted: float) -> dict[str, object]:
+        return {
+            "run_id": self.run_id,
+            "producer_id": self.producer_id,
+            "blocked_on": self.cause,
+            "blocked_seconds": lasted,
+        }
+
+
+def producer_blockings(run_id: str) -> list[ProducerBlocking]:
+    """The producers of ``run_id`` in this process, each cause apart (for the metrics)."""
+    with _blockings_lock:
+        return [b for b in _BLOCKINGS if b.run_id == run_id]
+
+
+_BLOCKINGS: weakref.WeakSet[ProducerBlocking] = weakref.WeakSet()
+_blockings_lock = threading.Lock()
+_watched: set[ProducerBlocking] = set()
+_watch_lock = threading.Lock()
+_watcher: threading.Thread | None = None
+
+
+def _watch(blocking: ProducerBlocking) -> None:
+    """Have the watch thread warn for ``blocking``'s episode once it lasts long enough.
+
+    A producer blocked in a send does not get the control back for the sender's whole
+    timeout (30 s by default), so a thread of its own says it while the wait goes on.
+    The thread runs only while an episode has not warned and not ended.
+    """
+    global _watcher
+    with _watch_lock:
+        _watched.add(blocking)
+        if _watcher is None or not _watcher.is_alive():  # not alive: a forked child
+            _watcher = threading.Thread(
+                target=_watch_episodes, name="dataflow-backpressure-watch", daemon=True
+            )
+            _watcher.start()
+
+
+def _watch_episodes() -> None:
+    global _watcher
+    while True:
+        time.sleep(_WATCH_S)
+        with _watch_lock:
+            done = {blocking for blocking in _watched if blocking.warn_if_long()}
+            _watched.difference_update(done)
+            if not _watched:
+                _watcher = None
+                return
+
+
 class ProducerGate:
     """A producer's side of backpressure: the gate over its run's backlog."""
 
-    def __init__(self, ledger: Ledger, run_id: str, marks: Watermarks) -> None:
+    def __init__(self, ledger: Ledger, run_id: str, producer_id: str, marks: Watermarks) -> None:
         self.gate = Gate(marks)
         self.backlog = Backlog(ledger, run_id)
+        self.blocking = ProducerBlocking(run_id, producer_id, "high_mark", "at the high mark")
 
     def wait(
         self,
@@ -280,36 +439,45 @@ class ProducerGate:
         """Return once the gate admits the emit; BackpressureError if not blocking or timed out.
 
         ``idle`` is called before each look at the backlog (the producer sends there
-        what its stream did not take, so that the backlog can drain).
+        what its stream did not take, so that the backlog can drain). A wait is an
+        episode of ``self.blocking``, which ends when an emit is admitted.
         """
-        started = time.monotonic()
-        waiting = False
-        while True:
-            if idle is not None:
-                idle()
-            self.backlog.refresh()
-            refs, nbytes = self.backlog.refs, self.backlog.bytes
-            if self.gate.admit(refs, nbytes, add_refs, add_bytes):
-                if waiting:
-                    log.info(
-                        "backpressure: run %r is below the low marks again (%d un-trained refs, "
-                        "%d bytes); the producer goes on after %.1f s",
-                        self.backlog.run_id, refs, nbytes, time.monotonic() - started,
-                    )  # fmt: skip
-                return
-            waited = time.monotonic() - started
-            if not block or (timeout is not None and waited >= timeout):
-                raise BackpressureError(self._refusal(refs, nbytes, add_refs, block, waited))
-            if not waiting:
-                waiting = True
-                log.info(
-                    "backpressure: run %r has %d un-trained refs (%d bytes) in the store, at the "
-                    "producer's high mark (%s); waiting until it is below the low marks",
-                    self.backlog.run_id, refs, nbytes, self.gate.marks.describe(),
-                )  # fmt: skip
-            time.sleep(POLL_S if timeout is None else min(POLL_S, max(0.0, timeout - waited)))
+        if not self._admits(add_refs, add_bytes, idle):
+            started = time.monotonic()
+            if not block:
+                raise BackpressureError(self._refusal(add_refs, block, 0.0))
+            with self.blocking.waiting(self._waiting_for()):
+                while True:
+                    waited = time.monotonic() - started
+                    if timeout is not None and waited >= timeout:
+                        raise BackpressureError(self._refusal(add_refs, block, waited))
+                    time.sleep(
+                        POLL_S if timeout is None else min(POLL_S, max(0.0, timeout - waited))
+                    )
+                    if self._admits(add_refs, add_bytes, idle):
+                        break
+        if self.blocking.in_episode:
+            self.blocking.end(
+                f"goes on, the backlog below the low marks ({self.backlog.refs} un-trained "
+                f"refs, {self.backlog.bytes} bytes)"
+            )
 
-    def _refusal(self, refs: int, nbytes: int, add_refs: int, block: bool, waited: float) -> str:
+    def _admits(self, add_refs: int, add_bytes: int, idle: Callable[[], object] | None) -> bool:
+        if idle is not None:
+            idle()
+        self.backlog.refresh()
+        return self.gate.admit(self.backlog.refs, self.backlog.bytes, add_refs, add_bytes)
+
+    def _waiting_for(self) -> str:
+        return (
+            f"run {self.backlog.run_id!r} has {self.backlog.refs} un-trained refs "
+            f"({self.backlog.bytes} bytes) in the store, at the producer's high mark "
+            f"({self.gate.marks.describe()}); it waits until the backlog is below the low "
+            "marks: the consumers are not acking (down, or slower than the producers)"
+        )
+
+    def _refusal(self, add_refs: int, block: bool, waited: float) -> str:
+        refs, nbytes = self.backlog.refs, self.backlog.bytes
         why = "emit(block=False)" if not block else f"waited {waited:.1f} s (the timeout)"
         return (
             f"run {self.backlog.run_id!r} has {refs} un-trained refs ({nbytes} bytes) in the "

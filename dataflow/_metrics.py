@@ -3,8 +3,10 @@
 :class:`RunMetrics` is a collector: at each scrape it folds the events
 appended since the last one (never the whole log again) and reports event
 counters, the run's backlog and in-flight work, the store's size, and the
-latency of this process's append transactions. :func:`serve_metrics` serves
-collectors over HTTP, on the loopback interface unless told otherwise.
+latency of this process's append transactions, and how long this process's
+producers of the run were blocked. :func:`serve_metrics` serves collectors over
+HTTP, on the loopback interface unless told otherwise, with a cap on connections,
+a deadline on silent ones, and the collectors run at most once per interval.
 
 ``prometheus_client`` is imported inside the functions that need it, so
 ``import dataflow`` stays fast.
@@ -12,12 +14,20 @@ collectors over HTTP, on the loopback interface unless told otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+import socket
+import socketserver
 import threading
+import time
+import urllib.parse
 import weakref
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from dataflow._backpressure import Backlog
+from dataflow._backpressure import Backlog, producer_blockings
 from dataflow._contracts import FeatureStore
 from dataflow._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
 from dataflow._events import Kind
@@ -85,7 +95,11 @@ class RunMetrics:
       (``FeatureStore.stats()``, label ``store``, orphans included);
     * ``dataflow_append_seconds{op}``: a histogram of this process's append
       transactions to the run, from their start (lock wait included) to their
-      commit, by operation (commit, lease, ack, ...).
+      commit, by operation (commit, lease, ack, ...);
+    * for the run's producers in this process, labels ``producer`` and ``cause``
+      (``credit``: the stream's windows are full; ``high_mark``: the backlog is at
+      the :class:`Watermarks`' high mark): ``dataflow_producer_blocked`` (1 while
+      blocked) and ``dataflow_producer_blocked_seconds_total`` (seconds waited).
 
     ``registry``: a ``prometheus_client.CollectorRegistry`` to register with
     (None: none; :func:`serve_metrics` registers it). One run per registry:
@@ -200,6 +214,7 @@ class RunMetrics:
             yield family
         if self.store is not None:
             yield from self._store_families(read)
+        yield from self._blocked_families(read)
         yield from self._append.collect() if read else self._append.describe()
 
     def _store_families(self, read: bool) -> Iterator[Any]:
@@ -219,6 +234,210 @@ class RunMetrics:
             if stats is not None:
                 family.add_metric([self.store.uri], getattr(stats, attr))  # type: ignore[union-attr]
             yield family
+
+    def _blocked_families(self, read: bool) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["run", "producer", "cause"]
+        blocked = GaugeMetricFamily(
+            "dataflow_producer_blocked",
+            "1 while a producer of this process is blocked on the cause (credit: its "
+            "stream's windows are full; high_mark: the run's backlog is at its high mark)",
+            labels=labels,
+        )
+        seconds = CounterMetricFamily(
+            "dataflow_producer_blocked_seconds",
+            "Seconds a producer of this process spent waiting, by cause",
+            labels=labels,
+        )
+        if read:
+            # Two Producers of one id in a process (a closed one, its successor) are one.
+            readings: dict[tuple[str, str, str], tuple[bool, float]] = {}
+            for blocking in producer_blockings(self.run_id):
+                key = (self.run_id, blocking.producer_id, blocking.cause)
+                now_blocked, waited = blocking.reading()
+                was_blocked, had_waited = readings.get(key, (False, 0.0))
+                readings[key] = (now_blocked or was_blocked, waited + had_waited)
+            for key, (now_blocked, waited) in sorted(readings.items()):
+                blocked.add_metric(list(key), int(now_blocked))
+                seconds.add_metric(list(key), waited)
+        yield blocked
+        yield seconds
+
+
+#: How many connections an endpoint serves at once (``serve_metrics(max_connections=)``).
+MAX_CONNECTIONS = 8
+#: Seconds a connection may stay silent, or take to send its request (``idle_timeout=``).
+IDLE_TIMEOUT_S = 5.0
+#: Seconds between two runs of the collectors, however many clients scrape (``min_interval=``).
+MIN_INTERVAL_S = 0.5
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\n"
+    b"Connection: close\r\n\r\n"
+)
+_served_log = logging.getLogger("dataflow.metrics")
+
+
+class _Exposition:
+    """The registry's text exposition, collected at most once per ``min_interval``.
+
+    A scrape gets a rendering that started after its request came (never older values);
+    the scrapes that come while one waits or renders share the next one. However many
+    clients scrape, the collectors (a RunMetrics folds the ledger's new events) run at
+    most once per interval, on a server thread, so the training thread gives up a
+    bounded share of the interpreter to them.
+    """
+
+    def __init__(self, registry: Any, min_interval: float) -> None:
+        self._registry = registry
+        self._min_interval = min_interval
+        self._lock = threading.Lock()
+        self._tried = -math.inf  # when the newest rendering started, done or not
+        self._rendered = -math.inf  # when the one in ``_body`` started
+        self._body = b""
+
+    def latest(self, asked: float) -> bytes:
+        with self._lock:
+            if self._rendered >= asked:
+                return self._body
+            pause = self._tried + self._min_interval - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            self._tried = started = time.monotonic()
+            self._body = _prometheus().generate_latest(self._registry)
+            self._rendered = started
+            return self._body
+
+
+class _ScrapeHandler(BaseHTTPRequestHandler):
+    server: _ScrapeServer
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers: the deadline holds till then
+        if not self.server.request_read(self.connection):
+            self.close_connection = True
+            return False  # shut down at its deadline: nothing to answer
+        return parsed
+
+    def do_GET(self) -> None:
+        asked = time.monotonic()
+        if urllib.parse.urlsplit(self.path).path not in ("/", "/metrics"):
+            self.send_error(404, "the metrics are at /metrics")
+            return
+        try:
+            body = self.server.exposition.latest(asked)
+        except Exception:
+            _served_log.exception("a collector failed while serving %s", self.path)
+            self.send_error(500, "a collector failed; see the exporter's log")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", _prometheus().CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        _served_log.debug("%s: " + format, self.address_string(), *args)
+
+
+class _ScrapeServer(ThreadingHTTPServer):
+    """An HTTP server with a cap on connections and a deadline on requests.
+
+    prometheus_client's own server takes a thread and a file descriptor for every
+    client that connects, for as long as the client stays silent. Here at most
+    ``max_connections`` are served at once (one more is answered 503 and closed at
+    once); each socket operation times out after ``idle_timeout``, and a connection that
+    has not sent its whole request ``idle_timeout`` after it was accepted is shut down
+    (so one byte every few seconds does not hold a slot either).
+    """
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(
+        self,
+        address: tuple[Any, ...],
+        family: int,
+        exposition: _Exposition,
+        max_connections: int,
+        idle_timeout: float,
+    ) -> None:
+        self.address_family = family
+        self.exposition = exposition
+        self.idle_timeout = idle_timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, float] = {}  # -> deadline of its request (inf: read)
+        super().__init__(address, _ScrapeHandler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind looks the host's name up (getfqdn), which can take seconds.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _refuse(request)
+            self.shutdown_request(request)
+            return
+        request.settimeout(self.idle_timeout)
+        with self._lock:
+            self._open[request] = time.monotonic() + self.idle_timeout
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.shutdown_request(request)
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def request_read(self, request: socket.socket) -> bool:
+        """The request is in: its deadline no longer holds. False if it was shut down."""
+        with self._lock:
+            if request not in self._open:
+                return False
+            self._open[request] = math.inf
+            return True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away mid-answer: no traceback on stderr (socketserver's way).
+        _served_log.debug("serving metrics to %s failed", client_address, exc_info=True)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:  # before the close: the reaper never touches a closed socket
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        """Between accepts (every poll interval): shut down requests past their deadline."""
+        self._shut_down(time.monotonic())
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._shut_down(math.inf)
+
+    def _shut_down(self, now: float) -> None:
+        with self._lock:
+            late = [request for request, deadline in self._open.items() if deadline <= now]
+            for request in late:
+                del self._open[request]
+                # Wakes the handler's read with an end of file; the handler closes it.
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
+
+
+def _refuse(request: socket.socket) -> None:
+    """Answer a connection beyond the cap "503, retry after 1 s" without waiting on it."""
+    try:
+        request.setblocking(False)
+        request.send(_BUSY)
+    except OSError:
+        pass
 
 
 class MetricsServer:
@@ -242,7 +461,7 @@ class MetricsServer:
         return f"http://{host}:{self.port}/metrics"
 
     def close(self) -> None:
-        """Stop serving and free the port; idempotent."""
+        """Stop serving, drop the connections in progress and free the port; idempotent."""
         if self._thread.is_alive():
             self._httpd.shutdown()
             self._thread.join()
@@ -282,11 +501,42 @@ def _check_host(name: str, host: object) -> str:
     return host
 
 
+def _check_limits(max_connections: object, idle_timeout: object, min_interval: object) -> None:
+    if not isinstance(max_connections, int) or isinstance(max_connections, bool):
+        raise ArgumentTypeError(
+            f"max_connections must be an int from 1, got {type(max_connections).__name__} "
+            f"{max_connections!r}"
+        )
+    if max_connections < 1:
+        raise InvalidArgumentError(
+            f"max_connections must be at least 1 (connections served at once), got "
+            f"{max_connections}; {MAX_CONNECTIONS} leaves room for two Prometheus servers"
+        )
+    _check_seconds("idle_timeout", idle_timeout, least="above 0")
+    _check_seconds("min_interval", min_interval, least="from 0")
+
+
+def _check_seconds(name: str, value: object, *, least: str) -> None:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if (
+        not number
+        or not math.isfinite(value)  # type: ignore[arg-type]
+        or value < 0  # type: ignore[operator]
+        or (value == 0 and least == "above 0")
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be a finite number of seconds {least}, got {value!r}"
+        )
+
+
 def serve_metrics(
     port: int,
     *collectors: Any,
     host: str = DEFAULT_HOST,
     registry: CollectorRegistry | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+    idle_timeout: float = IDLE_TIMEOUT_S,
+    min_interval: float = MIN_INTERVAL_S,
 ) -> MetricsServer:
     """Serve ``collectors`` (e.g. a :class:`RunMetrics`) at ``http://HOST:PORT/metrics``.
 
@@ -297,15 +547,33 @@ def serve_metrics(
     ``prometheus_client`` registry (the collectors are registered with it);
     None: a registry of the server's own, so two servers in one process do not
     clash. Returns the running :class:`MetricsServer`; ``close()`` stops it.
+
+    What a scrape may cost the process is bounded: at most ``max_connections``
+    clients are served at once (one more gets a 503 and is closed); a client
+    that stays silent for ``idle_timeout`` seconds, or has not sent its request
+    ``idle_timeout`` seconds after connecting, is dropped; and the collectors run
+    on the server's threads at most once per ``min_interval`` seconds, however
+    many clients scrape (a scrape that comes sooner waits for the next run, so
+    it never gets values older than itself).
     """
-    return _serve(port, host, registry, collectors, owned=[])
+    return _serve(
+        port, host, registry, collectors, (max_connections, idle_timeout, min_interval), owned=[]
+    )
 
 
 def _serve(
-    port: object, host: object, registry: Any, collectors: Any, *, owned: list[RunMetrics]
+    port: object,
+    host: object,
+    registry: Any,
+    collectors: Any,
+    limits: tuple[object, object, object],
+    *,
+    owned: list[RunMetrics],
 ) -> MetricsServer:
     port = _check_port("port", port)
     host = _check_host("host", host)
+    _check_limits(*limits)
+    max_connections, idle_timeout, min_interval = limits
     prometheus = _prometheus()
     if registry is None:
         registry = prometheus.CollectorRegistry()
@@ -322,7 +590,14 @@ def _serve(
             registry.register(collector)
             registered.append(collector)
         try:
-            httpd, thread = prometheus.start_http_server(port, addr=host, registry=registry)
+            family, address = _bind_address(host, port)
+            httpd = _ScrapeServer(
+                address,
+                family,
+                _Exposition(registry, min_interval),  # type: ignore[arg-type]
+                max_connections,  # type: ignore[arg-type]
+                idle_timeout,  # type: ignore[arg-type]
+            )
         except OSError as exc:
             raise OSError(
                 exc.errno,
@@ -333,7 +608,16 @@ def _serve(
         for collector in registered:
             registry.unregister(collector)
         raise
+    thread = threading.Thread(target=httpd.serve_forever, name="dataflow-metrics", daemon=True)
+    thread.start()
     return MetricsServer(httpd, thread, registry, owned)
+
+
+def _bind_address(host: str, port: int) -> tuple[int, tuple[Any, ...]]:
+    """The address family and socket address to bind ``host``:``port`` (IPv4 or IPv6)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    return family, address
 
 
 def _check_registry(registry: object) -> None:
@@ -363,7 +647,14 @@ def serve_run_metrics(
     host = _check_host("metrics_host", DEFAULT_HOST if host is None else host)
     metrics = RunMetrics(ledger, run_id, store=store)
     try:
-        return _serve(port, host, None, [metrics], owned=[metrics])
+        return _serve(
+            port,
+            host,
+            None,
+            [metrics],
+            (MAX_CONNECTIONS, IDLE_TIMEOUT_S, MIN_INTERVAL_S),
+            owned=[metrics],
+        )
     except BaseException:
         metrics.close()
         raise

@@ -14,6 +14,7 @@ from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Any
 
 from dataflow._backpressure import (
+    ProducerBlocking,
     ProducerGate,
     Watermarks,
     check_wait,
@@ -44,6 +45,11 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("dataflow")
+_NO_CREDIT = (
+    "its stream's consumers grant no credit (every window is full, or no consumer is "
+    "reachable): the trainers are not receiving, committed refs wait to be sent, and "
+    "each emit waits the sender's timeout"
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -120,7 +126,16 @@ class Producer:
         #: Committed refs the stream did not take yet (its window stayed full), oldest first:
         #: sent before the next refs, and while an emit waits at the backpressure gate.
         self._unsent: collections.deque[SampleRef] = collections.deque()
-        self._gate = None if backpressure is None else ProducerGate(ledger, run_id, backpressure)
+        self._gate = (
+            None
+            if backpressure is None
+            else ProducerGate(ledger, run_id, self.producer_id, backpressure)
+        )
+        self._credit = (
+            None
+            if stream is None
+            else ProducerBlocking(run_id, self.producer_id, "credit", _NO_CREDIT)
+        )
         #: The metrics endpoint (``metrics_port``), None when not serving.
         self.metrics: MetricsServer | None = serve_run_metrics(
             ledger, run_id, store, metrics_port, metrics_host
@@ -353,8 +368,8 @@ class Producer:
             return
         self._unsent.extend(refs)
         left = self._send_unsent(timeout=None)
-        if left:
-            log.warning(
+        if left:  # the episode's warning says it once (ProducerBlocking)
+            log.debug(
                 "stream backpressure: %d committed refs of run %r not sent yet; they are "
                 "sent again before the next ones (and stay pending in the ledger)",
                 left,
@@ -369,12 +384,12 @@ class Producer:
     def _send_unsent(self, *, timeout: float | None) -> int:
         """Send the refs not sent yet, oldest first, each within ``timeout`` (None: the
         sender's); how many are left when the stream's window stays full."""
-        stream, unsent = self.stream, self._unsent
-        assert stream is not None
+        unsent, credit = self._unsent, self._credit
+        assert credit is not None
         while unsent:
             ref = unsent[0]
             try:
-                stream.send(ref, timeout=timeout)
+                self._send_one(ref, timeout, credit)
             except BackpressureError:
                 return len(unsent)
             except DataflowError as exc:  # check() let through a ref send() refuses
@@ -387,7 +402,19 @@ class Producer:
                     exc,
                 )
             unsent.popleft()
+        credit.end("goes on: its stream takes refs again")
         return 0
+
+    def _send_one(self, ref: SampleRef, timeout: float | None, credit: ProducerBlocking) -> None:
+        """Send ``ref``; a wait for credit (a window with room needs none) is a blocked episode."""
+        assert self.stream is not None
+        try:
+            self.stream.send(ref, timeout=0)
+        except BackpressureError:
+            if timeout == 0:
+                raise
+            with credit.waiting():
+                self.stream.send(ref, timeout=timeout)
 
     def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
         """Another producer committed this id first; keep whichever features are live.
@@ -518,5 +545,8 @@ class Producer:
                 with self.ledger.write(self.run_id, "close") as tx:
                     tx.append([NewEvent(Kind.CLOSE, self.producer_id, payload=payload)])
             finally:
+                for blocking in (self._credit, None if self._gate is None else self._gate.blocking):
+                    if blocking is not None:
+                        blocking.end("closes")
                 if self.metrics is not None:
                     self.metrics.close()

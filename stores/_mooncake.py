@@ -31,7 +31,6 @@ import logging
 import re
 import socket
 import struct
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -50,7 +49,6 @@ from dataflow._contracts import (
     FeatureStore,
     SampleRef,
     StoredObject,
-    StoreStats,
     validate_sample_id,
 )
 from dataflow._errors import (
@@ -336,7 +334,8 @@ class MooncakeFeatureStore(FeatureStore):
     ``admin``, by default port 9003 of the master's host) and reads the record
     of each generation in batches. Handles in one process share one Mooncake
     client per cluster (the first handle's ``segment_size`` / ``buffer_size``
-    win). ``stats()`` counts what this handle put and has not deleted.
+    win). ``stats()`` counts what ``scan`` lists: the namespace's generations,
+    whichever process put them (it counted only this handle's puts).
 
     The head holds the XXH3-64 of every tensor and a checksum of its own; a get
     checks the head and every tensor it reads, and raises CorruptFeatureError
@@ -397,8 +396,6 @@ class MooncakeFeatureStore(FeatureStore):
         # from the tensors; RDMA reads only registered memory, so there puts
         # copy the tensors into the registered pool first.
         self._stage_puts = protocol != "tcp"
-        self._lock = threading.Lock()
-        self._live: dict[str, tuple[int, int]] = {}
 
     @classmethod
     def from_uri(cls, uri: str) -> MooncakeFeatureStore:
@@ -470,11 +467,6 @@ class MooncakeFeatureStore(FeatureStore):
             for put in puts:
                 if put.staged is not None:
                     client.pool.release(put.staged)
-        with self._lock:
-            for put, generation in zip(puts, generations, strict=True):
-                current = self._live.get(put.sample_id)
-                if current is None or current[0] < generation:
-                    self._live[put.sample_id] = (generation, put.nbytes)
         return [
             SampleRef(put.sample_id, self.uri, generation, put.specs, metadata)
             for put, generation, (_, _, metadata) in zip(puts, generations, items, strict=True)
@@ -928,9 +920,6 @@ class MooncakeFeatureStore(FeatureStore):
             client.removals.remove(keys)
         with client.id_locks([self._head_key(sample_id)]):
             self._drop_head(sample_id, generation)
-        with self._lock:
-            if self._live.get(sample_id, (None,))[0] == generation:
-                del self._live[sample_id]
 
     def _drop_head(self, sample_id: str, generation: int) -> bool:
         """Force-remove the head of ``sample_id`` while it names ``generation``; the caller
@@ -1014,10 +1003,6 @@ class MooncakeFeatureStore(FeatureStore):
                 log.warning("scan of %s skips a record no delete can use: %s", self.uri, exc)
                 continue
             yield StoredObject(sample_id, generation, record.nbytes, record.created)
-
-    def _stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(len(self._live), sum(size for _, size in self._live.values()))
 
     def _close(self) -> None:
         client = self._client

@@ -10,6 +10,8 @@ import logging
 import multiprocessing
 import threading
 import time
+import urllib.request
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,8 @@ import torch
 from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from dataflow import (
     BackpressureError,
@@ -25,9 +29,11 @@ from dataflow import (
     Kind,
     Ledger,
     Producer,
+    RunMetrics,
     RunState,
     StreamError,
     Watermarks,
+    _backpressure,
     replay,
 )
 from dataflow._backpressure import Backlog, Gate, itemsize
@@ -208,12 +214,12 @@ class _SetOnWait(logging.Handler):
     """Sets ``event`` when a producer logs that it waits at the high mark."""
 
     def __init__(self, event) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.event = event
         self.waits = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("backpressure:") and "waiting" in record.getMessage():
+        if getattr(record, "blocked_on", None) == "high_mark" and " waits " in record.getMessage():
             self.waits += 1
             self.event.set()
 
@@ -241,7 +247,7 @@ def test_a_blocked_producer_resumes_below_the_low_mark_as_a_consumer_process_tra
     logger = logging.getLogger("dataflow")
     level = logger.level
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG)
     trainer = context.Process(
         target=consume_one_at_a_time, args=(sqlite_url, store_dir, producer_waits)
     )
@@ -431,7 +437,9 @@ def test_refs_the_stream_did_not_take_are_sent_while_the_producer_waits(
     unsent = threading.Event()
     handler = _SetOnUnsent(unsent, times=2)
     logger = logging.getLogger("dataflow")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)  # the stream's refusals are logged at DEBUG
     thread = threading.Thread(target=produce, daemon=True)
     thread.start()
     try:
@@ -453,6 +461,7 @@ def test_refs_the_stream_did_not_take_are_sent_while_the_producer_waits(
         assert state.verify() == [] and len(state.trained) == 10
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         close()
 
 
@@ -461,7 +470,7 @@ class _SetOnUnsent(logging.Handler):
     a committed ref."""
 
     def __init__(self, event: threading.Event, *, times: int) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.DEBUG)
         self.event, self.left = event, times
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -469,3 +478,150 @@ class _SetOnUnsent(logging.Handler):
             self.left -= 1
             if self.left <= 0:
                 self.event.set()
+
+
+def _fresh_producer_id() -> str:
+    # The metrics sum the producers of one id in the process: other tests' stay apart.
+    return f"p-{uuid.uuid4().hex[:8]}"
+
+
+def _blocked_records(caplog, cause: str, producer_id: str) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if getattr(r, "blocked_on", None) == cause
+        and r.producer_id == producer_id
+        and r.levelno >= logging.INFO
+    ]
+
+
+def _quiet_stream(
+    kind: str, producer_id: str, window: int, send_timeout: float
+) -> tuple[Any, Any, Callable]:
+    """A stream whose consumer receives only when the test says so."""
+    if kind == "memory":
+        stream = MemoryStream(window=window, send_timeout=send_timeout, expected_producers=1)
+        return stream.receiver(0), stream.sender(producer_id), lambda: None
+    fast = {"heartbeat_interval": 0.05, "heartbeat_timeout": 10.0}
+    receiver = ZmqRefReceiver(ReceiverConfig(window=window, expected_producers=1, **fast))
+    sender = ZmqRefSender(
+        SenderConfig(
+            endpoints=(receiver.endpoint,),
+            producer_id=producer_id,
+            send_timeout=send_timeout,
+            close_timeout=5,
+            **fast,
+        )
+    )
+    return receiver, sender, lambda: (sender.close(), receiver.close())
+
+
+@pytest.mark.parametrize("kind", ["memory", "zmq"])
+def test_a_producer_blocked_on_credit_warns_once_per_episode_and_exports_it(
+    sqlite_url, kind, caplog, monkeypatch
+) -> None:
+    # A trainer outage: the stream's window stays full. Producers stalled for 40 s with
+    # one unprefixed stderr line per emit as the only sign.
+    monkeypatch.setattr(_backpressure, "BLOCKED_WARNING_S", 0.3)
+    pid = _fresh_producer_id()
+    receiver, sender, close = _quiet_stream(kind, pid, window=4, send_timeout=1.0)
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    prod = Producer(led, store, run_id=RUN, producer_id=pid, stream=sender)
+    registry = CollectorRegistry()
+    RunMetrics(led, RUN, registry=registry)
+
+    def metric(name: str) -> float | None:
+        labels = {"run": RUN, "producer": pid, "cause": "credit"}
+        return registry.get_sample_value(f"dataflow_producer_{name}", labels)
+
+    caplog.set_level(logging.INFO, logger="dataflow")
+    try:
+        for i in range(4):  # the window takes these (a first wait for the link is no episode)
+            prod.emit(f"s{i}", features(i))
+        caplog.clear()
+        assert metric("blocked") == 0
+        before = metric("blocked_seconds_total")
+        prod.emit("s4", features(4))  # waits the sender's timeout: committed, not sent
+        returned = time.time()
+        assert metric("blocked") == 1
+        assert metric("blocked_seconds_total") - before >= 1.0 - 0.05
+        prod.emit("s5", features(5))  # the same episode: no second warning
+        (started,) = _blocked_records(caplog, "credit", pid)
+        assert started.levelno == logging.WARNING
+        assert (started.run_id, started.producer_id) == (RUN, pid)
+        assert f"producer {pid!r} of run {RUN!r} is blocked" in started.getMessage()
+        assert "grant no credit" in started.getMessage()
+        assert started.created < returned  # said while the producer waited, not after
+        received: list[Any] = []
+        while len(received) < 4:  # the trainer is back: it reads and frees the window
+            received += receiver.receive(4 - len(received), timeout=10)
+        receiver.credit(4)
+        prod.emit("s6", features(6))  # s4, s5 and s6 go out: the episode ends
+        assert metric("blocked") == 0
+        assert metric("blocked_seconds_total") - before >= 2 * (1.0 - 0.05)
+        started, ended = _blocked_records(caplog, "credit", pid)
+        assert ended.levelno == logging.WARNING and "goes on" in ended.getMessage()
+        assert (ended.run_id, ended.producer_id) == (RUN, pid)
+        assert ended.blocked_seconds >= 2 * (1.0 - 0.05)
+        assert f"after {ended.blocked_seconds:.1f} s blocked" in ended.getMessage()
+        prod.close()
+    finally:
+        close()
+    assert len(_blocked_records(caplog, "credit", pid)) == 2
+
+
+def test_a_producer_blocked_at_the_high_mark_warns_once_and_exports_it(
+    sqlite_url, caplog, monkeypatch
+) -> None:
+    monkeypatch.setattr(_backpressure, "BLOCKED_WARNING_S", 0.3)
+    pid = _fresh_producer_id()
+    led, store = Ledger.open(sqlite_url), LocalFeatureStore()
+    prod = Producer(
+        led,
+        store,
+        run_id=RUN,
+        producer_id=pid,
+        backpressure=Watermarks(high_refs=2, low_refs=1),
+        metrics_port=0,
+    )
+
+    def metric(name: str) -> float:
+        with urllib.request.urlopen(prod.metrics.url, timeout=30) as response:
+            text = response.read().decode()
+        labels = {"run": RUN, "producer": pid, "cause": "high_mark"}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == f"dataflow_producer_{name}" and sample.labels == labels:
+                    return sample.value
+        raise AssertionError(f"no dataflow_producer_{name} for {labels}")
+
+    caplog.set_level(logging.INFO, logger="dataflow")
+    try:
+        prod.emit_many([("a", features(0)), ("b", features(1))])
+        assert metric("blocked") == 0 and metric("blocked_seconds_total") == 0
+        emitted: list[object] = []
+        emit = threading.Thread(target=lambda: emitted.append(prod.emit("c", features(2))))
+        emit.start()
+        deadline = time.monotonic() + 30
+        while not _blocked_records(caplog, "high_mark", pid):
+            assert time.monotonic() < deadline, "no warning from the blocked producer"
+            time.sleep(0.02)
+        assert metric("blocked") == 1 and metric("blocked_seconds_total") > 0.3 - 0.05
+        assert emit.is_alive()
+        cons = Consumer(led, store, run_id=RUN, consumer_id="trainer")
+        cons.resume()
+        cons.ack(cons.lease(2), step=1)  # the backlog falls below the low mark
+        emit.join(30)
+        assert len(emitted) == 1 and emitted[0] is not None
+        assert metric("blocked") == 0
+        waited = metric("blocked_seconds_total")
+        started, ended = _blocked_records(caplog, "high_mark", pid)
+        for record in (started, ended):
+            assert record.levelno == logging.WARNING
+            assert (record.run_id, record.producer_id) == (RUN, pid)
+        assert "at the producer's high mark (high_refs=2, low_refs=1)" in started.getMessage()
+        assert "goes on, the backlog below the low marks" in ended.getMessage()
+        assert ended.blocked_seconds >= waited - 0.1 > 0.3 - 0.15
+    finally:
+        prod.close()
+    assert len(_blocked_records(caplog, "high_mark", pid)) == 2

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
+import re
+import selectors
 import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
+import uuid
 
 import pytest
 import torch
@@ -27,7 +33,7 @@ from dataflow import (
     replay,
     serve_metrics,
 )
-from stores import LocalFeatureStore, SharedDirFeatureStore
+from stores import LocalFeatureStore, SharedDirFeatureStore, open_store
 
 RUN = "run"
 
@@ -290,3 +296,262 @@ def test_what_is_no_registry_or_no_collector_is_refused_naming_it(sqlite_url) ->
     # Nothing was left registered or served: the next server starts cleanly.
     with serve_metrics(0, RunMetrics(led, RUN)) as server:
         assert ("dataflow_lag_refs", (("run", RUN),)) in scrape(server.url)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.02)
+
+
+def answers(clients: list[socket.socket], timeout: float) -> dict[socket.socket, bytes]:
+    """What each client received until the server closed it (within ``timeout``)."""
+    got: dict[socket.socket, bytes] = {c: b"" for c in clients}
+    with selectors.DefaultSelector() as selector:
+        for client in clients:
+            client.setblocking(False)
+            selector.register(client, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(0.1):
+                try:
+                    data = key.fileobj.recv(4096)
+                except ConnectionResetError:
+                    data = b""
+                got[key.fileobj] += data
+                if not data:
+                    selector.unregister(key.fileobj)
+        left = len(selector.get_map())
+    assert left == 0, f"{left} idle clients still connected after {timeout} s"
+    return got
+
+
+def test_idle_clients_hold_no_more_than_the_cap_and_are_dropped_after_the_timeout(
+    sqlite_url,
+) -> None:
+    # 554 idle connections used to cost 556 threads and 565 file descriptors: a thread
+    # and a socket each, for as long as the client stayed silent.
+    led = Ledger.open(sqlite_url)
+    threads, fds = threading.active_count(), open_fds()
+    server = serve_metrics(0, RunMetrics(led, RUN), idle_timeout=3.0)  # the default cap
+    clients = []
+    try:
+        connecting = time.monotonic()
+        for _ in range(200):
+            clients.append(socket.create_connection((server.host, server.port), timeout=30))
+        # Beyond the cap, each is answered 503 and closed at once.
+        refused: list[socket.socket] = []
+
+        def all_but_the_cap_refused() -> bool:
+            for client in clients:
+                if client in refused:
+                    continue
+                client.settimeout(0)
+                try:
+                    if client.recv(4096).startswith(b"HTTP/1.0 503 Service Unavailable"):
+                        refused.append(client)
+                except BlockingIOError:
+                    pass
+            return len(refused) >= 200 - 8
+
+        wait_for(all_but_the_cap_refused, 30, "clients beyond the cap refused")
+        # The server holds the cap's connections, a thread each, and nothing more.
+        assert threading.active_count() <= threads + 1 + 8
+        assert open_fds() <= fds + 200 + 1 + 8 + 2  # ours, its listener, its cap, slack
+        held = [c for c in clients if c not in refused]
+        assert len(held) == 8
+        assert all(data == b"" for data in answers(held, 30).values())  # dropped, unanswered
+        assert time.monotonic() - connecting >= 3.0 - 0.1  # not before the idle timeout
+        # Its slots are free again once their threads end: a scrape goes through.
+        wait_for(lambda: threading.active_count() <= threads + 1, 10, "the handlers ended")
+        assert value(scrape(server.url), "dataflow_lag_refs", run=RUN) == 0
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+    wait_for(lambda: threading.active_count() <= threads, 30, "the server's threads ended")
+    assert open_fds() <= fds + 1
+
+
+def test_a_client_sending_its_request_byte_by_byte_is_dropped_at_the_deadline(
+    sqlite_url,
+) -> None:
+    led = Ledger.open(sqlite_url)
+    with serve_metrics(0, RunMetrics(led, RUN), idle_timeout=1.0, max_connections=1) as server:
+        threads = threading.active_count()
+        slow = socket.create_connection((server.host, server.port), timeout=10)
+        started = time.monotonic()
+        slow.sendall(b"GET /metrics HTTP/1.0\r\n")  # the request line at once
+        headers, dropped = b"X-Padding: " + b"a" * 100, False
+        for byte in headers:  # one byte every 0.2 s: never silent for the idle timeout
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:  # reset by the server
+                dropped = True
+                break
+            time.sleep(0.2)
+            slow.settimeout(0)
+            try:
+                if slow.recv(1) == b"":
+                    dropped = True
+                    break
+            except BlockingIOError:
+                pass
+        assert dropped, "the slow client kept its connection for the whole request"
+        assert time.monotonic() - started < 10  # the deadline, with slack for a loaded box
+        slow.close()
+        # Its handler's thread ends (the client may see the end of file a moment before):
+        # the one slot is free again.
+        wait_for(lambda: threading.active_count() <= threads, 10, "the handler thread ended")
+        assert value(scrape(server.url), "dataflow_lag_refs", run=RUN) == 0
+
+
+def test_close_drops_the_connections_it_holds(sqlite_url) -> None:
+    led = Ledger.open(sqlite_url)
+    threads = threading.active_count()
+    server = serve_metrics(0, RunMetrics(led, RUN), idle_timeout=60.0)
+    clients = [socket.create_connection((server.host, server.port), timeout=10) for _ in range(3)]
+    try:
+        wait_for(lambda: threading.active_count() >= threads + 4, 10, "the clients served")
+        server.close()
+        assert all(data == b"" for data in answers(clients, 10).values())  # not after 60 s
+        wait_for(lambda: threading.active_count() <= threads, 10, "the server's threads ended")
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
+
+
+class CountingCollector:
+    """A collector that counts its runs and the threads they ran on."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.threads: set[str] = set()
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        yield GaugeMetricFamily("dataflow_test_collections", "runs of this collector", self.calls)
+
+
+def test_collectors_run_at_most_once_per_interval_however_many_clients_scrape() -> None:
+    # Four clients scraping in a loop cut a trainer's steps/s by a third to a half: each
+    # scrape ran every collector. Now they run at most once per min_interval (0.5 s by
+    # default), on the server's threads, and a scrape never gets values older than itself.
+    counting = CountingCollector()
+    results: list[float] = []
+    with serve_metrics(0, counting) as server:
+        started = time.monotonic()
+
+        def scraper() -> None:
+            for _ in range(5):
+                asked = counting.calls
+                got = value(scrape(server.url), "dataflow_test_collections")
+                assert got > asked  # collected after the scrape came
+                results.append(got)
+
+        workers = [threading.Thread(target=scraper) for _ in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        elapsed = time.monotonic() - started
+    assert len(results) == 20
+    assert counting.calls <= elapsed / 0.5 + 1, (counting.calls, elapsed)
+    assert counting.calls < 20  # scrapes shared collections
+    assert threading.main_thread().name not in counting.threads
+
+
+@pytest.mark.parametrize(
+    ("option", "bad", "error", "says"),
+    [
+        ("max_connections", 0, InvalidArgumentError, "max_connections must be at least 1"),
+        ("max_connections", 2.5, ArgumentTypeError, "got float 2.5"),
+        ("max_connections", True, ArgumentTypeError, "got bool True"),
+        ("idle_timeout", 0, InvalidArgumentError, "idle_timeout must be a finite number of"),
+        ("idle_timeout", float("inf"), InvalidArgumentError, "above 0, got inf"),
+        ("idle_timeout", "5", InvalidArgumentError, "got '5'"),
+        ("min_interval", -1, InvalidArgumentError, "min_interval must be a finite number"),
+        ("min_interval", float("nan"), InvalidArgumentError, "from 0, got nan"),
+    ],
+)
+def test_bad_endpoint_limits_are_refused_naming_the_value(option, bad, error, says) -> None:
+    with pytest.raises(error, match=re.escape(says)):
+        serve_metrics(0, **{option: bad})
+
+
+def produce_and_serve(url: str, store_uri: str, count: int, port, done) -> None:
+    """A producer process: commit ``count`` samples, serve the run's metrics until ``done``."""
+    store = open_store(store_uri)
+    with Ledger.open(url) as led:
+        prod = Producer(led, store, run_id=RUN, metrics_port=0)
+        for i in range(count):
+            prod.emit(f"p{i:02d}", features(i))
+        port.put(prod.metrics.port)
+        done.wait(120)
+        prod.close()
+    store.close()
+
+
+def train_and_release(url: str, store_uri: str, count: int) -> None:
+    """A trainer process: train ``count`` samples, releasing their features at the ack."""
+    store = open_store(store_uri)
+    with Ledger.open(url) as led:
+        cons = Consumer(led, store, run_id=RUN, consumer_id="rank0", release_policy="on_ack")
+        cons.resume()
+        cons.ack(cons.lease(count), step=1)
+    store.close()  # Mooncake: waits until its removals are done
+
+
+@pytest.fixture(params=["shared_dir", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+def store_uris(request, tmp_path) -> tuple[str, str]:
+    """(URI for this process, URI for the producer and trainer processes) of a fresh store."""
+    if request.param == "shared_dir":
+        uri = f"dir://{tmp_path / 'features'}"
+        return uri, uri
+    master = request.getfixturevalue("mooncake_master")
+    uri = master.store_uri(namespace=f"gauges{uuid.uuid4().hex[:12]}")
+    # The other processes lend no memory: what they put lives in this process's segment.
+    return uri, f"{uri}&segment_size=0"
+
+
+def test_the_store_gauges_say_what_the_store_holds_in_every_process(sqlite_url, store_uris) -> None:
+    # On Mooncake a producer reported its own puts (205, though the ranks had freed most)
+    # and every rank reported 0: the gauges counted what this process's handle had put.
+    here, there = store_uris
+    store = open_store(here)  # on Mooncake, the memory the objects live in
+    context = multiprocessing.get_context("spawn")
+    port, done = context.Queue(), context.Event()
+    producer = context.Process(target=produce_and_serve, args=(sqlite_url, there, 12, port, done))
+    producer.start()
+    try:
+        producer_url = f"http://127.0.0.1:{port.get(timeout=120)}/metrics"
+        trainer = context.Process(target=train_and_release, args=(sqlite_url, there, 5))
+        trainer.start()
+        trainer.join(120)
+        assert trainer.exitcode == 0
+        left = [f"p{i:02d}" for i in range(5, 12)]  # the first five were leased and released
+        assert sorted(obj.sample_id for obj in store.scan()) == left
+        nbytes = sum(4 * (i + 1) + 16 for i in range(5, 12))
+        with serve_metrics(0, RunMetrics(Ledger.open(sqlite_url), RUN, store=store)) as own:
+            for url in (producer_url, own.url):  # the producer's endpoint, a sidecar's
+                samples = scrape(url)
+                assert value(samples, "dataflow_store_objects", store=store.uri) == 12 - 5
+                assert value(samples, "dataflow_store_bytes", store=store.uri) == nbytes
+                assert value(samples, "dataflow_backlog_refs", run=RUN) == 12 - 5
+        done.set()
+        producer.join(120)
+        assert producer.exitcode == 0
+    finally:
+        done.set()
+        if producer.is_alive():
+            producer.kill()
+        store.close()
