@@ -155,14 +155,52 @@ def test_delete_right_after_get_does_not_stall(cluster):
         assert not any(_key_exists(cluster, key) for key in keys)
 
 
-def test_close_drains_queued_removals(cluster):
-    store = cluster.store()
+def test_close_with_a_drain_timeout_waits_for_queued_removals(cluster):
+    store = cluster.store(drain_timeout=5.0)
     ref = store.put("s", {"x": torch.ones(8)})
     store.get(ref)
     store.delete(ref)
     assert store._client.removals.is_pending(_data_key(store, ref, "x"))
     store.close()
     assert not _key_exists(cluster, _data_key(store, ref, "x"))
+
+
+def test_a_removal_keeps_the_record_until_the_tensors_are_gone(cluster):
+    with cluster.store() as store:
+        ref = store.put("s", {"x": torch.ones(8), "y": torch.ones(3)})
+        store.get(ref)  # a read lease on the tensors, not on the record
+        store.delete(ref)
+        record = f"{store.namespace}/s/g{ref.generation}/@"
+        assert _key_exists(cluster, record)  # the tensors wait for the lease: so does it
+        assert store._client.removals.is_pending(record)
+        assert _gone(cluster, [record, _data_key(store, ref, "x"), _data_key(store, ref, "y")])
+
+
+def test_tensors_or_a_head_left_without_a_record_are_listed_and_freed(cluster):
+    # What a process that died in a delete of an older dataflow left: it removed the
+    # record first, then was killed while the tensors (or the head) waited.
+    with cluster.store() as store:
+        tensors = store.put("tensors", {"x": torch.ones(8), "y": torch.ones(3)})
+        head = store.put("head", {"x": torch.ones(8)})
+        kept = store.put("kept", {"x": torch.ones(8)})
+        raw = cluster.anchor._client.raw
+        prefix = store.namespace
+        assert raw.remove(f"{prefix}/tensors/g{tensors.generation}/@", True) == 0
+        assert raw.remove(_head_key(store, "tensors"), True) == 0
+        for key in (f"{prefix}/head/g{head.generation}/@", _data_key(store, head, "x")):
+            assert raw.remove(key, True) == 0
+        listed = {o.sample_id: o for o in store.scan()}
+        assert {s: (o.generation, o.nbytes) for s, o in listed.items()} == {
+            "tensors": (tensors.generation, 0),
+            "head": (head.generation, 0),
+            "kept": (kept.generation, kept.specs["x"].nbytes),
+        }
+        assert listed["tensors"].created <= time.time()
+        assert store.delete_stored(listed["tensors"]) and store.delete_stored(listed["head"])
+        keys = [_data_key(store, tensors, "x"), _data_key(store, tensors, "y")]
+        assert _gone(cluster, [*keys, _head_key(store, "head")])
+        assert [o.sample_id for o in store.scan()] == ["kept"]
+        assert not store.delete_stored(listed["tensors"])  # nothing left of it
 
 
 def test_superseded_generation_is_removed(cluster):
