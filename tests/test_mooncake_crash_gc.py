@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import random
 import re
-import subprocess
-import sys
-import textwrap
 import time
 import urllib.parse
 import uuid
@@ -26,11 +23,9 @@ from dataflow import Consumer, Ledger, Producer, collect_garbage, replay
 from stores import MooncakeFeatureStore
 from stores._mooncake_client import _OPENER
 from stores.mooncake_master import MooncakeMaster
+from tests._crash import PRODUCER, RANK, RUN, SAMPLES, child, kill_at_random, live_generations
 
 pytestmark = pytest.mark.mooncake
-
-RUN = "run"
-SAMPLES = 300
 
 
 def _namespace_keys(admin: str, namespace: str) -> list[str]:
@@ -60,61 +55,6 @@ def _unreferenced(admin: str, namespace: str, live: set[tuple[str, int]]) -> lis
             continue
         left.append(key)
     return left
-
-
-def _live(led: Ledger) -> set[tuple[str, int]]:
-    state = replay(led, RUN)
-    kept = [s for s in state.committed if s not in state.released and s not in state.lost]
-    return {(sample_id, ref.generation) for sample_id, ref in state.refs(kept).items()}
-
-
-def _child(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-
-
-def _kill_at_random(child: subprocess.Popen[str], rng: random.Random, most: float) -> None:
-    """SIGKILL ``child`` a random moment after it says it is working (and before it ends)."""
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == "working"
-    time.sleep(rng.uniform(0.0, most))
-    assert child.poll() is None, "it ended before the kill"
-    child.kill()
-    child.wait(10)
-
-
-_RANK = """
-    import sys, torch
-    from dataflow import Consumer, Ledger
-    from stores import open_store
-    led, store = Ledger.open(sys.argv[1]), open_store(sys.argv[2])
-    rank = Consumer(led, store, run_id="run", consumer_id="rank0")
-    rank.resume()
-    step = 0
-    while refs := rank.lease(8):
-        for ref in refs:
-            store.get(ref)  # a read lease on every tensor it releases below
-        step += 1
-        rank.ack(refs, step=step)
-        rank.checkpoint(step, sys.argv[3])  # releases and deletes what step trained
-        if step == 1:
-            print("working", flush=True)
-"""
-
-_PRODUCER = """
-    import sys, torch
-    from dataflow import Ledger, Producer
-    from stores import open_store
-    led, store = Ledger.open(sys.argv[1]), open_store(sys.argv[2])
-    producer = Producer(led, store, run_id="run", producer_id="p0")
-    print("working", flush=True)
-    for i in range(100000):
-        producer.emit(f"p{i}", {"x": torch.full((512,), float(i)), "y": torch.ones(3, 7)})
-"""
 
 
 def _lending_none(master: MooncakeMaster, namespace: str) -> str:
@@ -152,15 +92,15 @@ def test_a_rank_killed_while_releasing_leaves_nothing_gc_cannot_find(
     )
     producer.close()
     seed = random.randrange(1 << 30)
-    rank = _child(_RANK, led.url, _lending_none(mooncake_master, namespace), str(tmp_path))
-    _kill_at_random(rank, random.Random(seed), 0.5)
+    rank = child(RANK, led.url, _lending_none(mooncake_master, namespace), str(tmp_path))
+    kill_at_random(rank, random.Random(seed), 0.5)
     time.sleep(0.3)  # the killed rank's read leases (200 ms) end
     released = len(replay(led, RUN).released)
     assert released > 0, f"seed {seed}: the rank released nothing before the kill"
 
     report = collect_garbage(led, store, grace=0)
 
-    live = _live(led)
+    live = live_generations(led)
     assert _unreferenced(mooncake_master.admin_address, namespace, live) == [], (
         f"seed {seed}: {released} released, gc removed {report.removed}"
     )
@@ -175,13 +115,13 @@ def test_a_producer_killed_while_putting_leaves_nothing_gc_cannot_find(
 ):
     led, store, namespace = crash_setup
     seed = random.randrange(1 << 30)
-    producer = _child(_PRODUCER, led.url, _lending_none(mooncake_master, namespace))
-    _kill_at_random(producer, random.Random(seed), 1.0)
+    producer = child(PRODUCER, led.url, _lending_none(mooncake_master, namespace), "512")
+    kill_at_random(producer, random.Random(seed), 1.0)
     assert _namespace_keys(mooncake_master.admin_address, namespace), f"seed {seed}: no puts"
 
     collect_garbage(led, store, grace=0)
 
-    live = _live(led)
+    live = live_generations(led)
     assert _unreferenced(mooncake_master.admin_address, namespace, live) == [], f"seed {seed}"
     consumer = Consumer(led, store, run_id=RUN, consumer_id="check")
     consumer.resume()
@@ -230,7 +170,7 @@ def test_close_returns_within_a_second_and_gc_frees_what_a_lease_held(mooncake_i
         )
         led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
         try:
-            closer = _child(_CLOSER, _lending_none(master, namespace))
+            closer = child(_CLOSER, _lending_none(master, namespace))
             out, _ = closer.communicate(timeout=60)
             assert closer.returncode == 0
             took, teardown = (float(word) for word in out.split())
