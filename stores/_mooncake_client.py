@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 import socket
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -78,6 +82,56 @@ _CLAIM_CHECK_S = 1.0
 log = logging.getLogger(__name__)
 # The master's HTTP server is on the cluster's network: never through a proxy.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+#: Set to 1 to see Mooncake's own log (its INFO lines on stderr), quiet by default.
+LOG_ENV = "DATAFLOW_MOONCAKE_LOG"
+# Mooncake's log level; its client reads it when it starts (values TRACE, INFO, WARNING, ERROR).
+_LEVEL_ENV = "MC_LOG_LEVEL"
+# A glog line ("E1126 23:43:37.598625  6534 file.cpp:292] ...") or glog's own notice.
+_GLOG_LINE = re.compile(
+    rb"([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] |WARNING: Logging before )"
+)
+
+
+def _log_wanted() -> bool:
+    """Whether Mooncake's own log shows: asked for (``DATAFLOW_MOONCAKE_LOG=1``), or its
+    level set by hand (``MC_LOG_LEVEL``); otherwise only its errors, and none at setup."""
+    if os.environ.get(LOG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if _LEVEL_ENV in os.environ:
+        return True
+    os.environ[_LEVEL_ENV] = "ERROR"
+    return False
+
+
+@contextlib.contextmanager
+def _setup_log(quiet: bool) -> Iterator[list[bytes]]:
+    """While ``quiet``, what the process writes to stderr (fd 2) meanwhile is held back: the
+    Mooncake lines are kept in the list yielded (for an error message), the rest written
+    out after. Its setup logs an ERROR that is none ("http=404 body: metadata not found":
+    its own segment, looked up before it registers it) and that MC_LOG_LEVEL keeps."""
+    lines: list[bytes] = []
+    if not quiet:
+        yield lines
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().splitlines(keepends=True):
+                if _GLOG_LINE.match(line):
+                    lines.append(line.rstrip())
+                else:
+                    os.write(2, line)
 
 
 def _require_mooncake() -> ModuleType:
@@ -404,25 +458,29 @@ class _Settings:
 class _Client:
     def __init__(self, settings: _Settings) -> None:
         self.settings = settings
+        quiet = not _log_wanted()
         mooncake_store = _require_mooncake()
         _probe(settings.master, "master", settings.connect_timeout)
         parsed = urllib.parse.urlsplit(settings.metadata)
         if parsed.scheme in ("http", "https") and parsed.port:
             _probe(f"{parsed.hostname}:{parsed.port}", "metadata server", settings.connect_timeout)
         self.raw = mooncake_store.MooncakeDistributedStore()
-        code = self.raw.setup(
-            settings.local_hostname,
-            settings.metadata,
-            settings.segment_size,
-            settings.buffer_size,
-            settings.protocol,
-            settings.device,
-            settings.master,
-        )
+        with _setup_log(quiet) as mooncake_log:
+            code = self.raw.setup(
+                settings.local_hostname,
+                settings.metadata,
+                settings.segment_size,
+                settings.buffer_size,
+                settings.protocol,
+                settings.device,
+                settings.master,
+            )
         if code != OK:
+            said = b"\n".join(mooncake_log[-10:]).decode(errors="replace")
             raise StoreUnavailableError(
                 f"Mooncake setup against master {settings.master} (metadata "
                 f"{settings.metadata}, protocol {settings.protocol}) failed with code {code}"
+                + (f"; Mooncake's log:\n{said}" if said else "")
             )
         self.config = mooncake_store.ReplicateConfig()
         self.config.replica_num = 1
