@@ -14,7 +14,9 @@ digits}}``: when it was put (seconds since the epoch), its tensor bytes, and
 the XXH3-64 of each non-empty tensor's bytes. Every get reads the head with the
 tensors and checks both: a head that fails its checksum, or names another
 sample, is corruption; an intact head of another generation makes the ref
-stale. ``scan`` reads the generations' records.
+stale. ``scan`` reads the generations' records (and lists what a removal
+killed midway left); a removal takes the head, then the tensors, then the
+record, so that a crash at any moment leaves something ``scan`` lists.
 
 Every Mooncake return code is translated into the dataflow error tree in
 :func:`stores._mooncake_client._error`, and nowhere else; the client, its

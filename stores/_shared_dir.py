@@ -53,6 +53,7 @@ from dataflow._contracts import (
     FeatureStore,
     SampleRef,
     StoredObject,
+    StoreStats,
     validate_sample_id,
 )
 from dataflow._durable import fsync_path
@@ -349,6 +350,16 @@ class SharedDirFeatureStore(FeatureStore):
         return current == ref.generation
 
     def _scan(self) -> Iterator[StoredObject]:
+        yield from self._scan_samples()
+        yield from self._scan_unfinished()
+
+    def _stats(self) -> StoreStats:
+        objects = nbytes = 0
+        for obj in self._scan_samples():  # sample generations: not the writes under way
+            objects, nbytes = objects + 1, nbytes + obj.nbytes
+        return StoreStats(objects=objects, bytes=nbytes)
+
+    def _scan_samples(self) -> Iterator[StoredObject]:
         samples = os.open(self._samples, _DIR_FLAGS)
         try:
             with os.scandir(samples) as buckets:
@@ -357,7 +368,6 @@ class SharedDirFeatureStore(FeatureStore):
                         yield from self._scan_bucket(samples, bucket.name)
         finally:
             os.close(samples)
-        yield from self._scan_unfinished()
 
     def _scan_unfinished(self) -> Iterator[StoredObject]:
         """The files in tmp/: writes in progress, or left by a put whose process died.

@@ -7,8 +7,11 @@ session. Without Mooncake the tests skip, except under CI=true, where they fail.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -331,6 +334,43 @@ def test_the_master_helper_listens_on_loopback_only(cluster):
         # every interface whatever -http_metadata_server_host says (docs/store-mooncake.md).
         for port in (master.rpc_port, master.metrics_port):
             assert _listening_addresses(port) == {"127.0.0.1"}, port
+
+
+def _documented_master_command() -> list[str]:
+    """The ``mooncake_master`` command of docs/store-mooncake.md, as a shell would split it."""
+    doc = (Path(__file__).parent.parent / "docs" / "store-mooncake.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", doc, re.DOTALL):
+        joined = block.replace("\\\n", " ")
+        for line in joined.splitlines():
+            if line.strip().startswith("mooncake_master "):
+                return shlex.split(line)
+    raise AssertionError("docs/store-mooncake.md shows no mooncake_master command")
+
+
+def test_the_documented_master_command_listens_on_the_address_given(mooncake_installed):
+    command = _documented_master_command()
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in command[1:])
+    assert flags["rpc_address"] == flags["metrics_host"] == "127.0.0.1"
+    ports = {name: free_port() for name in ("rpc_port", "metrics_port")}
+    ports["http_metadata_server_port"] = free_port()
+    args = [f"-{name}={ports.get(name, value)}" for name, value in flags.items()]
+    with tempfile.TemporaryFile() as log:
+        master = subprocess.Popen(
+            [str(find_master_binary()), *args], stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not all(port_open("127.0.0.1", port) for port in ports.values()):
+                assert master.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            for name in ("rpc_port", "metrics_port"):  # the RPC and the admin servers
+                assert _listening_addresses(ports[name]) == {"127.0.0.1"}, name
+            admin = f"http://127.0.0.1:{ports['metrics_port']}/get_all_keys"
+            with _mooncake_client._OPENER.open(admin, timeout=5) as response:
+                assert response.status == 200  # where scan() and gc list the keys
+        finally:
+            master.kill()
+            master.wait()
 
 
 def test_a_master_that_exits_is_reported_with_its_log(tmp_path):
