@@ -92,6 +92,8 @@ _SCAN_BATCH = 128
 ADMIN_PORT = 9003
 _GENERATION_KEY_RE = re.compile(r"(.+)/g(0|[1-9][0-9]{0,19})/(@|[A-Za-z0-9_.-]{1,128})")
 _HEAD_KEY_RE = re.compile(r"(.+)/@head")
+# What a regex (ECMAScript, Mooncake's remove_by_regex) must escape of a key's characters.
+_REGEX_SPECIAL = re.compile(r"[.^$*+?()\[\]{}|\\]")
 _FIX = "delete the sample (store.delete(ref)) and put it again (regenerate it)"
 _MiB = 1 << 20
 _SIZE_RE = re.compile(r"(\d+)\s*([KMG]i?B?)?", re.IGNORECASE)
@@ -970,7 +972,8 @@ class MooncakeFeatureStore(FeatureStore):
         with client.id_locks([self._head_key(sample_id)]):
             dropped = self._drop_head(sample_id, generation)
         prefix = self._keys(sample_id, generation, [])[0].removesuffix("@")
-        pattern = f"^{re.escape(prefix)}[^/@]+$"
+        escaped = _REGEX_SPECIAL.sub(lambda m: "\\" + m.group(), prefix)
+        pattern = f"^{escaped}[^/@]+$"
         removed = client.call(client.raw.remove_by_regex, pattern, False)
         return dropped or removed > 0
 

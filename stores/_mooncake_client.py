@@ -88,6 +88,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 LOG_ENV = "DATAFLOW_MOONCAKE_LOG"
 # Mooncake's log level; its client reads it when it starts (values TRACE, INFO, WARNING, ERROR).
 _LEVEL_ENV = "MC_LOG_LEVEL"
+_OURS_ENV = "DATAFLOW_SET_MC_LOG_LEVEL"  # marks an MC_LOG_LEVEL that dataflow set
 # A glog line ("E1126 23:43:37.598625  6534 file.cpp:292] ...") or glog's own notice.
 _GLOG_LINE = re.compile(
     rb"([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] |WARNING: Logging before )"
@@ -96,12 +97,19 @@ _GLOG_LINE = re.compile(
 
 def _log_wanted() -> bool:
     """Whether Mooncake's own log shows: asked for (``DATAFLOW_MOONCAKE_LOG=1``), or its
-    level set by hand (``MC_LOG_LEVEL``); otherwise only its errors, and none at setup."""
-    if os.environ.get(LOG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    level set by hand (``MC_LOG_LEVEL``); otherwise only its errors, and none at setup.
+
+    The level this sets is inherited by child processes, marked as ours, so that a
+    child asked for the log (or not) is treated as if its parent had set nothing."""
+    env = os.environ
+    ours = env.pop(_OURS_ENV, None) is not None
+    if ours:
+        env.pop(_LEVEL_ENV, None)
+    if env.get(LOG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
         return True
-    if _LEVEL_ENV in os.environ:
+    if _LEVEL_ENV in env:
         return True
-    os.environ[_LEVEL_ENV] = "ERROR"
+    env[_LEVEL_ENV], env[_OURS_ENV] = "ERROR", "1"
     return False
 
 

@@ -43,9 +43,9 @@ def master(mooncake_installed):
 
 def _put_get(master: MooncakeMaster, **env: str) -> subprocess.CompletedProcess[str]:
     uri = f"{master.store_uri(namespace='keeper')}&segment_size=0"
-    environ = {
-        k: v for k, v in os.environ.items() if k not in ("MC_LOG_LEVEL", "DATAFLOW_MOONCAKE_LOG")
-    }
+    environ = {k: v for k, v in os.environ.items() if k != "DATAFLOW_MOONCAKE_LOG"}
+    if "DATAFLOW_SET_MC_LOG_LEVEL" not in environ:  # a level set by hand, not by dataflow
+        environ.pop("MC_LOG_LEVEL", None)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_PUT_GET), uri],
         env={**environ, **env},
@@ -90,9 +90,13 @@ def test_the_keeper_refuses_a_store_that_lends_nothing(master):
     assert "lends no memory (segment_size=0)" in done.stderr
 
 
-def test_mooncakes_own_log_is_quiet_unless_asked_for(master):
+def test_mooncakes_own_log_is_quiet_unless_asked_for(master, monkeypatch):
+    for name in ("DATAFLOW_MOONCAKE_LOG", "MC_LOG_LEVEL", "DATAFLOW_SET_MC_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)  # and what the store sets goes at the end
     lender = open_store(f"{master.store_uri(namespace='keeper')}&segment_size=64M")  # the memory
     try:
+        # This process is quiet too; its children inherit the level it set, marked as its.
+        assert os.environ["MC_LOG_LEVEL"] == "ERROR"
         quiet = _put_get(master)
         assert quiet.returncode == 0, quiet.stderr
         assert not _GLOG_LINE.search(quiet.stderr), quiet.stderr

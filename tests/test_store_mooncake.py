@@ -183,27 +183,28 @@ def test_tensors_or_a_head_left_without_a_record_are_listed_and_freed(cluster):
     # What a process that died in a delete of an older dataflow left: it removed the
     # record first, then was killed while the tensors (or the head) waited.
     with cluster.store() as store:
-        tensors = store.put("tensors", {"x": torch.ones(8), "y": torch.ones(3)})
+        left = "left.over-1:a/b"  # characters a regex would read as its own
+        tensors = store.put(left, {"x": torch.ones(8), "y": torch.ones(3)})
         head = store.put("head", {"x": torch.ones(8)})
         kept = store.put("kept", {"x": torch.ones(8)})
         raw = cluster.anchor._client.raw
         prefix = store.namespace
-        assert raw.remove(f"{prefix}/tensors/g{tensors.generation}/@", True) == 0
-        assert raw.remove(_head_key(store, "tensors"), True) == 0
+        assert raw.remove(f"{prefix}/{left}/g{tensors.generation}/@", True) == 0
+        assert raw.remove(_head_key(store, left), True) == 0
         for key in (f"{prefix}/head/g{head.generation}/@", _data_key(store, head, "x")):
             assert raw.remove(key, True) == 0
         listed = {o.sample_id: o for o in store.scan()}
         assert {s: (o.generation, o.nbytes) for s, o in listed.items()} == {
-            "tensors": (tensors.generation, 0),
+            left: (tensors.generation, 0),
             "head": (head.generation, 0),
             "kept": (kept.generation, kept.specs["x"].nbytes),
         }
-        assert listed["tensors"].created <= time.time()
-        assert store.delete_stored(listed["tensors"]) and store.delete_stored(listed["head"])
+        assert listed[left].created <= time.time()
+        assert store.delete_stored(listed[left]) and store.delete_stored(listed["head"])
         keys = [_data_key(store, tensors, "x"), _data_key(store, tensors, "y")]
         assert _gone(cluster, [*keys, _head_key(store, "head")])
         assert [o.sample_id for o in store.scan()] == ["kept"]
-        assert not store.delete_stored(listed["tensors"])  # nothing left of it
+        assert not store.delete_stored(listed[left])  # nothing left of it
 
 
 def test_superseded_generation_is_removed(cluster):
