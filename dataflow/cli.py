@@ -672,7 +672,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_mooncake_keeper(args: argparse.Namespace) -> int:
-    from stores._keeper import lend_memory
+    from stores import lend_memory
 
     def ready(store: Any) -> None:
         size = store._settings.segment_size

@@ -3,14 +3,14 @@
 Mooncake keeps an object in the memory a client lends the cluster (its segment), and a
 SIGKILLed rank's segment goes with it, features and all. So the producers and ranks lend
 none, and this process, which nobody kills, holds the segment until the demo ends: what
-``dataflow mooncake-keeper`` does (``stores._keeper.lend_memory``).
+``dataflow mooncake-keeper`` does (``stores.lend_memory``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stores._keeper import lend_memory
+from stores import lend_memory
 
 
 def main(config: dict, ready: str) -> None:
