@@ -46,7 +46,7 @@ def kill_at_random(child: subprocess.Popen[str], rng: random.Random, most: float
 
 
 RANK = """
-    import sys, torch
+    import sys, time, torch
     from dataflow import Consumer, Ledger
     from stores import open_store
     led, store = Ledger.open(sys.argv[1]), open_store(sys.argv[2])
@@ -56,6 +56,7 @@ RANK = """
     while refs := rank.lease(8):
         for ref in refs:
             store.get(ref)  # a read lease on every tensor it releases below
+        time.sleep(0.02)  # the step's training: 38 steps outlast the kill's window
         step += 1
         rank.ack(refs, step=step)
         rank.checkpoint(step, sys.argv[3])  # releases and deletes what step trained
