@@ -632,8 +632,8 @@ class FeatureStore(ABC):
         That includes orphans: features a producer put but never committed to
         the ledger (it was killed in between) are stored, so they are counted,
         until something deletes them; the store cannot tell them apart because
-        it does not know the ledger. The coming ``dataflow gc`` will delete
-        what no ledger references (``scan`` lists it, ``delete_stored`` frees it).
+        it does not know the ledger. ``dataflow gc`` deletes what no ledger
+        references (``scan`` lists it, ``delete_stored`` frees it).
         """
         self._check_open()
         return self._stats()

@@ -703,6 +703,24 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if clean(run_chaos(options)) else 1
 
 
+def cmd_mooncake_keeper(args: argparse.Namespace) -> int:
+    from stores import lend_memory
+
+    def ready(store: Any) -> None:
+        size = store._settings.segment_size
+        print(
+            f"lending {size / 2**20:,.0f} MiB to {store.uri} (pid {os.getpid()}); "
+            "stop with SIGTERM or Ctrl-C",
+            flush=True,
+        )
+
+    if not args.store.startswith("mooncake://"):
+        raise _Usage(f"--store {args.store!r} is not a mooncake:// URI")
+    lend_memory(args.store, ready=ready)
+    print("stopped: the memory is no longer lent, what it held is gone", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="dataflow",
@@ -973,6 +991,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="kill only these, taken in turn in this order: producer, rank, ranks, "
         "mooncake_master (with --store mooncake://), postgres (with --start-postgres) "
         "(default: all of them that the other options allow)",
+    )
+
+    p = command(
+        "mooncake-keeper",
+        cmd_mooncake_keeper,
+        help="lend a Mooncake cluster memory until SIGTERM or Ctrl-C (the process nobody kills)",
+        description="Open the Mooncake store at URI with its segment_size of memory (default "
+        "512M) lent to the cluster, and hold it until SIGTERM or SIGINT. Mooncake keeps "
+        "every object in memory some client lends; producers and ranks open their stores "
+        "with segment_size=0, so that a crash of theirs loses no features.",
+    )
+    p.add_argument(
+        "--store",
+        required=True,
+        metavar="URI",
+        help="mooncake://HOST:PORT?metadata=...&namespace=...&segment_size=4G&admin=HOST:PORT",
     )
     return parser
 

@@ -8,10 +8,12 @@ is a module of its own, and :func:`open_store` picks one by URI scheme::
     mooncake://HOST:PORT?...       MooncakeFeatureStore (needs the mooncake extra)
 
 ``stores.testing.FeatureStoreContract`` is the conformance suite every store
-passes; ``stores.mooncake_master.MooncakeMaster`` runs a master for tests.
+passes; ``stores.mooncake_master.MooncakeMaster`` runs a master for tests, and
+:func:`lend_memory` (``dataflow mooncake-keeper``) lends a Mooncake cluster memory.
 """
 
 from dataflow._contracts import FeatureStore, StoredObject, StoreStats
+from stores._keeper import lend_memory
 from stores._local import LocalFeatureStore
 from stores._mooncake import MooncakeFeatureStore
 from stores._registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_store
@@ -26,6 +28,7 @@ __all__ = [
     "StoreStats",
     "StoredObject",
     "known_schemes",
+    "lend_memory",
     "open_store",
     "register_store",
 ]

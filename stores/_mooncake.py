@@ -14,7 +14,9 @@ digits}}``: when it was put (seconds since the epoch), its tensor bytes, and
 the XXH3-64 of each non-empty tensor's bytes. Every get reads the head with the
 tensors and checks both: a head that fails its checksum, or names another
 sample, is corruption; an intact head of another generation makes the ref
-stale. ``scan`` reads the generations' records.
+stale. ``scan`` reads the generations' records (and lists what a removal
+killed midway left); a removal takes the head, then the tensors, then the
+record, so that a crash at any moment leaves something ``scan`` lists.
 
 Every Mooncake return code is translated into the dataflow error tree in
 :func:`stores._mooncake_client._error`, and nowhere else; the client, its
@@ -35,7 +37,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,10 @@ _HEAD_SUM = struct.Struct("<Q")
 _SCAN_BATCH = 128
 #: Port of the master's HTTP server (``mooncake_master -metrics_port``) by default.
 ADMIN_PORT = 9003
-_RECORD_KEY_RE = re.compile(r"(.+)/g(0|[1-9][0-9]{0,19})/@")
+_GENERATION_KEY_RE = re.compile(r"(.+)/g(0|[1-9][0-9]{0,19})/(@|[A-Za-z0-9_.-]{1,128})")
+_HEAD_KEY_RE = re.compile(r"(.+)/@head")
+# What a regex (ECMAScript, Mooncake's remove_by_regex) must escape of a key's characters.
+_REGEX_SPECIAL = re.compile(r"[.^$*+?()\[\]{}|\\]")
 _FIX = "delete the sample (store.delete(ref)) and put it again (regenerate it)"
 _MiB = 1 << 20
 _SIZE_RE = re.compile(r"(\d+)\s*([KMG]i?B?)?", re.IGNORECASE)
@@ -110,6 +114,25 @@ def _parse_size(text: str, what: str) -> int:
         raise InvalidRefError(f"{what}={text!r} is not a size like 536870912, 512M or 1GiB")
     unit = (match.group(2) or "")[:1].upper()
     return int(match.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[unit]
+
+
+def _parse_key(key: str, start: int) -> tuple[str, str, int]:
+    """What the key of a namespace (from ``start`` on) is: ``("record" | "tensor" | "head",
+    sample_id, generation)`` (generation -1 for a head); ``("", "", -1)`` for anything
+    else (a claim of generations, or a key that no dataflow writes)."""
+    match = _GENERATION_KEY_RE.fullmatch(key, start)
+    head = None if match else _HEAD_KEY_RE.fullmatch(key, start)
+    found = match or head
+    if found is None:
+        return "", "", -1
+    try:
+        sample_id = validate_sample_id(found.group(1))
+    except InvalidSampleIdError:
+        return "", "", -1
+    if head is not None:
+        return "head", sample_id, -1
+    kind = "record" if match.group(3) == "@" else "tensor"
+    return kind, sample_id, int(match.group(2))
 
 
 def _local_address_towards(host: str) -> str:
@@ -364,7 +387,7 @@ class MooncakeFeatureStore(FeatureStore):
         admin: str | None = None,
         max_idle_bytes: int = 1 << 30,
         connect_timeout: float = 5.0,
-        drain_timeout: float = 30.0,
+        drain_timeout: float = 0.0,
     ) -> None:
         host, _ = _split_host_port(master, "master address")
         if not _NAMESPACE_RE.fullmatch(namespace):
@@ -569,12 +592,13 @@ class MooncakeFeatureStore(FeatureStore):
             raise
         finally:
             client.pool.release(chunk)
-        superseded = []
-        for put, old in zip(puts, olds, strict=True):
-            if old is not None and old is not _UNREADABLE:
-                superseded += self._keys(put.sample_id, old.generation, old.names)
+        superseded = [
+            self._keys(put.sample_id, old.generation, old.names)
+            for put, old in zip(puts, olds, strict=True)
+            if old is not None and old is not _UNREADABLE
+        ]
         if superseded:
-            client.removals.remove(superseded)
+            client.removals.remove_generations(superseded)
         return generations
 
     def _write(self, writes: list[tuple[str, int, int]]) -> list[tuple[str, int]]:
@@ -610,11 +634,12 @@ class MooncakeFeatureStore(FeatureStore):
         A sample whose head already names its new generation loses its head,
         and the generation that head superseded goes too: as after put + delete.
         """
-        client = self._client
+        removals = self._client.removals
         for put, generation, old in zip(puts, generations, olds, strict=False):
-            client.removals.remove(self._keys(put.sample_id, generation, put.names))
-            if self._drop_head(put.sample_id, generation) and old not in (None, _UNREADABLE):
-                client.removals.remove(self._keys(put.sample_id, old.generation, old.names))
+            dropped = self._drop_head(put.sample_id, generation)
+            removals.remove_generations([self._keys(put.sample_id, generation, put.names)])
+            if dropped and old not in (None, _UNREADABLE):
+                removals.remove_generations([self._keys(put.sample_id, old.generation, old.names)])
 
     # -- reading -----------------------------------------------------------
     def _read_small(self, keys: list[str]) -> list[bytes | int]:
@@ -902,7 +927,7 @@ class MooncakeFeatureStore(FeatureStore):
             return False  # this process is removing it already
         record = self._read_record(key, obj.sample_id)
         if record is None:
-            return False
+            return self._remove_leftovers(obj.sample_id, obj.generation)
         if record.generation != obj.generation:
             raise CorruptFeatureError(
                 f"{key}: the record of sample {obj.sample_id!r} names generation "
@@ -913,13 +938,33 @@ class MooncakeFeatureStore(FeatureStore):
         return True
 
     def _remove_generation(self, sample_id: str, generation: int, names: list[str]) -> None:
-        """Remove a generation's record and tensors, and the head while it names it."""
+        """Remove the head while it names the generation, then its tensors, then its record.
+
+        In that order, a process that dies at any moment of it leaves the
+        record behind for as long as anything of the generation is stored:
+        ``scan`` lists it, and a collector frees the rest (``dataflow gc``).
+        """
         client = self._client
         keys = self._keys(sample_id, generation, names)
-        if not client.removals.is_pending(keys[0]):
-            client.removals.remove(keys)
         with client.id_locks([self._head_key(sample_id)]):
             self._drop_head(sample_id, generation)
+        if not client.removals.is_pending(keys[0]):
+            client.removals.remove_generations([keys])
+
+    def _remove_leftovers(self, sample_id: str, generation: int) -> bool:
+        """Remove what is stored of a generation that has no record (what ``scan`` lists as a
+        leftover): its tensors, and the head while it names it. Whether anything went.
+
+        Tensors under a read lease stay, for a later collection to find again.
+        """
+        client = self._client
+        with client.id_locks([self._head_key(sample_id)]):
+            dropped = self._drop_head(sample_id, generation)
+        prefix = self._keys(sample_id, generation, [])[0].removesuffix("@")
+        escaped = _REGEX_SPECIAL.sub(lambda m: "\\" + m.group(), prefix)
+        pattern = f"^{escaped}[^/@]+$"
+        removed = client.call(client.raw.remove_by_regex, pattern, False)
+        return dropped or removed > 0
 
     def _drop_head(self, sample_id: str, generation: int) -> bool:
         """Force-remove the head of ``sample_id`` while it names ``generation``; the caller
@@ -944,21 +989,55 @@ class MooncakeFeatureStore(FeatureStore):
 
     # -- listing -----------------------------------------------------------
     def _scan(self) -> Iterator[StoredObject]:
+        """The namespace's generations with a record, as the listing goes; then the
+        leftovers: generations whose tensors are stored without a record, and heads
+        stored without any generation of their sample (left by a process that died
+        in a delete of an older dataflow, which removed the record first)."""
         prefix = f"{self.namespace}/"
         batch: list[tuple[str, str, int]] = []
+        recorded: set[tuple[str, int]] = set()
+        unrecorded: set[tuple[str, int]] = set()  # generations with tensors, as listed
+        heads: set[str] = set()
         for key in self._all_keys():
-            match = _RECORD_KEY_RE.fullmatch(key, len(prefix)) if key.startswith(prefix) else None
-            if match is None or self._client.removals.is_pending(key):
-                continue  # not a record of ours, or one that this process is removing
-            try:
-                sample_id = validate_sample_id(match.group(1))
-            except InvalidSampleIdError:
-                continue
-            batch.append((key, sample_id, int(match.group(2))))
-            if len(batch) == _SCAN_BATCH:
-                yield from self._scan_records(batch)
-                batch = []
+            if not key.startswith(prefix) or self._client.removals.is_pending(key):
+                continue  # not ours, or one that this process is removing
+            kind, sample_id, generation = _parse_key(key, len(prefix))
+            if kind == "record":
+                recorded.add((sample_id, generation))
+                batch.append((key, sample_id, generation))
+                if len(batch) == _SCAN_BATCH:
+                    yield from self._scan_records(batch)
+                    batch = []
+            elif kind == "tensor":
+                unrecorded.add((sample_id, generation))
+            elif kind == "head":
+                heads.add(sample_id)
         yield from self._scan_records(batch)
+        unrecorded -= recorded
+        heads -= {sample_id for sample_id, _ in recorded | unrecorded}
+        yield from self._scan_leftovers(sorted(unrecorded), sorted(heads))
+
+    def _scan_leftovers(
+        self, generations: list[tuple[str, int]], heads: list[str]
+    ) -> Iterator[StoredObject]:
+        """``generations`` whose records are still missing, and what ``heads`` name.
+
+        Their size is unknown (0) and their time is when their block of generations was
+        claimed (the generation is the wall clock in nanoseconds then, see
+        ``_Generations``), which is never after their put.
+        """
+        now = time.time()
+        for start in range(0, len(generations), _SCAN_BATCH):
+            chunk = generations[start : start + _SCAN_BATCH]
+            records = [self._keys(sample_id, generation, [])[0] for sample_id, generation in chunk]
+            for (sample_id, generation), got in zip(chunk, self._read_small(records), strict=True):
+                if got == NOT_FOUND:  # anything else: a put wrote it since the listing
+                    yield StoredObject(sample_id, generation, 0, min(generation / 1e9, now))
+        for start in range(0, len(heads), _SCAN_BATCH):
+            sample_ids = heads[start : start + _SCAN_BATCH]
+            for sample_id, head in zip(sample_ids, self._read_heads(sample_ids), strict=True):
+                if head is not None and head is not _UNREADABLE:
+                    yield StoredObject(sample_id, head.generation, 0, head.created)
 
     def _all_keys(self) -> Iterator[str]:
         """Every key of the cluster, one by one, as the master's HTTP server lists them."""
@@ -1005,15 +1084,17 @@ class MooncakeFeatureStore(FeatureStore):
             yield StoredObject(sample_id, generation, record.nbytes, record.created)
 
     def _close(self) -> None:
-        client = self._client
-        left = client.removals.drain(f"{self.namespace}/", self.drain_timeout)
-        left += _release(self._settings, self.drain_timeout)
+        # Waiting out read leases (10 s by default) would stall every shutdown: what
+        # a lease still holds stays stored with its record, for `dataflow gc`.
+        left = self._client.removals.drain(f"{self.namespace}/", self.drain_timeout)
+        left += _release(self._settings, 0.0)
         if left:
-            warnings.warn(
-                f"{self.uri}: {len(left)} Mooncake keys were still under a read lease after "
-                f"{self.drain_timeout:g}s and stay stored, e.g. {left[:3]}",
-                RuntimeWarning,
-                stacklevel=3,
+            log.info(
+                "%s: %d Mooncake keys were under a read lease at close and stay stored "
+                "until `dataflow gc` removes them, e.g. %s",
+                self.uri,
+                len(left),
+                left[:3],
             )
 
     def _stale(self, ref: SampleRef, why: str) -> StaleRefError:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 import socket
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -78,6 +82,64 @@ _CLAIM_CHECK_S = 1.0
 log = logging.getLogger(__name__)
 # The master's HTTP server is on the cluster's network: never through a proxy.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+#: Set to 1 to see Mooncake's own log (its INFO lines on stderr), quiet by default.
+LOG_ENV = "DATAFLOW_MOONCAKE_LOG"
+# Mooncake's log level; its client reads it when it starts (values TRACE, INFO, WARNING, ERROR).
+_LEVEL_ENV = "MC_LOG_LEVEL"
+_OURS_ENV = "DATAFLOW_SET_MC_LOG_LEVEL"  # marks an MC_LOG_LEVEL that dataflow set
+# A glog line ("E1126 23:43:37.598625  6534 file.cpp:292] ...") or glog's own notice.
+_GLOG_LINE = re.compile(
+    rb"([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] |WARNING: Logging before )"
+)
+
+
+def _log_wanted() -> bool:
+    """Whether Mooncake's own log shows: asked for (``DATAFLOW_MOONCAKE_LOG=1``), or its
+    level set by hand (``MC_LOG_LEVEL``); otherwise only its errors, and none at setup.
+
+    The level this sets is inherited by child processes, marked as ours, so that a
+    child asked for the log (or not) is treated as if its parent had set nothing."""
+    env = os.environ
+    ours = env.pop(_OURS_ENV, None) is not None
+    if ours:
+        env.pop(_LEVEL_ENV, None)
+    if env.get(LOG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if _LEVEL_ENV in env:
+        return True
+    env[_LEVEL_ENV], env[_OURS_ENV] = "ERROR", "1"
+    return False
+
+
+@contextlib.contextmanager
+def _setup_log(quiet: bool) -> Iterator[list[bytes]]:
+    """While ``quiet``, what the process writes to stderr (fd 2) meanwhile is held back: the
+    Mooncake lines are kept in the list yielded (for an error message), the rest written
+    out after. Its setup logs an ERROR that is none ("http=404 body: metadata not found":
+    its own segment, looked up before it registers it) and that MC_LOG_LEVEL keeps."""
+    lines: list[bytes] = []
+    if not quiet:
+        yield lines
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().splitlines(keepends=True):
+                if _GLOG_LINE.match(line):
+                    lines.append(line.rstrip())
+                else:
+                    os.write(2, line)
 
 
 def _require_mooncake() -> ModuleType:
@@ -244,15 +306,24 @@ class _Generations:
 
 # -- removals that wait for read leases --------------------------------------
 class _Removals:
-    """Removes keys; those still under a read lease are retried in the background.
+    """Removes generations (their tensors, then their record) and plain keys; what a read
+    lease holds is retried in the background.
 
     Mooncake refuses to remove an object for a lease time after any read
     (OBJECT_HAS_LEASE); waiting for it in ``delete`` would stall every consumer
     that deletes what it just read. We never probe before removing (a probe is
     a read and renews the lease), and the keys that must wait are retried with
-    backoff by a daemon thread, and drained at close. While the master does
-    not answer (``reachable``), keys are queued without a try: a Mooncake call
-    to a master that is down takes seconds to fail.
+    backoff by a daemon thread; ``close`` tries once more and leaves the rest.
+
+    A generation's record goes only once all its tensors are gone, so that a
+    process that dies at any moment of a removal leaves the record behind,
+    which ``scan`` lists and a collector frees (``dataflow gc``). The record
+    is removed by force: only ``scan`` and ``delete_stored`` read records, and
+    both read a record that does not decode once more (then finding none); a
+    lease would otherwise make a collector that just read it wait. Tensors are
+    never forced: a get racing the removal could read torn bytes. While the
+    master does not answer (``reachable``), keys are queued without a try: a
+    Mooncake call to a master that is down takes seconds to fail.
     """
 
     _BATCH = 1024
@@ -261,16 +332,28 @@ class _Removals:
         self._raw = raw
         self._reachable = reachable
         self._cond = threading.Condition()
-        self._pending: dict[str, None] = {}
+        # record key ("" for plain keys) -> the tensor keys of it still stored
+        self._groups: dict[str, set[str]] = {}
+        self._objects: set[str] = set()  # every key in a group's set
         self._thread: threading.Thread | None = None
         self._delay = 0.05
         self._stopped = False
 
     def remove(self, keys: list[str]) -> None:
-        left = self._try(keys)
+        """Remove plain keys (no record to keep until they are gone)."""
+        self.remove_generations([["", *keys]])
+
+    def remove_generations(self, generations: list[list[str]]) -> None:
+        """Remove generations, each given as ``[record, *tensor keys]``."""
+        groups: dict[str, set[str]] = {}
+        for record, *tensors in generations:
+            groups.setdefault(record, set()).update(tensors)
+        left = self._try(groups)
         if left:
             with self._cond:
-                self._pending.update(dict.fromkeys(left))
+                for record, tensors in left.items():
+                    self._groups.setdefault(record, set()).update(tensors)
+                    self._objects.update(tensors)
                 self._delay = 0.05
                 if self._thread is None:
                     self._thread = threading.Thread(
@@ -281,40 +364,63 @@ class _Removals:
 
     def is_pending(self, key: str) -> bool:
         with self._cond:
-            return key in self._pending
+            return key in self._groups or key in self._objects
 
     def pending(self, prefix: str = "") -> list[str]:
         with self._cond:
-            return [k for k in self._pending if k.startswith(prefix)]
+            records = [k for k in self._groups if k and k.startswith(prefix)]
+            return records + [k for k in self._objects if k.startswith(prefix)]
 
     def drain(self, prefix: str, timeout: float) -> list[str]:
-        """Retry the pending keys under ``prefix`` until none is left or ``timeout`` passes."""
+        """Retry the pending keys under ``prefix`` until none is left or ``timeout`` passes
+        (at least once); the keys left."""
         deadline = time.monotonic() + timeout
         while True:
+            self._retry(prefix)
             keys = self.pending(prefix)
-            if keys:
-                self._retry(keys)
-                keys = self.pending(prefix)
             if not keys or time.monotonic() >= deadline:
                 return keys
             time.sleep(0.05)
 
-    def _try(self, keys: list[str]) -> list[str]:
+    def _try(self, groups: dict[str, set[str]]) -> dict[str, set[str]]:
+        """Remove what ``groups`` name, tensors first; what is left of them."""
         if not self._reachable():
-            return list(keys)
-        left = []
+            return groups
+        kept = self._batch_remove([k for tensors in groups.values() for k in tensors], False)
+        emptied = [record for record, tensors in groups.items() if record and not tensors & kept]
+        kept_records = self._batch_remove(emptied, True)
+        left = {record: tensors & kept for record, tensors in groups.items()}
+        return {r: tensors for r, tensors in left.items() if tensors or r in kept_records}
+
+    def _batch_remove(self, keys: list[str], force: bool) -> set[str]:
+        """The keys that ``batch_remove`` left (under a read lease, or the master away)."""
+        left: set[str] = set()
         for i in range(0, len(keys), self._BATCH):
             batch = keys[i : i + self._BATCH]
-            codes = self._raw.batch_remove(batch)
-            left += [k for k, c in zip(batch, codes, strict=True) if c not in (OK, NOT_FOUND)]
+            codes = self._raw.batch_remove(batch, force)
+            left.update(k for k, c in zip(batch, codes, strict=True) if c not in (OK, NOT_FOUND))
         return left
 
-    def _retry(self, keys: list[str]) -> None:
-        left = set(self._try(keys))
+    def _retry(self, prefix: str = "") -> None:
         with self._cond:
-            for key in keys:
-                if key not in left:
-                    self._pending.pop(key, None)
+            groups = {
+                record: set(tensors)
+                for record, tensors in self._groups.items()
+                if record.startswith(prefix) or any(k.startswith(prefix) for k in tensors)
+            }
+        if not groups:
+            return
+        left = self._try(groups)
+        with self._cond:
+            for record, tensors in groups.items():
+                gone = tensors - left.get(record, set())
+                self._objects -= gone
+                now = self._groups.get(record)
+                if now is None:
+                    continue
+                now -= gone
+                if not now and record not in left:
+                    del self._groups[record]
 
     def stop(self) -> None:
         """End the retries (before the client closes); what is pending stays stored."""
@@ -328,14 +434,14 @@ class _Removals:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self._pending or self._stopped:
+                if not self._groups or self._stopped:
                     self._thread = None
                     return
                 self._cond.wait(self._delay)
                 self._delay = min(self._delay * 2, 1.0)
-                keys = [] if self._stopped else list(self._pending)
-            if keys:
-                self._retry(keys)
+                stopped = self._stopped
+            if not stopped:
+                self._retry()
 
 
 # -- one Mooncake client per process and cluster -----------------------------
@@ -360,25 +466,29 @@ class _Settings:
 class _Client:
     def __init__(self, settings: _Settings) -> None:
         self.settings = settings
+        quiet = not _log_wanted()
         mooncake_store = _require_mooncake()
         _probe(settings.master, "master", settings.connect_timeout)
         parsed = urllib.parse.urlsplit(settings.metadata)
         if parsed.scheme in ("http", "https") and parsed.port:
             _probe(f"{parsed.hostname}:{parsed.port}", "metadata server", settings.connect_timeout)
         self.raw = mooncake_store.MooncakeDistributedStore()
-        code = self.raw.setup(
-            settings.local_hostname,
-            settings.metadata,
-            settings.segment_size,
-            settings.buffer_size,
-            settings.protocol,
-            settings.device,
-            settings.master,
-        )
+        with _setup_log(quiet) as mooncake_log:
+            code = self.raw.setup(
+                settings.local_hostname,
+                settings.metadata,
+                settings.segment_size,
+                settings.buffer_size,
+                settings.protocol,
+                settings.device,
+                settings.master,
+            )
         if code != OK:
+            said = b"\n".join(mooncake_log[-10:]).decode(errors="replace")
             raise StoreUnavailableError(
                 f"Mooncake setup against master {settings.master} (metadata "
                 f"{settings.metadata}, protocol {settings.protocol}) failed with code {code}"
+                + (f"; Mooncake's log:\n{said}" if said else "")
             )
         self.config = mooncake_store.ReplicateConfig()
         self.config.replica_num = 1

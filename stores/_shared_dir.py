@@ -53,6 +53,7 @@ from dataflow._contracts import (
     FeatureStore,
     SampleRef,
     StoredObject,
+    StoreStats,
     validate_sample_id,
 )
 from dataflow._durable import fsync_path
@@ -84,6 +85,10 @@ _BUCKET_RE = re.compile(r"[0-9a-f]{2}")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # Directories are opened relative to their parent's fd and never through a
 # symlink, so a scan cannot be led out of the root.
+#: The sample id under which ``scan`` lists an unfinished write, a file in tmp/ (with
+#: generation 0, which no put hands out: generations are the wall clock in nanoseconds).
+UNFINISHED_PREFIX = "tmp/"
+_TMP_NAME_RE = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.tmp")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _tmp_names = itertools.count()
@@ -156,9 +161,12 @@ class SharedDirFeatureStore(FeatureStore):
 
     ``scan`` walks the bucket directories lazily (constant memory), through
     directory fds and without following symlinks; a StoredObject's
-    ``created`` is its file's mtime. Files that are corrupt, or that lie where
-    their sample's file does not belong, are skipped with a logged warning:
-    no ref can read them, and ``delete_stored`` could not name them.
+    ``created`` is its file's mtime. It lists the temporary files too, as
+    samples ``tmp/NAME`` of generation 0: a put whose process died leaves one,
+    which a collector (``dataflow gc``) removes after its grace period. Files
+    that are corrupt, or that lie where their sample's file does not belong,
+    are skipped with a logged warning: no ref can read them, and
+    ``delete_stored`` could not name them.
     """
 
     #: Benchmarks only: False skips the checksums (none computed on put, none
@@ -320,6 +328,13 @@ class SharedDirFeatureStore(FeatureStore):
         self._delete_generation(ref.sample_id, ref.generation)
 
     def _delete_stored(self, obj: StoredObject) -> bool:
+        name = obj.sample_id.removeprefix(UNFINISHED_PREFIX)
+        if obj.generation == 0 and _TMP_NAME_RE.fullmatch(name):
+            try:
+                os.unlink(f"{self._tmp}/{name}")
+            except FileNotFoundError:
+                return False
+            return True
         return self._delete_generation(obj.sample_id, obj.generation)
 
     def _delete_generation(self, sample_id: str, generation: int) -> bool:
@@ -335,6 +350,16 @@ class SharedDirFeatureStore(FeatureStore):
         return current == ref.generation
 
     def _scan(self) -> Iterator[StoredObject]:
+        yield from self._scan_samples()
+        yield from self._scan_unfinished()
+
+    def _stats(self) -> StoreStats:
+        objects = nbytes = 0
+        for obj in self._scan_samples():  # sample generations: not the writes under way
+            objects, nbytes = objects + 1, nbytes + obj.nbytes
+        return StoreStats(objects=objects, bytes=nbytes)
+
+    def _scan_samples(self) -> Iterator[StoredObject]:
         samples = os.open(self._samples, _DIR_FLAGS)
         try:
             with os.scandir(samples) as buckets:
@@ -343,6 +368,26 @@ class SharedDirFeatureStore(FeatureStore):
                         yield from self._scan_bucket(samples, bucket.name)
         finally:
             os.close(samples)
+
+    def _scan_unfinished(self) -> Iterator[StoredObject]:
+        """The files in tmp/: writes in progress, or left by a put whose process died.
+
+        Each is listed as sample ``tmp/NAME`` generation 0 (no ref names it), created
+        when it was last written; ``delete_stored`` removes the file.
+        """
+        try:
+            entries = list(os.scandir(self._tmp))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if not _TMP_NAME_RE.fullmatch(entry.name):
+                continue
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # renamed into place meanwhile
+                continue
+            sample_id = UNFINISHED_PREFIX + entry.name
+            yield StoredObject(sample_id, 0, stat.st_size, stat.st_mtime)
 
     def _scan_bucket(self, samples: int, bucket: str) -> Iterator[StoredObject]:
         try:

@@ -36,7 +36,7 @@ REQUIRED = {
 
 def test_required_names_are_exported() -> None:
     assert set(dataflow.__all__) >= REQUIRED
-    assert {"FeatureStore", "LocalFeatureStore"} <= set(stores.__all__)
+    assert {"FeatureStore", "LocalFeatureStore", "lend_memory"} <= set(stores.__all__)
     for name in dataflow.__all__:
         assert hasattr(dataflow, name), name
 

@@ -7,8 +7,11 @@ session. Without Mooncake the tests skip, except under CI=true, where they fail.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -155,14 +158,53 @@ def test_delete_right_after_get_does_not_stall(cluster):
         assert not any(_key_exists(cluster, key) for key in keys)
 
 
-def test_close_drains_queued_removals(cluster):
-    store = cluster.store()
+def test_close_with_a_drain_timeout_waits_for_queued_removals(cluster):
+    store = cluster.store(drain_timeout=5.0)
     ref = store.put("s", {"x": torch.ones(8)})
     store.get(ref)
     store.delete(ref)
     assert store._client.removals.is_pending(_data_key(store, ref, "x"))
     store.close()
     assert not _key_exists(cluster, _data_key(store, ref, "x"))
+
+
+def test_a_removal_keeps_the_record_until_the_tensors_are_gone(cluster):
+    with cluster.store() as store:
+        ref = store.put("s", {"x": torch.ones(8), "y": torch.ones(3)})
+        store.get(ref)  # a read lease on the tensors, not on the record
+        store.delete(ref)
+        record = f"{store.namespace}/s/g{ref.generation}/@"
+        assert _key_exists(cluster, record)  # the tensors wait for the lease: so does it
+        assert store._client.removals.is_pending(record)
+        assert _gone(cluster, [record, _data_key(store, ref, "x"), _data_key(store, ref, "y")])
+
+
+def test_tensors_or_a_head_left_without_a_record_are_listed_and_freed(cluster):
+    # What a process that died in a delete of an older dataflow left: it removed the
+    # record first, then was killed while the tensors (or the head) waited.
+    with cluster.store() as store:
+        left = "left.over-1:a/b"  # characters a regex would read as its own
+        tensors = store.put(left, {"x": torch.ones(8), "y": torch.ones(3)})
+        head = store.put("head", {"x": torch.ones(8)})
+        kept = store.put("kept", {"x": torch.ones(8)})
+        raw = cluster.anchor._client.raw
+        prefix = store.namespace
+        assert raw.remove(f"{prefix}/{left}/g{tensors.generation}/@", True) == 0
+        assert raw.remove(_head_key(store, left), True) == 0
+        for key in (f"{prefix}/head/g{head.generation}/@", _data_key(store, head, "x")):
+            assert raw.remove(key, True) == 0
+        listed = {o.sample_id: o for o in store.scan()}
+        assert {s: (o.generation, o.nbytes) for s, o in listed.items()} == {
+            left: (tensors.generation, 0),
+            "head": (head.generation, 0),
+            "kept": (kept.generation, kept.specs["x"].nbytes),
+        }
+        assert listed[left].created <= time.time()
+        assert store.delete_stored(listed[left]) and store.delete_stored(listed["head"])
+        keys = [_data_key(store, tensors, "x"), _data_key(store, tensors, "y")]
+        assert _gone(cluster, [*keys, _head_key(store, "head")])
+        assert [o.sample_id for o in store.scan()] == ["kept"]
+        assert not store.delete_stored(listed[left])  # nothing left of it
 
 
 def test_superseded_generation_is_removed(cluster):
@@ -293,6 +335,43 @@ def test_the_master_helper_listens_on_loopback_only(cluster):
         # every interface whatever -http_metadata_server_host says (docs/store-mooncake.md).
         for port in (master.rpc_port, master.metrics_port):
             assert _listening_addresses(port) == {"127.0.0.1"}, port
+
+
+def _documented_master_command() -> list[str]:
+    """The ``mooncake_master`` command of docs/store-mooncake.md, as a shell would split it."""
+    doc = (Path(__file__).parent.parent / "docs" / "store-mooncake.md").read_text()
+    for block in re.findall(r"```bash\n(.*?)```", doc, re.DOTALL):
+        joined = block.replace("\\\n", " ")
+        for line in joined.splitlines():
+            if line.strip().startswith("mooncake_master "):
+                return shlex.split(line)
+    raise AssertionError("docs/store-mooncake.md shows no mooncake_master command")
+
+
+def test_the_documented_master_command_listens_on_the_address_given(mooncake_installed):
+    command = _documented_master_command()
+    flags = dict(arg.lstrip("-").split("=", 1) for arg in command[1:])
+    assert flags["rpc_address"] == flags["metrics_host"] == "127.0.0.1"
+    ports = {name: free_port() for name in ("rpc_port", "metrics_port")}
+    ports["http_metadata_server_port"] = free_port()
+    args = [f"-{name}={ports.get(name, value)}" for name, value in flags.items()]
+    with tempfile.TemporaryFile() as log:
+        master = subprocess.Popen(
+            [str(find_master_binary()), *args], stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not all(port_open("127.0.0.1", port) for port in ports.values()):
+                assert master.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            for name in ("rpc_port", "metrics_port"):  # the RPC and the admin servers
+                assert _listening_addresses(ports[name]) == {"127.0.0.1"}, name
+            admin = f"http://127.0.0.1:{ports['metrics_port']}/get_all_keys"
+            with _mooncake_client._OPENER.open(admin, timeout=5) as response:
+                assert response.status == 200  # where scan() and gc list the keys
+        finally:
+            master.kill()
+            master.wait()
 
 
 def test_a_master_that_exits_is_reported_with_its_log(tmp_path):
