@@ -459,11 +459,17 @@ class FeatureLoader:
                 self._short_since = time.monotonic()
             self._send_acks()  # before waiting: a stream's credits come back with the acks
             now = time.monotonic()
-            ends = [at for at in (deadline, self._full_by()) if at is not None]
+            full_by = self._full_by()
+            ends = [at for at in (deadline, full_by) if at is not None]
             remaining = min(ends) - now if ends else None
             if remaining is not None and remaining <= 0:
                 if refs:
-                    return self._handed_out(refs, short=True)
+                    waited = (
+                        f"batch_wait_s={self.config.batch_wait_s}"
+                        if full_by is not None and now >= full_by
+                        else f"lease_timeout={timeout}"
+                    )
+                    return self._handed_out(refs, short=waited)
                 warnings.warn(
                     f"no refs came within lease_timeout={timeout}s and run "
                     f"{self.consumer.run_id!r} is not finished for rank {self.consumer.rank}: "
@@ -486,18 +492,18 @@ class FeatureLoader:
             return None
         return self._short_since + wait
 
-    def _handed_out(self, refs: list[SampleRef], *, short: bool = False) -> list[SampleRef]:
-        """``refs``, the batch the loader hands out now; ``short``: before the end of the
-        data, because ``batch_wait_s`` or ``lease_timeout`` passed (warned the first time)."""
+    def _handed_out(self, refs: list[SampleRef], *, short: str | None = None) -> list[SampleRef]:
+        """``refs``, the batch the loader hands out now; ``short`` names the bound that
+        passed when it goes out short before the end of the data (warned the first time)."""
         self._short_since = None
-        if short:
+        if short is not None:
             self.short_batches += 1
             message = (
                 f"a batch of {len(refs)} refs instead of batch_size={self.config.batch_size} "
                 f"in run {self.consumer.run_id!r}, rank {self.consumer.rank}: no more came "
-                f"within batch_wait_s={self.config.batch_wait_s} (LoaderConfig). Producers "
-                "slower than that, or a stream window (ReceiverConfig.window) too small for "
-                "the refs a rank holds unacked ((grad_accum + 1 + prefetch) x batch_size)"
+                f"within {short} (LoaderConfig). Producers slower than that, or a stream "
+                "window (ReceiverConfig.window) too small for the refs a rank holds unacked "
+                "((grad_accum + 1 + prefetch) x batch_size)"
             )
             if self.short_batches == 1:
                 warnings.warn(message + "; later short batches are logged", stacklevel=4)
