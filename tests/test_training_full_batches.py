@@ -7,17 +7,22 @@ and a Trainer's optimizer steps train ``grad_accum * batch_size`` samples but th
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from _gloo import forkserver_start, free_port, init_gloo, join, rank_consumer, run_args
 
 from dataflow import Consumer, InvalidArgumentError, Ledger, Producer, replay
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
-from stores import LocalFeatureStore
+from stores import LocalFeatureStore, SharedDirFeatureStore
 from training import (
     Batch,
     CheckpointConfig,
@@ -31,6 +36,7 @@ from training import (
 RUN = "run"
 WAIT_S = 60.0  # a stuck thread fails the test instead of hanging it
 EMIT_PAUSE_S = 0.004  # a producer commits one sample every few ms: slower than the ranks
+start = forkserver_start("torch.distributed", "zmq", "dataflow.streams", __name__)
 
 
 @pytest.fixture
@@ -214,7 +220,7 @@ def test_a_trainer_steps_on_the_configured_number_of_samples_but_the_last(
     # grad_accum=2, batch_size=4, a producer slower than the step: every optimizer step
     # trains 8 samples, the last one what is left (45 = 5 * 8 + 5).
     [consumer] = streamed.consumers(1, producers=1)
-    streamed.produce("p0", 45, pause=0.01)
+    streamed.produce("p0", 45, pause=0.03)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     in_step: list[int] = [0]
@@ -243,3 +249,107 @@ def test_a_trainer_steps_on_the_configured_number_of_samples_but_the_last(
     assert per_step == [8] * 5 + [5]
     run = replay(led, RUN)
     assert len(run.trained) == 45 and run.verify() == []
+
+
+def _train_rank(rank: int, args: dict[str, Any]) -> None:
+    """A gloo DDP rank: a Trainer on its own ZeroMQ receiver; it writes its micro-batch sizes."""
+    import os
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    init_gloo(rank, args["port"])
+    receiver = ZmqRefReceiver(
+        ReceiverConfig(endpoint=args["endpoints"][rank], expected_producers=2)
+    )
+    model = torch.nn.Linear(3, 1)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    sizes: list[int] = []
+
+    def step_fn(batch: Batch) -> None:
+        x = batch.features["x"] if len(batch) else torch.zeros(0, 3)
+        ddp(x).pow(2).sum().backward()
+        sizes.append(len(batch))
+
+    def optimizer_fn(step: int) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    trainer = Trainer(
+        rank_consumer(args, rank, run_id=RUN, stream=receiver),
+        step_fn=step_fn,
+        optimizer_fn=optimizer_fn,
+        checkpoints=CheckpointManager(CheckpointConfig(root=args["ckpt"])),
+        state_fn=lambda: {"model": model.state_dict()},
+        config=TrainerConfig(grad_accum=2),
+        loader_config=LoaderConfig(batch_size=8),
+        modules=[ddp],
+    )
+    trainer.run()
+    Path(args["out"], f"rank{rank}.json").write_text(json.dumps(sizes))
+    dist.barrier()
+    dist.destroy_process_group()
+    receiver.close()
+    os._exit(0)  # see tests/test_training_resume_ranks.py: no DDP teardown at exit
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_on_slow_streams_train_full_steps(tmp_path: Path) -> None:
+    # The issue's set-up: two producers streaming over ZeroMQ to two gloo DDP ranks,
+    # batch_size=8, grad_accum=2 (32 samples a step). Before, steps took 1-32 samples.
+    # Each rank's micro-batches hold 8 samples but its last; then it trains empty ones
+    # while its peer finishes: every step takes 32 samples until a rank's data ends.
+    ports: set[int] = set()
+    while len(ports) < 2:
+        ports.add(free_port())
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in sorted(ports)]
+    args = run_args(tmp_path, endpoints=endpoints)
+    ranks = [start(_train_rank, rank, args) for rank in range(2)]
+    with Ledger.open(args["ledger"]) as led:
+        errors: list[BaseException] = []
+        threads = [
+            threading.Thread(target=_stream_slowly, args=(args, led, name, 100, errors))
+            for name in ("p0", "p1")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S * 2)
+        assert errors == []
+        assert [join(rank) for rank in ranks] == [0, 0]
+        run = replay(led, RUN)
+        assert len(run.trained) == 200 and run.verify() == []
+    sizes = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, rank_sizes in enumerate(sizes):
+        trained = [size for size in rank_sizes if size]
+        assert trained[:-1] == [8] * (len(trained) - 1), (rank, rank_sizes)
+        empty = [0] * (len(rank_sizes) - len(trained))  # once its share ran out
+        assert rank_sizes == trained + empty, (rank, rank_sizes)
+    assert len(sizes[0]) == len(sizes[1])  # the same steps on both ranks
+    steps = [sizes[0][i : i + 2] + sizes[1][i : i + 2] for i in range(0, len(sizes[0]), 2)]
+    ending = next((n for n, step in enumerate(steps) if min(step) < 8), len(steps))
+    assert [sum(step) for step in steps[:ending]] == [32] * ending, steps
+    assert sum(map(sum, steps)) == 200
+
+
+def _stream_slowly(
+    args: dict[str, Any], led: Ledger, name: str, count: int, errors: list[BaseException]
+) -> None:
+    """A producer committing ``count`` samples a few ms apart, streaming them to the ranks."""
+    try:
+        config = SenderConfig(
+            endpoints=tuple(args["endpoints"]), producer_id=name, send_timeout=WAIT_S
+        )
+        producer = Producer(
+            led,
+            SharedDirFeatureStore(args["features"]),
+            run_id=RUN,
+            producer_id=name,
+            stream=ZmqRefSender(config),
+        )
+        for i in range(count):
+            producer.emit(f"{name}-{i:03d}", {"x": torch.full((3,), float(i))})
+            time.sleep(EMIT_PAUSE_S)
+        producer.close()
+    except BaseException as exc:
+        errors.append(exc)
