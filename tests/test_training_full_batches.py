@@ -55,11 +55,11 @@ class Streamed:
         self.threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
 
-    def consumers(self, ranks: int, producers: int) -> list[Consumer]:
+    def consumers(self, ranks: int, producers: int, window: int = 64) -> list[Consumer]:
         """``ranks`` consumers, rank 0 resumed first, each on a receiver of its own."""
         made = []
         for rank in range(ranks):
-            receiver = ZmqRefReceiver(ReceiverConfig(expected_producers=producers))
+            receiver = ZmqRefReceiver(ReceiverConfig(expected_producers=producers, window=window))
             self.receivers.append(receiver)
             consumer = Consumer(
                 self.led,
@@ -214,12 +214,14 @@ def test_batch_wait_s_is_validated(wait: object) -> None:
         LoaderConfig(batch_wait_s=wait)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(("window", "prefetch"), [(64, 0), (12, 2)])
 def test_a_trainer_steps_on_the_configured_number_of_samples_but_the_last(
-    streamed: Streamed, led: Ledger, tmp_path
+    streamed: Streamed, led: Ledger, tmp_path, window: int, prefetch: int
 ) -> None:
     # grad_accum=2, batch_size=4, a producer slower than the step: every optimizer step
-    # trains 8 samples, the last one what is left (45 = 5 * 8 + 5).
-    [consumer] = streamed.consumers(1, producers=1)
+    # trains 8 samples, the last one what is left (45 = 5 * 8 + 5). A window of
+    # (grad_accum + 1) * batch_size refs is enough, batches leased ahead or not.
+    [consumer] = streamed.consumers(1, producers=1, window=window)
     streamed.produce("p0", 45, pause=0.03)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -243,9 +245,11 @@ def test_a_trainer_steps_on_the_configured_number_of_samples_but_the_last(
         checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
         state_fn=lambda: {"model": model.state_dict()},
         config=TrainerConfig(grad_accum=2),
-        loader_config=LoaderConfig(batch_size=4, prefetch=1),
+        loader_config=LoaderConfig(batch_size=4, prefetch=prefetch),
     )
-    trainer.run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no short batch was handed out with a warning
+        trainer.run()
     assert per_step == [8] * 5 + [5]
     run = replay(led, RUN)
     assert len(run.trained) == 45 and run.verify() == []

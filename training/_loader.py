@@ -503,7 +503,7 @@ class FeatureLoader:
                 f"in run {self.consumer.run_id!r}, rank {self.consumer.rank}: no more came "
                 f"within {short} (LoaderConfig). Producers slower than that, or a stream "
                 "window (ReceiverConfig.window) too small for the refs a rank holds unacked "
-                "((grad_accum + 1 + prefetch) x batch_size)"
+                "((grad_accum + 1) x batch_size)"
             )
             if self.short_batches == 1:
                 warnings.warn(message + "; later short batches are logged", stacklevel=4)
