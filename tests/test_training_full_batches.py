@@ -19,9 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo import forkserver_start, free_port, init_gloo, join, rank_consumer, run_args
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dataflow import Consumer, InvalidArgumentError, Ledger, Producer, replay
-from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
+from dataflow.streams import (
+    MemoryStream,
+    ReceiverConfig,
+    SenderConfig,
+    ZmqRefReceiver,
+    ZmqRefSender,
+)
 from stores import LocalFeatureStore, SharedDirFeatureStore
 from training import (
     Batch,
@@ -206,6 +214,54 @@ def test_batch_wait_s_zero_hands_out_what_is_ready(streamed: Streamed) -> None:
         loader.ack(batch.refs, step=1)
         producer.close()
         loader.close()
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    batch_size=st.integers(1, 6),
+    prefetch=st.integers(0, 2),
+    arrivals=st.lists(st.integers(1, 7), min_size=1, max_size=6),
+)
+def test_whatever_the_arrivals_batches_are_full_but_the_last_and_in_order(
+    led: Ledger, batch_size: int, prefetch: int, arrivals: list[int]
+) -> None:
+    # Samples arrive in bursts of any size, a pause apart: the batches are the arrival
+    # order cut into batch_size pieces, whatever the bursts.
+    run_id = f"run-{time.monotonic_ns()}"
+    store = LocalFeatureStore()
+    stream = MemoryStream(window=64, expected_producers=1)
+    consumer = Consumer(led, store, run_id=run_id, consumer_id="rank0", stream=stream.receiver())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "run .* has no events")  # a new run each example
+        consumer.resume()
+    producer = Producer(led, store, run_id=run_id, producer_id="p", stream=stream.sender("p"))
+    ids = [f"s{i:03d}" for i in range(sum(arrivals))]
+
+    def arrive() -> None:
+        at = 0
+        for burst in arrivals:
+            producer.emit_many([(sid, {"x": torch.zeros(2)}) for sid in ids[at : at + burst]])
+            at += burst
+            time.sleep(0.01)
+        producer.close()
+
+    thread = threading.Thread(target=arrive, daemon=True)
+    thread.start()
+    batches = []
+    with FeatureLoader(
+        consumer, config=LoaderConfig(batch_size=batch_size, prefetch=prefetch)
+    ) as loader:
+        for step, batch in enumerate(loader, start=1):
+            batches.append(batch.sample_ids)
+            loader.ack(batch.refs, step=step)
+        loader.flush()
+    thread.join(WAIT_S)
+    assert batches == [ids[at : at + batch_size] for at in range(0, len(ids), batch_size)]
+    assert replay(led, run_id).verify() == []
 
 
 @pytest.mark.parametrize("wait", [-1, float("nan"), float("inf"), True, "5"])
