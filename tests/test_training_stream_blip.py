@@ -167,9 +167,13 @@ def test_a_trainer_rides_out_a_link_cut_longer_than_the_heartbeat_timeout(
         cutter.join(60)
         assert join(child) == 0
         assert len(cut) == 2 and cut[1] - cut[0] >= CUT_S  # the link was cut that long
-        assert receiver.stats().producers_lost == 1  # and the consumer saw the loss
+        # The consumer saw the loss (more than one only if a loaded machine starved the
+        # producer's heartbeat thread too), and the loader logged each one.
+        losses = receiver.stats().producers_lost
+        assert losses >= 1
         lost = [r.getMessage() for r in caplog.records if "is lost" in r.getMessage()]
-        assert len(lost) == 1 and "'p0'" in lost[0] and f"run {RUN!r}" in lost[0]
+        assert len(lost) == losses
+        assert all("'p0'" in line and f"run {RUN!r}" in line for line in lost)
         assert len(trained) == len(set(trained)) == SAMPLES  # each committed sample once
         run = replay(led, RUN)
         assert set(run.trained) == set(run.committed) == set(trained)
