@@ -22,7 +22,7 @@ from _gloo import forkserver_start, free_port, init_gloo, join, rank_consumer, r
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow import Consumer, InvalidArgumentError, Ledger, Producer, replay
+from dataflow import Consumer, FeatureStore, InvalidArgumentError, Ledger, Producer, replay
 from dataflow.streams import (
     MemoryStream,
     ReceiverConfig,
@@ -57,7 +57,7 @@ class Streamed:
     """Real ZeroMQ receivers (one a rank) and producer threads that commit one sample at a
     time through them; everything started is stopped at teardown."""
 
-    def __init__(self, led: Ledger, store: LocalFeatureStore) -> None:
+    def __init__(self, led: Ledger, store: FeatureStore) -> None:
         self.led, self.store = led, store
         self.receivers: list[ZmqRefReceiver] = []
         self.threads: list[threading.Thread] = []
@@ -82,13 +82,22 @@ class Streamed:
             made.append(consumer)
         return made
 
-    def produce(self, name: str, count: int, pause: float = EMIT_PAUSE_S) -> None:
-        """Start a producer thread committing ``count`` samples, one every ``pause`` s."""
-        endpoints = tuple(r.endpoint for r in self.receivers)
+    def produce(
+        self,
+        name: str,
+        count: int,
+        pause: float = EMIT_PAUSE_S,
+        endpoints: tuple[str, ...] | None = None,
+    ) -> None:
+        """Start a producer thread committing ``count`` samples, one every ``pause`` s, and
+        streaming them to ``endpoints`` (default: the receivers made here)."""
+        if endpoints is None:
+            endpoints = tuple(r.endpoint for r in self.receivers)
+        config = SenderConfig(endpoints=endpoints, producer_id=name, send_timeout=WAIT_S)
 
         def emit_slowly() -> None:
             try:
-                sender = ZmqRefSender(SenderConfig(endpoints=endpoints, producer_id=name))
+                sender = ZmqRefSender(config)
                 producer = Producer(
                     self.led, self.store, run_id=RUN, producer_id=name, stream=sender
                 )
@@ -366,16 +375,10 @@ def test_two_ddp_ranks_on_slow_streams_train_full_steps(tmp_path: Path) -> None:
     args = run_args(tmp_path, endpoints=endpoints)
     ranks = [start(_train_rank, rank, args) for rank in range(2)]
     with Ledger.open(args["ledger"]) as led:
-        errors: list[BaseException] = []
-        threads = [
-            threading.Thread(target=_stream_slowly, args=(args, led, name, 100, errors))
-            for name in ("p0", "p1")
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(WAIT_S * 2)
-        assert errors == []
+        producers = Streamed(led, SharedDirFeatureStore(args["features"]))
+        for name in ("p0", "p1"):
+            producers.produce(name, 100, endpoints=tuple(endpoints))
+        producers.close()
         assert [join(rank) for rank in ranks] == [0, 0]
         run = replay(led, RUN)
         assert len(run.trained) == 200 and run.verify() == []
@@ -390,26 +393,3 @@ def test_two_ddp_ranks_on_slow_streams_train_full_steps(tmp_path: Path) -> None:
     ending = next((n for n, step in enumerate(steps) if min(step) < 8), len(steps))
     assert [sum(step) for step in steps[:ending]] == [32] * ending, steps
     assert sum(map(sum, steps)) == 200
-
-
-def _stream_slowly(
-    args: dict[str, Any], led: Ledger, name: str, count: int, errors: list[BaseException]
-) -> None:
-    """A producer committing ``count`` samples a few ms apart, streaming them to the ranks."""
-    try:
-        config = SenderConfig(
-            endpoints=tuple(args["endpoints"]), producer_id=name, send_timeout=WAIT_S
-        )
-        producer = Producer(
-            led,
-            SharedDirFeatureStore(args["features"]),
-            run_id=RUN,
-            producer_id=name,
-            stream=ZmqRefSender(config),
-        )
-        for i in range(count):
-            producer.emit(f"{name}-{i:03d}", {"x": torch.full((3,), float(i))})
-            time.sleep(EMIT_PAUSE_S)
-        producer.close()
-    except BaseException as exc:
-        errors.append(exc)
