@@ -133,7 +133,8 @@ class LoaderConfig:
 
     lease_timeout: float | None = None
     """Seconds to wait for refs to arrive. ``None`` waits until some come or the run is
-    finished; when a number runs out first, the loader stops early, with a warning."""
+    finished; when a number runs out first, the loader stops early, with a warning (or,
+    when some refs came, hands them out as a short batch)."""
 
     names: tuple[str, ...] | None = None
     """Features to read from the store; ``None`` reads every feature of a ref."""
