@@ -193,7 +193,7 @@ def test_a_batch_waits_no_longer_than_batch_wait_s(streamed: Streamed) -> None:
             producer.emit(f"s{i}", {"x": torch.zeros(2)})
         loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=8, batch_wait_s=0.5))
         started = time.monotonic()
-        with pytest.warns(UserWarning, match=r"a batch of 3 refs instead of batch_size=8"):
+        with pytest.warns(UserWarning, match=r"a short batch, 3 of batch_size=8 refs"):
             batch = loader.next_batch()
         waited = time.monotonic() - started
         assert batch is not None and batch.sample_ids == ["s0", "s1", "s2"]

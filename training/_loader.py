@@ -499,7 +499,7 @@ class FeatureLoader:
         if short is not None:
             self.short_batches += 1
             message = (
-                f"a batch of {len(refs)} refs instead of batch_size={self.config.batch_size} "
+                f"a short batch, {len(refs)} of batch_size={self.config.batch_size} refs, "
                 f"in run {self.consumer.run_id!r}, rank {self.consumer.rank}: no more came "
                 f"within {short} (LoaderConfig). Producers slower than that, or a stream "
                 "window (ReceiverConfig.window) too small for the refs a rank holds unacked "
