@@ -239,4 +239,13 @@ class StreamIdleError(StreamError, TimeoutError):
 
 
 class ProducerLostError(StreamError):
-    """A producer stopped sending heartbeats without closing its stream."""
+    """A producer stopped sending heartbeats without closing its stream.
+
+    ``producer_id`` names it (None where the raiser did not say). Its committed refs
+    stay in the ledger: a consumer that goes on leasing trains them once it is back,
+    or from the ledger once the stream ends.
+    """
+
+    def __init__(self, *args: object, producer_id: str | None = None) -> None:
+        super().__init__(*args)
+        self.producer_id = producer_id

@@ -313,7 +313,8 @@ def test_a_loader_waiting_for_a_named_producer_that_never_showed_up_warns(
 ) -> None:
     # The loader leases in short waits: the consumer counts the wait across them.
     cons = _misspelt(ledger, store, run_id, monkeypatch, warn_after=0.5)
-    loader = FeatureLoader(cons, config=LoaderConfig(batch_size=2, lease_timeout=2.0))
+    # batch_size=1: a batch of 2 would wait for a second sample (batch_wait_s) instead.
+    loader = FeatureLoader(cons, config=LoaderConfig(batch_size=1, lease_timeout=2.0))
     assert [r.sample_id for r in loader.next_batch().refs] == ["a0"]
     with pytest.warns(UserWarning) as got:
         assert loader.next_batch() is None  # lease_timeout: it stops early, and says so too

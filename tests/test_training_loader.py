@@ -150,7 +150,8 @@ def test_lease_timeout_stops_an_unfinished_run_with_a_warning(led, store) -> Non
     producer = _emit(led, store, 2, close=False)
     consumer = _consumer(led, store)
     loader = FeatureLoader(consumer, config=LoaderConfig(batch_size=4, lease_timeout=0.1))
-    batch = loader.next_batch()
+    with pytest.warns(UserWarning, match="short batch, 2 of batch_size=4 .* lease_timeout=0.1 "):
+        batch = loader.next_batch()  # short: the producer is still open
     assert len(batch) == 2
     with pytest.warns(UserWarning, match="lease_timeout=0.1s .* not finished"):
         assert loader.next_batch() is None

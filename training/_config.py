@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import warnings
 from pathlib import Path
@@ -117,11 +118,23 @@ class LoaderConfig:
     """How a FeatureLoader leases and reads batches."""
 
     batch_size: int = 8
-    """Refs leased per batch; a batch holds fewer when less is pending."""
+    """Refs per batch. Every batch is full but the last one of the data (and one that
+    lost a sample whose features were gone, or one handed out after ``batch_wait_s``)."""
+
+    batch_wait_s: float | None = 60.0
+    """In arrival order (a stream, or producers still committing), seconds a batch that
+    has some refs but not ``batch_size`` waits for the rest, counted from its first ref.
+    When it passes, the loader hands out the short batch, with a warning the first time
+    (a stream's window must hold what a rank keeps unacked, see docs/training.md); the
+    end of the data (every producer closed) hands out the last short batch at once.
+    ``None`` waits for a full batch or the end of the data; 0 hands out whatever is ready
+    (batches as short as the producers are slow). A seeded order leases from the whole
+    committed dataset, so its batches are full but the last without waiting."""
 
     lease_timeout: float | None = None
     """Seconds to wait for refs to arrive. ``None`` waits until some come or the run is
-    finished; when a number runs out first, the loader stops early, with a warning."""
+    finished; when a number runs out first, the loader stops early, with a warning (or,
+    when some refs came, hands them out as a short batch)."""
 
     names: tuple[str, ...] | None = None
     """Features to read from the store; ``None`` reads every feature of a ref."""
@@ -157,6 +170,14 @@ class LoaderConfig:
         ):
             raise InvalidArgumentError(
                 f"lease_timeout must be a number >= 0 or None, got {timeout!r}"
+            )
+        wait = self.batch_wait_s
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait < math.inf
+        ):
+            raise InvalidArgumentError(
+                f"batch_wait_s must be a finite number of seconds >= 0 or None (wait for a "
+                f"full batch), got {wait!r}"
             )
         if self.names is not None:
             if isinstance(self.names, str):

@@ -18,6 +18,7 @@ from dataflow import (
     Consumer,
     CorruptFeatureError,
     InvalidArgumentError,
+    ProducerLostError,
     SampleRef,
     StaleRefError,
     StoreUnavailableError,
@@ -31,6 +32,8 @@ CollateFn = Callable[[list[Features]], Any]
 _POLL_S = 0.5
 #: The first and the longest pause between reads of a sample its store cannot serve now.
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.1, 2.0
+#: Stream producers found lost in one lease ahead before the loader stops retrying it.
+_LOSSES_AT_ONCE = 64
 log = logging.getLogger("training")
 
 
@@ -197,8 +200,14 @@ def _empty_features(
 class FeatureLoader:
     """Iterates over leased, loaded, collated batches until the run is finished for this rank.
 
-    Each batch leases up to ``batch_size`` refs and reads their features from the
-    consumer's store. The loader never acks: the trainer acks a batch's refs at
+    Each batch leases ``batch_size`` refs and reads their features from the
+    consumer's store. In arrival order (a stream, or producers still committing) a
+    batch that has some refs waits for the rest up to ``batch_wait_s``, so that every
+    batch is full but the last one of the data (see ``LoaderConfig.batch_wait_s``).
+    A stream producer found lost (``ProducerLostError``: silent for its heartbeat
+    timeout) is logged and leasing goes on: its committed refs stay in the ledger,
+    and come through the stream once it is back, or from the ledger once the stream
+    ends. The loader never acks: the trainer acks a batch's refs at
     the optimizer step that trained them. A ref whose features are gone or corrupt
     (StaleRefError, CorruptFeatureError) is reported lost (``Consumer.lost``: no
     failed attempt, it waits for regeneration), skipped with a warning, and handed
@@ -265,11 +274,19 @@ class FeatureLoader:
         self._acks: list[Future[None]] = []
         #: The acks the lease ahead in flight writes with its lease, and their outcome.
         self._ahead_acks: tuple[list[tuple[list[SampleRef], int]], Future[None] | None] = ([], None)
+        #: The refs of a short batch that the lease ahead in flight fills.
+        self._ahead_short: list[SampleRef] = []
         #: The count of batches left that the lease ahead made for the batch just handed
         #: out (remaining_batches answers it once, right after next_batch).
         self._counted: _Read | None = None
         #: Samples handed out in batches so far (this rank's position in its queue).
         self.position = 0
+        #: Refs leased for a batch that is not full yet (they wait for the rest), and
+        #: since when.
+        self._short: list[SampleRef] = []
+        self._short_since: float | None = None
+        #: Batches handed out short before the end of the data (``batch_wait_s`` passed).
+        self.short_batches = 0
         if config.prefetch:  # acks held here are written before any checkpoint records
             consumer.before_checkpoint(self.flush)
 
@@ -356,9 +373,16 @@ class FeatureLoader:
         self._take_ahead(wait=True)
         return self._batches_after(len(self._ready))
 
-    def _batches_after(self, ahead: int, *, refresh: bool = True) -> int | None:
+    def _batches_after(
+        self, ahead: int, *, refresh: bool = True, held: int | None = None
+    ) -> int | None:
+        """``ahead`` batches read, then the pending ones and the ``held`` refs of a short
+        batch (default: the one waiting now) in batches; None while that is not fixed."""
         pending = self.consumer.remaining(refresh=refresh)
-        return None if pending is None else ahead + -(-pending // self.config.batch_size)
+        if pending is None:
+            return None
+        held = len(self._short) if held is None else held
+        return ahead + -(-(pending + held) // self.config.batch_size)
 
     def state_dict(self) -> dict[str, int]:
         """The position in samples (and the batch size), for a checkpoint's per-rank state."""
@@ -394,6 +418,7 @@ class FeatureLoader:
         self._ahead = None
         self._ahead_acks = ([], None)
         self._ready.clear()
+        self._short, self._ahead_short, self._short_since = [], [], None
         self._counted = None
 
     def close(self) -> None:
@@ -404,6 +429,7 @@ class FeatureLoader:
             self._ahead = None
             acks, written = self._ahead_acks  # not written: they go with the others
             self._unsent[:0] = acks
+            self._short = self._ahead_short  # not filled: the next lease fills them
             if written is not None:
                 self._acks.remove(written)
         self._send_acks()
@@ -417,17 +443,33 @@ class FeatureLoader:
 
     # -- internals ----------------------------------------------------------------
     def _lease(self, *, timeout: float | None) -> list[SampleRef]:
+        """The refs of the next batch: ``batch_size`` of them, fewer at the end of the data,
+        or once ``batch_wait_s`` (or ``timeout``) passed; [] when none came in ``timeout``."""
         # Not consumer.lease(timeout=None): it also waits for this consumer's own leases to
         # be acked, and the refs of an accumulation are acked only after the last batch.
+        size = self.config.batch_size
+        refs, self._short = self._short, []
         deadline = None if timeout is None else time.monotonic() + timeout
         wait = 0.0
         while True:
-            refs = self.consumer.lease(self.config.batch_size, timeout=wait)
-            if refs or self._drained():
-                return refs
+            refs += self._lease_refs(size - len(refs), wait)
+            if len(refs) >= size or (refs and not self._fills_batches) or self._drained():
+                return self._handed_out(refs)
+            if refs and self._short_since is None:
+                self._short_since = time.monotonic()
             self._send_acks()  # before waiting: a stream's credits come back with the acks
-            remaining = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            full_by = self._full_by()
+            ends = [at for at in (deadline, full_by) if at is not None]
+            remaining = min(ends) - now if ends else None
             if remaining is not None and remaining <= 0:
+                if refs:
+                    waited = (
+                        f"batch_wait_s={self.config.batch_wait_s}"
+                        if full_by is not None and now >= full_by
+                        else f"lease_timeout={timeout}"
+                    )
+                    return self._handed_out(refs, short=waited)
                 warnings.warn(
                     f"no refs came within lease_timeout={timeout}s and run "
                     f"{self.consumer.run_id!r} is not finished for rank {self.consumer.rank}: "
@@ -436,6 +478,61 @@ class FeatureLoader:
                 )
                 return []
             wait = _POLL_S if remaining is None else min(_POLL_S, remaining)
+
+    @property
+    def _fills_batches(self) -> bool:
+        """Whether a short batch waits for more refs: in arrival order, unless
+        ``batch_wait_s=0``. A seeded order leases once the dataset is complete."""
+        return not self._seeded and self.config.batch_wait_s != 0
+
+    def _full_by(self) -> float | None:
+        """When the short batch waiting now is handed out as it is (None: no bound)."""
+        wait = self.config.batch_wait_s
+        if self._short_since is None or wait is None:
+            return None
+        return self._short_since + wait
+
+    def _handed_out(self, refs: list[SampleRef], *, short: str | None = None) -> list[SampleRef]:
+        """``refs``, the batch the loader hands out now; ``short`` names the bound that
+        passed when it goes out short before the end of the data (warned the first time)."""
+        self._short_since = None
+        if short is not None:
+            self.short_batches += 1
+            message = (
+                f"a short batch, {len(refs)} of batch_size={self.config.batch_size} refs, "
+                f"in run {self.consumer.run_id!r}, rank {self.consumer.rank}: no more came "
+                f"within {short} (LoaderConfig). Producers slower than that, or a stream "
+                "window (ReceiverConfig.window) too small for the refs a rank holds unacked "
+                "((grad_accum + 1) x batch_size)"
+            )
+            if self.short_batches == 1:
+                warnings.warn(message + "; later short batches are logged", stacklevel=4)
+            else:
+                log.info("%s (short batch %d)", message, self.short_batches)
+        return refs
+
+    def _lease_refs(self, count: int, wait: float) -> list[SampleRef]:
+        """``consumer.lease(count, timeout=wait)``; [] when it finds a stream producer lost."""
+        try:
+            return self.consumer.lease(count, timeout=wait)
+        except ProducerLostError as exc:
+            self._producer_lost(exc)
+            return []
+
+    def _producer_lost(self, exc: ProducerLostError) -> None:
+        # Raised once per loss, before anything is leased: the refs of the lost producer
+        # are committed, so the run goes on without it and trains them once it is back
+        # (a blip longer than the heartbeat timeout) or, from the ledger, once it ends.
+        consumer = self.consumer
+        log.warning(
+            "run %r, rank %d: stream producer %r is lost (%s); the loader goes on leasing: "
+            "its committed refs stay in the ledger and are trained once it is back or the "
+            "stream ends",
+            consumer.run_id,
+            consumer.rank,
+            exc.producer_id,
+            exc,
+        )
 
     def _drained(self) -> bool:
         """Nothing more will come unless refs this consumer holds are nacked."""
@@ -454,39 +551,66 @@ class FeatureLoader:
         return self._pool
 
     def _lease_ahead(self) -> None:
-        """Start the lease ahead in the thread, with the acks given since the last one."""
+        """Start the lease ahead in the thread, with the acks given since the last one and
+        the refs of a short batch, which it fills."""
         acks, self._unsent = self._unsent, []
         written: Future[None] | None = None
         if acks:
             written = Future()
             self._acks.append(written)
         self._ahead_acks = (acks, written)
-        self._ahead = self._executor().submit(self._lease_and_read, acks, written)
+        self._ahead_short, self._short = self._short, []
+        self._ahead = self._executor().submit(
+            self._lease_and_read, acks, written, self._ahead_short
+        )
 
     def _lease_and_read(
-        self, acks: list[tuple[list[SampleRef], int]], written: Future[None] | None
-    ) -> list[_Read]:
+        self,
+        acks: list[tuple[list[SampleRef], int]],
+        written: Future[None] | None,
+        short: list[SampleRef],
+    ) -> tuple[list[_Read], list[SampleRef]]:
         # Only what is ready now: the training thread takes a batch it has to wait for
         # itself, through _lease. One lease for the `prefetch` batches, split in order
         # (the batches a lease per batch would have made), in the acks' transaction.
+        # A short batch at the end waits, unread, for more refs (when batches are filled
+        # and more can come); the reads and the refs of that short batch are returned.
         size = self.config.batch_size
-        count = size * self.config.prefetch
+        count = size * self.config.prefetch - len(short)
         try:
-            if written is None:
-                refs = self.consumer.lease(count, timeout=0)
-            else:
-                refs = self.consumer.ack_and_lease(acks, count)
+            refs = short + self._lease_ready(acks, written is not None, count)
         except BaseException as exc:
             if written is not None:
                 written.set_exception(exc)
             raise
         if written is not None:
             written.set_result(None)
-        reads = [self._read(refs[at : at + size]) for at in range(0, len(refs), size)]
-        after = self._batches_after(0, refresh=False) if reads else None  # the lease folded
-        for left, read in enumerate(reversed(reads)):
-            read.remaining, read.counted = None if after is None else after + left, True
-        return reads
+        full = len(refs)
+        if full % size and self._fills_batches and not self.consumer.drained:
+            full -= full % size
+        reads = [self._read(refs[at : at + size]) for at in range(0, full, size)]
+        if reads:  # the lease folded: no ledger read to count
+            after = self._batches_after(0, refresh=False, held=len(refs) - full)
+            for left, read in enumerate(reversed(reads)):
+                read.remaining, read.counted = None if after is None else after + left, True
+        return reads, refs[full:]
+
+    def _lease_ready(
+        self, acks: list[tuple[list[SampleRef], int]], with_acks: bool, count: int
+    ) -> list[SampleRef]:
+        """Up to ``count`` refs ready now, in the transaction of ``acks`` when ``with_acks``;
+        again, after a log line, when a stream producer is found lost (that is raised
+        before anything is written)."""
+        for attempt in range(_LOSSES_AT_ONCE + 1):
+            try:
+                if with_acks:
+                    return self.consumer.ack_and_lease(acks, count)
+                return self.consumer.lease(count, timeout=0)
+            except ProducerLostError as exc:
+                if attempt == _LOSSES_AT_ONCE:
+                    raise
+                self._producer_lost(exc)
+        raise AssertionError("unreachable")
 
     def _take_ahead(self, *, wait: bool = False) -> None:
         """Move what the lease ahead read into the ready batches: when none is left, or
@@ -495,11 +619,16 @@ class FeatureLoader:
             ahead, self._ahead = self._ahead, None
             written = self._ahead_acks[1]
             try:
-                self._ready.extend(ahead.result())
+                reads, short = ahead.result()
             except BaseException:
+                self._short = self._ahead_short  # still leased: the next lease fills them
                 if written is not None and written in self._acks and written.done():
                     self._acks.remove(written)  # its failure is raised here: not again
                 raise
+            self._ready.extend(reads)
+            self._short = short
+            if short and self._short_since is None:
+                self._short_since = time.monotonic()
 
     def _send_acks(self) -> None:
         """Pass the acks not yet written to the thread, as one transaction."""

@@ -88,7 +88,12 @@ class Trainer:
     ``step_fn(batch)`` (forward and backward; its return value, e.g. the loss, is
     kept as ``last_loss``). Every ``grad_accum`` micro-batches it calls
     ``optimizer_fn(step)`` (optimizer step, zero_grad, scheduler) and acks the refs
-    of all those micro-batches at that step, in one transaction (``StepHelper``):
+    of all those micro-batches at that step, in one transaction (``StepHelper``).
+    The loader's batches are full (``LoaderConfig.batch_size``, waiting up to
+    ``batch_wait_s`` for a stream's slow producers) but the last, so a step trains
+    ``grad_accum * batch_size`` samples per rank but at the end of the data; a
+    stream producer lost for a while (a network blip) is logged, and training goes
+    on (``FeatureLoader``). In a step,
     the micro-batches before the last of a step run under ``no_sync()`` of each of
     ``modules`` (DDP, FSDP), so gradients are reduced once per step. To know the
     boundary before backward, the next micro-batch is leased before the current
@@ -214,7 +219,8 @@ class Trainer:
         )
         #: The last optimizer step taken (or resumed from).
         self.step = 0
-        #: The plan of the resume, None before it.
+        #: The ReconcilePlan of the last resume (``resume()`` returns the state), None
+        #: before it: ``plan.checkpoint`` resumed from, ``plan.regenerate`` to put back.
         self.plan: ReconcilePlan | None = None
         #: The metrics of the last eval, and the step it ran at.
         self.metrics: dict[str, float] | None = None
@@ -241,6 +247,11 @@ class Trainer:
         """Resume the consumer from ``checkpoint`` and return the state to apply (None from
         scratch); ``load_fn``, when given, is called with it, and ``load_rank_fn`` with this
         rank's own state. Steps continue from there.
+
+        The resume's ``ReconcilePlan`` is kept as :attr:`plan` (not returned: the state is
+        what a caller applies): ``trainer.plan.checkpoint`` is the checkpoint resumed from
+        (None from scratch), ``trainer.plan.regenerate`` the samples a producer must put
+        back when there is no ``regenerate_fn``.
 
         With ``TrainerConfig(allow_resize=True)``, a checkpoint of another number of ranks
         resumes too; rank ``r`` then takes old rank ``r``'s generators and state, and a

@@ -136,7 +136,8 @@ class Window:
                 producer = self.lost.pop(0)
                 raise ProducerLostError(
                     f"producer {producer!r} stopped heart-beating without closing its stream; "
-                    "its refs stay committed in the ledger and come back through reconcile"
+                    "its refs stay committed in the ledger and come back through reconcile",
+                    producer_id=producer,
                 )
             if self.buffer:
                 count = min(max_refs, len(self.buffer))
