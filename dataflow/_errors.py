@@ -20,6 +20,7 @@ keeps working around a store lookup::
     │   ├── LedgerStateError (ValueError)      a write the run's state forbids
     │   │   └── UnknownCheckpointError (LookupError)
     │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
+    │   ├── ProducerFencedError                another process took this producer's id
     │   ├── IntegrityError                     a database constraint refused a write
     │   └── OperationalError                   the database could not be reached or used
     │       └── CommitOutcomeUnknownError      it failed while committing: the write may have landed
@@ -125,6 +126,10 @@ class UnknownCheckpointError(LedgerStateError, LookupError):
 
 class StaleEpochError(LedgerError):
     """A consumer wrote with an epoch older than the run's current one (it was fenced)."""
+
+
+class ProducerFencedError(LedgerError):
+    """A producer wrote after another process claimed its producer id (it was fenced)."""
 
 
 class IntegrityError(LedgerError):

@@ -400,6 +400,11 @@ class MooncakeFeatureStore(FeatureStore):
         self._lock = threading.Lock()
         self._live: dict[str, tuple[int, int]] = {}
 
+    @property
+    def open_uri(self) -> str:
+        """``uri`` and ``admin``: what ``dataflow gc`` opens this store by (``scan`` needs it)."""
+        return f"{self.uri}&admin={urllib.parse.quote(self.admin, safe='')}"
+
     @classmethod
     def from_uri(cls, uri: str) -> MooncakeFeatureStore:
         """Open ``mooncake://HOST:PORT?metadata=URL&protocol=tcp&namespace=NS``.

@@ -45,6 +45,7 @@ def _busy_run(ledger: Ledger, store, run_id: str) -> None:
     cons.nack([refs[4]], retryable=False, reason="bad sample")
     cons.lost([refs[5]], reason="store restarted")
     first = cons.checkpoint(1, ckpt(1))
+    producer = Producer(ledger, store, run_id=run_id)  # a closed producer started again
     producer.regenerate(refs[5].sample_id, _features(refs[5].sample_id))
     more = cons.lease(4)
     cons.ack(more, step=2)
@@ -234,7 +235,7 @@ def test_a_version_1_ledger_is_migrated_by_a_writer_and_read_as_is_by_a_reader(t
 
     writer = Ledger.open(f"sqlite:///{path}")  # a writer migrates, in one transaction
     with writer._engine.connect() as conn:
-        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 2
+        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 3
     assert writer.save_snapshot("r", replay(writer, "r"))
     assert list(writer.load_snapshot("r").committed) == ["a", "b"]
     writer.close()
