@@ -347,7 +347,7 @@ def test_follow_tails_live_events_in_order(ledger, emit, make_consumer, run_id):
 
 def test_follow_starts_after_a_seq_and_stops_when_idle(ledger, emit, run_id):
     emit("a", "b", "c")
-    first = [e.seq for e in ledger.events(run_id) if e.kind == Kind.COMMIT][0]
+    first = next(e.seq for e in ledger.events(run_id) if e.kind == Kind.COMMIT)
     assert [e.sample_id for e in ledger.follow(run_id, first, timeout=0)] == ["b", "c"]
     assert list(ledger.follow(run_id, ledger.head_seq(run_id), timeout=0)) == []
 
