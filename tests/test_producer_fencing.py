@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflow import (
+    CommitOutcomeUnknownError,
     Consumer,
     InvalidArgumentError,
     Kind,
@@ -392,3 +393,45 @@ def test_a_sender_naming_another_producer_is_refused_naming_both(ledger, store) 
 def test_a_bad_sender_producer_id_is_refused(bad) -> None:
     with pytest.raises(InvalidArgumentError, match="producer_id must be a str of 1-256"):
         SenderConfig(endpoints=("tcp://127.0.0.1:1",), producer_id=bad)
+
+
+def test_a_commit_retry_after_an_unknown_outcome_settles_for_the_holder_only(
+    sqlite_url, monkeypatch
+) -> None:
+    """The retry after CommitOutcomeUnknownError is the holder's own (its epoch): it settles
+    as before. Fenced between the two tries, it keeps the features (the first may have
+    landed) and says both."""
+    store = LocalFeatureStore()
+    with Ledger.open(sqlite_url) as ledger, Ledger.open(sqlite_url) as elsewhere:
+        producer = Producer(ledger, store, run_id=RUN, producer_id="p")
+        dialect = ledger._engine.dialect
+        real, fence = type(dialect).do_commit, [False]
+
+        def do_commit(dbapi_connection) -> None:
+            real(dialect, dbapi_connection)  # it lands; the reply is lost
+            if fence[0]:
+                fence[0] = False
+                Producer(elsewhere, store, run_id=RUN, producer_id="p")  # a restart claims
+            raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
+
+        refs = [store.put(s, {"x": torch.ones(1)}) for s in ("a", "b")]
+        calls = {"n": 0}
+
+        def fail_first(dbapi_connection) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                do_commit(dbapi_connection)
+            real(dialect, dbapi_connection)
+
+        monkeypatch.setattr(dialect, "do_commit", fail_first)
+        assert producer.commit(refs) == refs  # the same holder's retry: committed once
+        assert replay(ledger, RUN).committed == {r.sample_id: r for r in refs}
+
+        more = [store.put("c", {"x": torch.ones(1)})]
+        calls["n"], fence[0] = 0, True
+        fenced = r"producer epoch 1, but the id is held by epoch 2"
+        with pytest.raises(CommitOutcomeUnknownError, match=fenced):
+            producer.commit(more)
+        assert store.exists(more[0])  # it landed: its features stay
+        state = replay(ledger, RUN)
+        assert "c" in state.committed and state.verify() == []
