@@ -292,6 +292,12 @@ class WriteTransaction:
 
         Appends the CLAIM event (``payload``: who claims, and its store).
         """
+        if not inspect(self.conn).has_table(producers.name):
+            raise SchemaVersionError(
+                f"this ledger predates producer epochs (no {producers.name} table) and was "
+                "opened with create=False, which changes no schema: open it with "
+                "Ledger.open(url) to migrate it before a Producer writes to it"
+            )
         held = self._producer_epoch(producer_id)
         epoch = (held or 0) + 1
         if held is None:

@@ -31,6 +31,7 @@ from dataflow import (
     LedgerStateError,
     Producer,
     ProducerFencedError,
+    SchemaVersionError,
     replay,
 )
 from dataflow.streams import (
@@ -435,3 +436,17 @@ def test_a_commit_retry_after_an_unknown_outcome_settles_for_the_holder_only(
         assert store.exists(more[0])  # it landed: its features stay
         state = replay(ledger, RUN)
         assert "c" in state.committed and state.verify() == []
+
+
+def test_a_producer_on_a_schema_2_ledger_opened_without_create_is_told_to_migrate(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path}/v2.db"
+    Ledger.open(url).close()
+    with sqlite3.connect(tmp_path / "v2.db") as conn:
+        conn.execute("DROP TABLE dataflow_producers")
+        conn.execute("UPDATE dataflow_schema SET version = 2")
+    with Ledger.open(url, create=False) as reader:
+        with pytest.raises(SchemaVersionError, match=r"predates producer epochs.*Ledger\.open"):
+            Producer(reader, LocalFeatureStore(), run_id=RUN, producer_id="p")
+        assert reader.head_seq(RUN) == 0
