@@ -130,8 +130,6 @@ class Producer:
         if stream is not None:
             stream.bind_producer(self.producer_id)
         self.stream = stream
-        #: This process's hold on ``producer_id`` (see the class docstring).
-        self.epoch = self._claim()
         self._closed = False
         #: Committed refs the stream did not take yet (its window stayed full), oldest first:
         #: sent before the next refs, and while an emit waits at the backpressure gate.
@@ -141,6 +139,14 @@ class Producer:
         self.metrics: MetricsServer | None = serve_run_metrics(
             ledger, run_id, store, metrics_port, metrics_host
         )
+        # Last: a Producer that fails to start claims nothing (a claimed id is waited for).
+        try:
+            #: This process's hold on ``producer_id`` (see the class docstring).
+            self.epoch = self._claim()
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
 
     def _claim(self) -> int:
         """Take ``producer_id`` in the ledger: a new producer epoch, fencing the last one."""

@@ -455,7 +455,7 @@ class RunState:
         seq: int,
         sid: str,
         revision: int | None,
-        _e: int,
+        epoch: int,
         _s: int | None,
         actor: str,
         payload: str,
@@ -464,7 +464,7 @@ class RunState:
             # Refs are stored as compact, key-sorted JSON: the row's own id must be in it.
             self.violations.append(f"seq {seq}: the commit of {sid!r} carries no ref of {sid!r}")
             return
-        if self._stale_producer(seq, f"commit of {sid!r}", actor, _e):
+        if self._stale_producer(seq, f"commit of {sid!r}", actor, epoch):
             pass  # committed all the same: the sample is the run's, and must be trained
         elif actor in self.closed and not revision:  # a regeneration is waited for
             self.violations.append(
@@ -503,15 +503,15 @@ class RunState:
 
     def _on_close(
         self,
-        _seq: int,
+        seq: int,
         _sid: str | None,
         _r: int | None,
-        _e: int,
+        epoch: int,
         _s: int | None,
         actor: str,
         payload: str | None,
     ) -> None:
-        if self._stale_producer(_seq, "close", actor, _e):
+        if self._stale_producer(seq, "close", actor, epoch):
             return  # only the id's holder can end it
         self.closed.add(actor)
         data = load_payload(payload) if isinstance(payload, str) else {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import selectors
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -450,3 +451,14 @@ def test_a_producer_on_a_schema_2_ledger_opened_without_create_is_told_to_migrat
         with pytest.raises(SchemaVersionError, match=r"predates producer epochs.*Ledger\.open"):
             Producer(reader, LocalFeatureStore(), run_id=RUN, producer_id="p")
         assert reader.head_seq(RUN) == 0
+
+
+def test_a_producer_that_fails_to_start_claims_nothing(ledger, store) -> None:
+    """A claimed id is waited for until it closes: a Producer whose start fails (here its
+    metrics port is taken) must not leave one behind."""
+    with socket.create_server(("127.0.0.1", 0)) as taken, pytest.raises(OSError, match="metrics"):
+        Producer(ledger, store, run_id=RUN, producer_id="p", metrics_port=taken.getsockname()[1])
+    assert ledger.head_seq(RUN) == 0
+    with pytest.raises(InvalidArgumentError):
+        Producer(ledger, store, run_id=RUN, producer_id="p", stream=MemoryStream().sender("q"))
+    assert ledger.head_seq(RUN) == 0
