@@ -326,9 +326,11 @@ class WriteTransaction:
             )
 
     def _producer_epoch(self, producer_id: str) -> int | None:
-        return _run_sql(
+        # The driver's cursor, not Result.scalar(): this read is in every commit.
+        row = _run_sql(
             self.conn, "producer_epoch", run_id=self.run_id, producer_id=producer_id
-        ).scalar()
+        ).cursor.fetchone()
+        return None if row is None else row[0]
 
     def set_epoch(self, epoch: int) -> None:
         self.conn.execute(
