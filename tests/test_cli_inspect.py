@@ -325,9 +325,15 @@ def test_status_shows_in_flight_work_per_consumer_and_producer(
     )
     assert report["lag"] == 5 and report["producers_done"] is False
     assert report["producers"] == {
-        "p0": {"committed": 6, "closed": False, "commits_per_s": report["rates"]["commits_per_s"]},
-        "p1": {"committed": 0, "closed": True, "commits_per_s": 0.0},
+        "p0": {
+            "committed": 6,
+            "closed": False,
+            "epoch": 1,  # its producer epoch: the first process to claim "p0"
+            "commits_per_s": report["rates"]["commits_per_s"],
+        },
+        "p1": {"committed": 0, "closed": True, "epoch": 1, "commits_per_s": 0.0},
     }
+    assert report["stores"] == [live_run[2].store.uri]
     assert report["consumers"]["rank0"] == {
         "leased": 2,
         "acked": 1,
