@@ -495,6 +495,13 @@ class FeatureStore(ABC):
         self._closed = False
         self._close_lock = threading.Lock()
 
+    @property
+    def open_uri(self) -> str:
+        """``uri`` with the settings another process needs to collect this store
+        (``dataflow gc``), such as Mooncake's admin address; a producer records it
+        with the run. By default ``uri`` itself."""
+        return self.uri
+
     # -- public, guarded ---------------------------------------------------
     def put(
         self,
@@ -869,6 +876,14 @@ class RefSender(ABC):
         Called by the Producer for every ref before the ledger commit, so a
         ref the stream cannot carry is refused while nothing is committed yet
         (an ``emit`` that raises committed nothing). The default does no check.
+        """
+
+    def bind_producer(self, producer_id: str) -> None:  # noqa: B027 - optional
+        """Speak for ``producer_id``: called by ``Producer(..., stream=sender)`` with its id.
+
+        A sender that names its producer takes the Producer's id where none was
+        given, and raises InvalidArgumentError (naming both) where another was:
+        one producer id, not two that can disagree. The default does nothing.
         """
 
     @abstractmethod

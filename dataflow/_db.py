@@ -153,6 +153,9 @@ def _migrate(conn: Connection, version: int) -> None:
     """
     steps = {
         1: lambda: None,  # 1 -> 2: create_all made the snapshots table; events are unchanged
+        # 2 -> 3: create_all made the producers table, empty: a producer of an older
+        # ledger never claimed its id (its rows carry epoch 0); its next start claims 1.
+        2: lambda: None,
     }
     while version < SCHEMA_VERSION:
         steps[version]()

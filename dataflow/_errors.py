@@ -22,6 +22,7 @@ keeps working around a store lookup::
     │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
     │   ├── ReadOnlyLedgerError                a write through a ledger opened read_only=True,
     │   │                                      or one on a read-only file system opened to write
+    │   ├── ProducerFencedError                another process took this producer's id
     │   ├── IntegrityError                     a database constraint refused a write
     │   └── OperationalError                   the database could not be reached or used
     │       ├── CommitOutcomeUnknownError      it failed while committing: the write may have landed
@@ -138,6 +139,10 @@ class ReadOnlyLedgerError(LedgerError):
     Nothing was written; open the ledger without ``read_only`` to write. A
     SQLite ledger on a read-only file system can only be opened read-only.
     """
+
+
+class ProducerFencedError(LedgerError):
+    """A producer wrote after another process claimed its producer id (it was fenced)."""
 
 
 class IntegrityError(LedgerError):

@@ -25,12 +25,17 @@ class Kind:
     #: A leased sample's features were found missing or corrupt (payload: revision, reason):
     #: not a training failure; the sample must be regenerated.
     LOST = "lost"
+    #: A producer process took its producer id (epoch: the producer's epoch; payload:
+    #: host, pid, store): its predecessor with that id is fenced, and a closed producer
+    #: is open again. Commits and closes carry the producer's epoch in their epoch.
+    CLAIM = "claim"
 
     ALL = frozenset(
         {COMMIT, CLOSE, RESUME, LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH}
-        | {CHECKPOINT_REMOVED, LOST}
+        | {CHECKPOINT_REMOVED, LOST, CLAIM}
     )
-    #: Kinds written by consumers, and so fenced by their epoch.
+    #: Kinds written by consumers, and so fenced by their (the run's consumer) epoch.
+    #: COMMIT and CLOSE are fenced by their producer's epoch instead (see CLAIM).
     FENCED = frozenset(
         {LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH, CHECKPOINT_REMOVED, LOST}
     )

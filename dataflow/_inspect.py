@@ -528,6 +528,7 @@ def summary(state: RunState) -> dict[str, Any]:
         "regenerate": len(state.regenerate),
         "checkpoints": checkpoint_rows(state),
         "producers_done": state.producers_done,
+        "stores": list(state.store_uris),
     }
 
 
@@ -774,6 +775,7 @@ def status(fold: RunFold, now: float) -> dict[str, Any]:
         "released": len(state.released),
         "lag": committed - len(state.trained) - len(state.dead),
         "producers_done": state.producers_done,
+        "stores": list(state.store_uris),
         "window_s": window,
         "rates": {
             "commits_per_s": per_s(Kind.COMMIT),
@@ -787,6 +789,7 @@ def status(fold: RunFold, now: float) -> dict[str, Any]:
                     n for (k, a, _e), n in fold.counts.items() if k == Kind.COMMIT and a == pid
                 ),
                 "closed": pid in state.closed,
+                "epoch": state.producer_epochs.get(pid, 0),
                 "commits_per_s": per_s(Kind.COMMIT, pid),
             }
             for pid in sorted(state.producers | state.closed)

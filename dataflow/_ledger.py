@@ -45,12 +45,13 @@ from dataflow._errors import (
     InvalidIdError,
     LedgerError,
     NotALedgerError,
+    ProducerFencedError,
     ReadOnlyLedgerError,
     SchemaVersionError,
     StaleEpochError,
 )
 from dataflow._events import Event, Kind, load_payload
-from dataflow._schema import SCHEMA_VERSION, events, schema_info, snapshots
+from dataflow._schema import SCHEMA_VERSION, events, producers, schema_info, snapshots
 
 if TYPE_CHECKING:
     from dataflow._projection import RunState
@@ -144,6 +145,13 @@ def _seq_above(last_inserted: str) -> Callable[[], Any]:
     )
 
 
+def _producer_epoch() -> Any:
+    return select(producers.c.epoch).where(
+        producers.c.run_id == bindparam("run_id"),
+        producers.c.producer_id == bindparam("producer_id"),
+    )
+
+
 _STATEMENTS = {
     "rows_after": _rows_after,
     "page_after": _page_after,
@@ -156,6 +164,7 @@ _STATEMENTS = {
         .order_by(events.c.seq)
         .limit(bindparam("limit"))
     ),
+    "producer_epoch": _producer_epoch,
 }
 # Each run id of the events once, one index probe per run (a skip scan; SQLite and
 # PostgreSQL both read DISTINCT as a scan of every event).
@@ -336,6 +345,51 @@ class WriteTransaction:
                 "(or call resume() to join the current epoch)"
             )
 
+    def claim_producer(self, producer_id: str, payload: str | None) -> int:
+        """Take ``producer_id`` for a new producer epoch, fencing its holder; the epoch.
+
+        Appends the CLAIM event (``payload``: who claims, and its store).
+        """
+        if not inspect(self.conn).has_table(producers.name):
+            raise SchemaVersionError(
+                f"this ledger predates producer epochs (no {producers.name} table) and was "
+                "opened with create=False, which changes no schema: open it with "
+                "Ledger.open(url) to migrate it before a Producer writes to it"
+            )
+        held = self._producer_epoch(producer_id)
+        epoch = (held or 0) + 1
+        if held is None:
+            self.conn.execute(
+                insert(producers).values(run_id=self.run_id, producer_id=producer_id, epoch=epoch)
+            )
+        else:
+            self.conn.execute(
+                update(producers)
+                .where(producers.c.run_id == self.run_id, producers.c.producer_id == producer_id)
+                .values(epoch=epoch)
+            )
+        self.append([NewEvent(Kind.CLAIM, producer_id, epoch=epoch, payload=payload)])
+        return epoch
+
+    def check_producer(self, producer_id: str, epoch: int) -> None:
+        """Fencing: refuse a producer write from an epoch that no longer holds its id."""
+        held = self._producer_epoch(producer_id)
+        if held != epoch:
+            now = "no epoch (its claim is gone)" if held is None else f"epoch {held}"
+            raise ProducerFencedError(
+                f"producer {producer_id!r} of run {self.run_id!r} writes with producer epoch "
+                f"{epoch}, but the id is held by {now}: another process took the id "
+                "(a restarted producer claims it). Nothing was written; this process must "
+                "stop producing as that id"
+            )
+
+    def _producer_epoch(self, producer_id: str) -> int | None:
+        # The driver's cursor, not Result.scalar(): this read is in every commit.
+        row = _run_sql(
+            self.conn, "producer_epoch", run_id=self.run_id, producer_id=producer_id
+        ).cursor.fetchone()
+        return None if row is None else row[0]
+
     def set_epoch(self, epoch: int) -> None:
         self.conn.execute(
             update(runs_table).where(runs_table.c.run_id == self.run_id).values(epoch=epoch)
@@ -364,16 +418,18 @@ class WriteTransaction:
             self._insert(rows, skip_held_commits=False)
 
     def append_first_commits(
-        self, actor: str, payloads: Mapping[str, str]
+        self, actor: str, payloads: Mapping[str, str], *, epoch: int = 0
     ) -> dict[str, tuple[int, str]]:
         """Commit revision 0 of each ``sample_id: ref JSON`` that the run does not hold yet.
+
+        ``epoch``: the committing producer's epoch, recorded on each commit.
 
         Returns (newest revision, its ref JSON) of every id the run held, for
         which nothing was appended. One statement when it held none, the
         common case: the commit index itself answers, with no read first.
         """
         run_id, kind, now = self.run_id, Kind.COMMIT, time.time()
-        rows = [(run_id, kind, sid, 0, 0, None, actor, p, now) for sid, p in payloads.items()]
+        rows = [(run_id, kind, sid, 0, epoch, None, actor, p, now) for sid, p in payloads.items()]
         if not rows:
             return {}
         inserted = self._insert(rows, skip_held_commits=True)

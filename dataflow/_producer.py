@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Any
@@ -92,8 +94,17 @@ class Producer:
     """Puts features into a store and commits their refs to the run's ledger.
 
     Give each concurrently running producer its own stable ``producer_id``:
-    a run is finished when every producer that committed has closed (and every
-    one that its consumers name in ``Consumer(producers=...)``, committed or not).
+    a run is finished when every producer that claimed an id has closed (and every
+    one that its consumers name in ``Consumer(producers=...)``, claimed or not).
+
+    A producer id is held by one process at a time: a new Producer claims its id
+    (a CLAIM event, with a new producer ``epoch``, this host and pid, and the
+    store's ``open_uri``), and from then on the ledger refuses the commits and
+    the close of the id's previous holder with ProducerFencedError. Restart a
+    producer with its old id; a presumed-dead predecessor that is still alive
+    can then neither add samples nor end the run early. After ``close()`` a
+    Producer emits nothing more (``regenerate`` still works); a new one (which claims
+    the id again) reopens it.
 
     ``backpressure``: a :class:`Watermarks`; an emit that would take the run's
     un-trained features in the store above a high mark waits until they are
@@ -122,7 +133,10 @@ class Producer:
         self.store = store
         self.run_id = run_id
         self.producer_id = check_id("producer_id", producer_id)
+        if stream is not None:
+            stream.bind_producer(self.producer_id)
         self.stream = stream
+        self._closed = False
         #: Committed refs the stream did not take yet (its window stayed full), oldest first:
         #: sent before the next refs, and while an emit waits at the backpressure gate.
         self._unsent: collections.deque[SampleRef] = collections.deque()
@@ -140,6 +154,36 @@ class Producer:
         self.metrics: MetricsServer | None = serve_run_metrics(
             ledger, run_id, store, metrics_port, metrics_host
         )
+        # Last: a Producer that fails to start claims nothing (a claimed id is waited for).
+        try:
+            #: This process's hold on ``producer_id`` (see the class docstring).
+            self.epoch = self._claim()
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+
+    def _claim(self) -> int:
+        """Take ``producer_id`` in the ledger: a new producer epoch, fencing the last one."""
+        payload = dump_payload(
+            {"host": socket.gethostname(), "pid": os.getpid(), "store": self.store.open_uri}
+        )
+        try:
+            with self.ledger.write(self.run_id, "claim") as tx:
+                return tx.claim_producer(self.producer_id, payload)
+        except CommitOutcomeUnknownError as exc:
+            # Claimed or not, a second claim holds the id: one that landed is fenced by it.
+            log.warning("%s; claiming producer %r once more", exc, self.producer_id)
+        with self.ledger.write(self.run_id, "claim") as tx:
+            return tx.claim_producer(self.producer_id, payload)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LedgerStateError(
+                f"producer {self.producer_id!r} of run {self.run_id!r} is closed: it commits "
+                "nothing more (consumers may have taken the run as finished). To produce "
+                "again, make a new Producer with this id: it claims the id and reopens it"
+            )
 
     def emit(
         self,
@@ -182,6 +226,7 @@ class Producer:
         ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
         """
         check_wait(block, timeout)
+        self._check_open()
         if not isinstance(samples, Iterable) or isinstance(samples, str | bytes | Mapping):
             raise ArgumentTypeError(
                 "emit_many takes an iterable of (sample_id, tensors[, metadata]) items, got "
@@ -255,6 +300,7 @@ class Producer:
         for ref in refs:
             if not isinstance(ref, SampleRef):
                 raise ArgumentTypeError(f"commit takes SampleRefs, got {type(ref).__name__}")
+        self._check_open()
         # A later put of the same id supersedes an earlier one: the newest wins.
         newest = {ref.sample_id: ref for ref in refs}
         try:
@@ -324,14 +370,16 @@ class Producer:
         held_before: dict[str, tuple[int, str]] = {}
         try:
             with self.ledger.write(self.run_id, "commit") as tx:
-                held_before = tx.append_first_commits(self.producer_id, payloads)
+                tx.check_producer(self.producer_id, self.epoch)
+                held_before = tx.append_first_commits(self.producer_id, payloads, epoch=self.epoch)
             return held_before
         except CommitOutcomeUnknownError as exc:  # raised after the body: held_before is set
             log.warning("%s; committing %d refs once more", exc, len(payloads))
             first = exc
         try:
             with self.ledger.write(self.run_id, "commit") as tx:
-                known = tx.append_first_commits(self.producer_id, payloads)
+                tx.check_producer(self.producer_id, self.epoch)
+                known = tx.append_first_commits(self.producer_id, payloads, epoch=self.epoch)
         except Exception as exc:
             raise CommitOutcomeUnknownError(
                 f"{first}; trying again failed too ({exc}): the features of the "
@@ -430,19 +478,10 @@ class Producer:
             self.store.delete(ours)  # theirs is live (or elsewhere): ours was never needed
             return
         with self.ledger.write(self.run_id, "commit") as tx:
+            tx.check_producer(self.producer_id, self.epoch)
             now = tx.commits([ours.sample_id]).get(ours.sample_id)
             if now is not None and now[0] == revision:
-                tx.append(
-                    [
-                        NewEvent(
-                            Kind.COMMIT,
-                            self.producer_id,
-                            ours.sample_id,
-                            payload=ours.to_json(),
-                            revision=revision + 1,
-                        )
-                    ]
-                )
+                tx.append([self._commit_event(ours, revision + 1)])
 
     def _superseded_by(self, ours: SampleRef, theirs: SampleRef) -> bool:
         """Whether our put replaced their committed features in this store (ours are the
@@ -460,7 +499,9 @@ class Producer:
 
         For the ``regenerate`` list of a ReconcilePlan or of ``state``: the
         sample must be trained again, but its features are gone (released by
-        the policy, or reported lost by a consumer).
+        the policy, or reported lost by a consumer). Unlike ``emit``, allowed
+        after ``close()`` (no consumer finishes while a sample waits for its
+        regeneration): the producer is open again until it closes again.
         """
         validate_sample_id(sample_id)
         # Checked before the put too: a put would supersede features that are live.
@@ -473,6 +514,7 @@ class Producer:
         try:
             self._check_sendable([ref])
             with self.ledger.write(self.run_id, "regenerate") as tx:
+                tx.check_producer(self.producer_id, self.epoch)
                 newest = tx.commits([sample_id])
                 if sample_id in newest and newest[sample_id][0] > checked:
                     revision = self._settle_regeneration(ref, newest[sample_id])
@@ -480,22 +522,23 @@ class Producer:
                     revision = self._check_regenerable(
                         newest, tx.released_revision(sample_id), sample_id
                     )
-                tx.append(
-                    [
-                        NewEvent(
-                            Kind.COMMIT,
-                            self.producer_id,
-                            sample_id,
-                            payload=ref.to_json(),
-                            revision=revision + 1,
-                        )
-                    ]
-                )
+                tx.append([self._commit_event(ref, revision + 1)])
         except BaseException:
             self.store.delete(ref)
             raise
+        self._closed = False  # open again until it closes again, as the fold counts it
         self._send([ref])
         return ref
+
+    def _commit_event(self, ref: SampleRef, revision: int) -> NewEvent:
+        return NewEvent(
+            Kind.COMMIT,
+            self.producer_id,
+            ref.sample_id,
+            epoch=self.epoch,
+            payload=ref.to_json(),
+            revision=revision,
+        )
 
     def _settle_regeneration(self, ours: SampleRef, newest: tuple[int, str]) -> int:
         """Another producer regenerated the sample between our check and our commit.
@@ -529,7 +572,14 @@ class Producer:
         return revision
 
     def close(self) -> None:
-        """End this producer's stream, record that it is done and stop serving its metrics."""
+        """End this producer's stream, record that it is done and stop serving its metrics.
+
+        The close counts only while this Producer holds its id: after another process
+        claimed it, ProducerFencedError (the stream and metrics are closed all the same).
+        Closing again does nothing.
+        """
+        if self._closed:
+            return
         try:
             if self.stream is not None:
                 # The stream's end first: its EOF follows every ref sent, so a consumer
@@ -543,7 +593,11 @@ class Producer:
                 # count this producer among those they wait for.
                 payload = dump_payload({"streamed": False}) if self.stream is None else None
                 with self.ledger.write(self.run_id, "close") as tx:
-                    tx.append([NewEvent(Kind.CLOSE, self.producer_id, payload=payload)])
+                    tx.check_producer(self.producer_id, self.epoch)
+                    tx.append(
+                        [NewEvent(Kind.CLOSE, self.producer_id, epoch=self.epoch, payload=payload)]
+                    )
+                self._closed = True
             finally:
                 for blocking in (self._credit, None if self._gate is None else self._gate.blocking):
                     if blocking is not None:

@@ -235,6 +235,12 @@ class RunState:
         self.removed_checkpoints: dict[int, str] = {}
         self.producers: set[str] = set()
         self.closed: set[str] = set()
+        #: producer id -> the producer epoch holding it (its newest CLAIM); an id never
+        #: claimed (written before producer epochs) writes with epoch 0.
+        self.producer_epochs: dict[str, int] = {}
+        #: Every store a producer of the run claimed to write to (``FeatureStore.open_uri``),
+        #: in the order first claimed: what ``dataflow gc`` collects.
+        self.store_uris: dict[str, None] = {}
         #: Producers whose last close says they streamed no refs (``Producer(stream=None)``,
         #: e.g. a Trainer's regeneration): a consumer's stream does not wait for them.
         self.unstreamed: set[str] = set()
@@ -296,7 +302,8 @@ class RunState:
 
     @property
     def producers_done(self) -> bool:
-        """True when at least one producer closed and every producer that committed closed."""
+        """True when at least one producer closed and every producer that claimed or
+        committed closed (a close counts from the id's current holder only)."""
         return bool(self.closed) and self.producers <= self.closed
 
     def ref(self, sample_id: str) -> SampleRef:
@@ -448,7 +455,7 @@ class RunState:
         seq: int,
         sid: str,
         revision: int | None,
-        _e: int,
+        epoch: int,
         _s: int | None,
         actor: str,
         payload: str,
@@ -457,6 +464,13 @@ class RunState:
             # Refs are stored as compact, key-sorted JSON: the row's own id must be in it.
             self.violations.append(f"seq {seq}: the commit of {sid!r} carries no ref of {sid!r}")
             return
+        if self._stale_producer(seq, f"commit of {sid!r}", actor, epoch):
+            pass  # committed all the same: the sample is the run's, and must be trained
+        elif actor in self.closed and not revision:  # a regeneration is waited for
+            self.violations.append(
+                f"seq {seq}: commit of {sid!r} by producer {actor!r} after its close, with no "
+                "claim between: a consumer may have taken the run as finished without it"
+            )
         self.producers.add(actor)
         self.closed.discard(actor)
         revision = revision or 0
@@ -489,14 +503,16 @@ class RunState:
 
     def _on_close(
         self,
-        _seq: int,
+        seq: int,
         _sid: str | None,
         _r: int | None,
-        _e: int,
+        epoch: int,
         _s: int | None,
         actor: str,
         payload: str | None,
     ) -> None:
+        if self._stale_producer(seq, "close", actor, epoch):
+            return  # only the id's holder can end it
         self.closed.add(actor)
         data = load_payload(payload) if isinstance(payload, str) else {}
         if isinstance(data, dict) and data.get("streamed") is False:
@@ -505,6 +521,42 @@ class RunState:
             self.unstreamed.discard(actor)
         if self.order_seed is not None and self.producers_done:
             self._resort()
+
+    def _stale_producer(self, seq: int, what: str, actor: str, epoch: int) -> bool:
+        """Whether a producer's write comes from an epoch that does not hold its id (a
+        violation: the ledger refuses those)."""
+        held = self.producer_epochs.get(actor, 0)
+        if epoch == held:
+            return False
+        self.violations.append(
+            f"seq {seq}: {what} by producer {actor!r} with producer epoch {epoch}, but "
+            f"epoch {held} holds the id (a fenced producer wrote)"
+        )
+        return True
+
+    def _on_claim(
+        self,
+        seq: int,
+        _sid: str | None,
+        _r: int | None,
+        epoch: int,
+        _s: int | None,
+        actor: str,
+        payload: str | None,
+    ) -> None:
+        held = self.producer_epochs.get(actor, 0)
+        if not isinstance(epoch, int) or epoch <= held:
+            self.violations.append(
+                f"seq {seq}: claim of producer {actor!r} with epoch {epoch!r}, not above "
+                f"the epoch {held} holding it"
+            )
+            return
+        self.producer_epochs[actor] = epoch
+        self.producers.add(actor)
+        self.closed.discard(actor)
+        store = load_payload(payload).get("store") if isinstance(payload, str) else None
+        if isinstance(store, str):
+            self.store_uris[store] = None
 
     def _resort(self) -> None:
         """Seeded order: every pending id back at its place in the data epoch's order."""
@@ -1021,6 +1073,7 @@ _HANDLERS = {
     Kind.DATA_EPOCH: RunState._on_data_epoch,
     Kind.CHECKPOINT_REMOVED: RunState._on_checkpoint_removed,
     Kind.LOST: RunState._on_lost,
+    Kind.CLAIM: RunState._on_claim,
 }
 
 

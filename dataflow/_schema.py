@@ -15,8 +15,9 @@ from sqlalchemy import (
     Text,
 )
 
-#: 1: events and runs. 2: snapshots (a v1 ledger is migrated when a writer opens it).
-SCHEMA_VERSION = 2
+#: 1: events and runs. 2: snapshots. 3: producer epochs. An older ledger is migrated
+#: when a writer opens it (``Ledger.open(create=True)``).
+SCHEMA_VERSION = 3
 
 metadata = MetaData()
 
@@ -83,4 +84,15 @@ snapshots = Table(
     Column("digest", String(64), nullable=False),
     Column("body", LargeBinary, nullable=False),
     Column("ts", Float, nullable=False),
+)
+
+#: One row per producer id of a run: the epoch of the process that holds the id now
+#: (its newest CLAIM). Read under the run's lock by every commit and close, which the
+#: database refuses from any other epoch: a producer id is held by one process at a time.
+producers = Table(
+    "dataflow_producers",
+    metadata,
+    Column("run_id", String(256), primary_key=True),
+    Column("producer_id", String(256), primary_key=True),
+    Column("epoch", Integer, nullable=False),
 )

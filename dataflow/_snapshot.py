@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: The layout of a snapshot body and the fold it was taken with. Bump it whenever
 #: RunState's fields or the meaning of an event change: older snapshots are then
 #: skipped (a full replay), never misread.
-FORMAT = 2
+FORMAT = 3
 
 
 _INT64 = range(-(2**63), 2**63)
@@ -137,6 +137,8 @@ def _dump(state: RunState, columns: _Columns | None = None) -> dict[str, Any]:
         "producers": sorted(state.producers),
         "closed": sorted(state.closed),
         "unstreamed": sorted(state.unstreamed),
+        "producer_epochs": state.producer_epochs,
+        "store_uris": list(state.store_uris),
         "plans": [_plan_row(plan, many, sorted_many) for plan in state.plans.values()],
         "violations": state.violations,
         "pending": [[rank, many(queue)] for rank, queue in state._pending.items()],
@@ -231,6 +233,8 @@ def _load(data: dict[str, Any], columns: _Columns, state: RunState) -> RunState:
     state.producers = set(data["producers"])
     state.closed = set(data["closed"])
     state.unstreamed = set(data["unstreamed"])
+    state.producer_epochs = {str(p): int(e) for p, e in data["producer_epochs"].items()}
+    state.store_uris = dict.fromkeys(map(str, data["store_uris"]))
     state.plans = {}
     for row in data["plans"]:
         checkpoint = None if row["checkpoint"] is None else Checkpoint(*row["checkpoint"])

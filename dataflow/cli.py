@@ -365,6 +365,7 @@ _HEADLINE = (
 def _print_report(report: dict[str, Any], plot: str | None) -> None:
     for key in _HEADLINE:
         _say(f"{key:>15}: {report[key]}")
+    _say(f"{'stores':>15}: {_stores_line(report['stores'])}")
     _say(f"{'events':>15}: {report['events']} from {report['first_time']} to {report['last_time']}")
     for c in report["checkpoints"]:
         flags = "".join(
@@ -521,6 +522,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
 
 
+def _stores_line(uris: list[str]) -> str:
+    """The stores the run's producers claimed to write to (repr: they are the ledger's text)."""
+    return ", ".join(map(repr, uris)) if uris else "none recorded (producers before schema 3)"
+
+
 def _print_status(s: dict[str, Any]) -> None:
     done = ", every producer closed" if s["producers_done"] else ""
     _say(
@@ -543,8 +549,9 @@ def _print_status(s: dict[str, Any]) -> None:
         state = "closed" if p["closed"] else "open"
         _say(
             f"  {pid:<20} {p['committed']:>8} committed  {state:<7}"
-            f"{p['commits_per_s']:.2f} commits/s"
+            f"{p['commits_per_s']:.2f} commits/s  epoch {p['epoch']}"
         )
+    _say(f"stores: {_stores_line(s['stores'])}")
     _say(f"consumers of epoch {s['epoch']}:" + ("" if s["consumers"] else " none"))
     for cid, c in s["consumers"].items():
         _say(
@@ -627,21 +634,35 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     ledger = _open(args)
     _check_run(ledger, args.run)
-    store = _open_store(args.store)
-    try:
-        report = collect_garbage(ledger, store, grace=args.grace, dry_run=args.dry_run)
-    finally:
-        store.close()
-    if args.json:
-        print(json.dumps(dataclasses.asdict(report)))
-    else:
-        verb = "would remove" if report.dry_run else "removed"
-        print(
-            f"{verb} {report.removed} stored generations ({report.bytes} bytes) from "
-            f"{args.store}; kept {report.kept} the ledger references and {report.young} "
-            f"younger than {args.grace:g} s"
-        )
+    for uri in [args.store] if args.store is not None else _recorded_stores(ledger, args.run):
+        store = _open_store(uri)
+        try:
+            report = collect_garbage(ledger, store, grace=args.grace, dry_run=args.dry_run)
+        finally:
+            store.close()
+        if args.json:
+            print(json.dumps({"store": uri} | dataclasses.asdict(report)))
+        else:
+            verb = "would remove" if report.dry_run else "removed"
+            _say(
+                f"{verb} {report.removed} stored generations ({report.bytes} bytes) from "
+                f"{uri}; kept {report.kept} the ledger references and {report.young} "
+                f"younger than {args.grace:g} s"
+            )
     return 0
+
+
+def _recorded_stores(ledger: Any, run_id: str) -> list[str]:
+    """Every store the run's producers claimed to write to (``--store`` not given)."""
+    from dataflow._projection import replay
+
+    uris = list(replay(ledger, run_id).store_uris)
+    if not uris:
+        raise _Failure(
+            f"run {run_id!r} records no store (its producers predate producer claims, "
+            "schema 3): name it with --store URI"
+        )
+    return uris
 
 
 def _open_store(uri: str) -> Any:
@@ -853,7 +874,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove stored features that no committed event of the ledger keeps alive",
     )
     ledger_and_run(p)
-    p.add_argument("--store", required=True, help="URI of the run's feature store (dir://...)")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="URI of the store to collect (dir://..., mooncake://...?admin=...); default: "
+        "every store the run's producers recorded when they started",
+    )
     p.add_argument(
         "--grace",
         type=_seconds,

@@ -420,6 +420,11 @@ class MooncakeFeatureStore(FeatureStore):
         # copy the tensors into the registered pool first.
         self._stage_puts = protocol != "tcp"
 
+    @property
+    def open_uri(self) -> str:
+        """``uri`` and ``admin``: what ``dataflow gc`` opens this store by (``scan`` needs it)."""
+        return f"{self.uri}&admin={urllib.parse.quote(self.admin, safe='')}"
+
     @classmethod
     def from_uri(cls, uri: str) -> MooncakeFeatureStore:
         """Open ``mooncake://HOST:PORT?metadata=URL&protocol=tcp&namespace=NS``.

@@ -76,9 +76,9 @@ def test_replay_shows_digests_and_removed_checkpoints(tmp_path: Path) -> None:
 
 def test_replay_upto_folds_a_prefix(run_url: str) -> None:
     report = json.loads(
-        _cli("replay", "--ledger", run_url, "--run", "r1", "--upto", "5", "--json").stdout
+        _cli("replay", "--ledger", run_url, "--run", "r1", "--upto", "6", "--json").stdout
     )
-    assert report["head_seq"] == 5 and report["committed"] == 5 and report["trained"] == 0
+    assert report["head_seq"] == 6 and report["committed"] == 5 and report["trained"] == 0
 
 
 def test_replay_exits_1_on_violations(run_url: str) -> None:
@@ -104,15 +104,15 @@ def test_unknown_run_and_bad_url_are_clear_errors(run_url: str) -> None:
 
 def test_runs_events_and_export(run_url: str, tmp_path: Path) -> None:
     assert _cli("runs", "--ledger", run_url).stdout.split() == ["r1"]
-    lines = _cli("events", "--ledger", run_url, "--run", "r1", "--after", "4").stdout.splitlines()
+    lines = _cli("events", "--ledger", run_url, "--run", "r1", "--after", "5").stdout.splitlines()
     events = [json.loads(line) for line in lines]
-    assert [e["seq"] for e in events] == list(range(5, 5 + len(events)))
+    assert [e["seq"] for e in events] == list(range(6, 6 + len(events)))
     assert events[0]["kind"] == "commit" and events[1]["kind"] == "resume"
     out = tmp_path / "events.parquet"
     assert _cli("export", "--ledger", run_url, "--run", "r1", "--out", str(out)).returncode == 0
     table = pq.read_table(out)
-    assert table.num_rows == len(events) + 4
-    assert table.column("kind").to_pylist()[:5] == ["commit"] * 5
+    assert table.num_rows == len(events) + 5
+    assert table.column("kind").to_pylist()[:6] == ["claim"] + ["commit"] * 5
     samples = pq.read_table(tmp_path / "events.samples.parquet")  # beside it: one row a sample
     assert samples.column("state").to_pylist() == ["trained"] * 3 + ["pending"] * 2
 

@@ -151,8 +151,9 @@ def test_at_step_goes_to_the_lineages_checkpoint_or_its_last_ack(
     # Step 3 of the current lineage is epoch 2's ack, not the abandoned checkpoint at 3.
     at_3 = cli_json(capsys, "replay", "--ledger", crashed, "--run", "r1", "--at-step", "3")
     assert at_3["head_seq"] == ack_seqs[-1] and at_3["epoch"] == 2 and at_3["trained"] == 5
-    upto = cli_json(capsys, "replay", "--ledger", crashed, "--run", "r1", "--upto", "3")
-    assert upto["head_seq"] == 3 and upto["committed"] == 3 and upto["epoch"] == 0
+    third = str(seqs_of(crashed, "commit")[2])
+    upto = cli_json(capsys, "replay", "--ledger", crashed, "--run", "r1", "--upto", third)
+    assert upto["head_seq"] == int(third) and upto["committed"] == 3 and upto["epoch"] == 0
 
 
 def test_at_time_takes_iso_8601_or_unix_seconds(
@@ -324,9 +325,15 @@ def test_status_shows_in_flight_work_per_consumer_and_producer(
     )
     assert report["lag"] == 5 and report["producers_done"] is False
     assert report["producers"] == {
-        "p0": {"committed": 6, "closed": False, "commits_per_s": report["rates"]["commits_per_s"]},
-        "p1": {"committed": 0, "closed": True, "commits_per_s": 0.0},
+        "p0": {
+            "committed": 6,
+            "closed": False,
+            "epoch": 1,  # its producer epoch: the first process to claim "p0"
+            "commits_per_s": report["rates"]["commits_per_s"],
+        },
+        "p1": {"committed": 0, "closed": True, "epoch": 1, "commits_per_s": 0.0},
     }
+    assert report["stores"] == [live_run[2].store.uri]
     assert report["consumers"]["rank0"] == {
         "leased": 2,
         "acked": 1,

@@ -138,7 +138,7 @@ def _streaming(ledger, store, run_id, *sample_ids: str, window: int = 8):
         ledger, store, run_id=run_id, consumer_id="trainer", stream=stream.receiver()
     )
     consumer.resume()
-    producer = Producer(ledger, store, run_id=run_id, stream=stream.sender("p"))
+    producer = Producer(ledger, store, run_id=run_id, producer_id="p", stream=stream.sender("p"))
     for sample_id in sample_ids:
         producer.emit(sample_id, {"x": torch.tensor(1.0)})
     return consumer, producer

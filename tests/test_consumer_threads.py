@@ -38,7 +38,7 @@ FAST = {"heartbeat_interval": 0.05, "heartbeat_timeout": 5.0}
 
 def _memory() -> tuple[RefReceiver, RefSender, Callable[[], None]]:
     stream = MemoryStream(window=2, expected_producers=1)
-    return stream.receiver(), stream.sender("p"), lambda: None
+    return stream.receiver(), stream.sender(), lambda: None
 
 
 def _zmq() -> tuple[RefReceiver, RefSender, Callable[[], None]]:

@@ -145,3 +145,85 @@ def test_gc_bad_input_is_one_line(leftovers, tmp_path: Path, change, code, messa
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert len(list(store.scan())) == len(sizes)  # nothing removed
     assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+
+
+# -- the store found from the run (no --store) ---------------------------------------------
+
+
+def test_gc_without_store_collects_every_store_the_runs_producers_recorded(
+    leftovers, tmp_path: Path
+) -> None:
+    led, store, sizes = leftovers
+    other = SharedDirFeatureStore(tmp_path / "other")  # a restarted producer wrote elsewhere
+    Producer(led, other, run_id=RUN, producer_id="other").emit("o0", {"x": torch.ones(4)})
+    stray = other.put("stray", {"x": torch.ones(64)})  # it died before this commit
+    for sample_id in ("o0", "stray"):
+        _age(other, sample_id, HOUR)
+    report = json.loads(_cli("replay", "--ledger", led.url, "--run", RUN, "--json").stdout)
+    assert report["stores"] == [store.uri, other.uri]
+    status = _cli("status", "--ledger", led.url, "--run", RUN).stdout
+    assert f"stores: {store.uri!r}, {other.uri!r}" in status
+
+    done = _cli("gc", "--ledger", led.url, "--run", RUN, "--grace", "60", "--json")
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["store"], r["removed"]) for r in reports] == [(store.uri, 3), (other.uri, 1)]
+    assert {o.sample_id for o in store.scan()} == {"s2", "s3", "fresh"}
+    assert [o.sample_id for o in other.scan()] == ["o0"] and not other.exists(stray)
+    assert sizes  # the fixture's store held more before
+
+
+def test_gc_store_overrides_the_recorded_stores(leftovers, tmp_path: Path) -> None:
+    led, store, _sizes = leftovers
+    other = SharedDirFeatureStore(tmp_path / "other")
+    Producer(led, other, run_id=RUN, producer_id="other").emit("o0", {"x": torch.ones(4)})
+    _age(other, "o0", HOUR)
+    stray = other.put("stray", {"x": torch.ones(4)})
+    _age(other, "stray", HOUR)
+    done = _cli("gc", "--ledger", led.url, "--run", RUN, "--store", store.uri, "--json")
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["store"] for line in done.stdout.splitlines()] == [store.uri]
+    assert other.exists(stray)  # not named: left alone
+
+
+def test_gc_without_store_on_a_run_that_recorded_none_says_to_name_it(leftovers) -> None:
+    import sqlite3
+
+    led, store, sizes = leftovers
+    with sqlite3.connect(led.url.removeprefix("sqlite:///")) as conn:  # a schema-2 run's log
+        conn.execute("DELETE FROM dataflow_events WHERE kind = 'claim'")
+    result = _cli("gc", "--ledger", led.url, "--run", RUN)
+    assert result.returncode == 1
+    assert "records no store" in result.stderr and "--store" in result.stderr
+    assert len(list(store.scan())) == len(sizes)
+
+
+def test_gc_without_store_finds_a_mooncake_store_and_its_admin_address(
+    mooncake_master, tmp_path: Path
+) -> None:
+    from stores import MooncakeFeatureStore
+
+    led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
+    store = MooncakeFeatureStore(
+        mooncake_master.master_address,
+        metadata=mooncake_master.metadata_url,
+        namespace=f"gc{os.getpid()}",
+        admin=mooncake_master.admin_address,
+        segment_size=64 << 20,
+    )
+    try:
+        producer = Producer(led, store, run_id=RUN)
+        kept = producer.emit_many((f"s{i}", {"x": torch.full((16,), float(i))}) for i in range(3))
+        producer.close()
+        orphan = store.put("orphan", {"x": torch.zeros(16)})  # its producer died before commit
+        recorded = json.loads(_cli("replay", "--ledger", led.url, "--run", RUN, "--json").stdout)
+        assert recorded["stores"] == [mooncake_master.store_uri(namespace=store.namespace)]
+
+        done = _cli("gc", "--ledger", led.url, "--run", RUN, "--grace", "0", "--json")
+        assert done.returncode == 0, done.stderr
+        (report,) = [json.loads(line) for line in done.stdout.splitlines()]
+        assert (report["removed"], report["kept"]) == (1, 3)
+        assert not store.exists(orphan) and all(store.exists(ref) for ref in kept)
+    finally:
+        store.close()
+        led.close()

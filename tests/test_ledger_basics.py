@@ -323,7 +323,7 @@ def test_replay_up_to_a_seq_stops_there(ledger, emit, run_id):
 def test_follow_tails_live_events_in_order(ledger, emit, make_consumer, run_id):
     tail = ledger.follow(run_id, timeout=30)  # the timeout only guards against a hang
     emit("a")
-    seen = [next(tail)]
+    seen = [next(tail), next(tail)]  # the producer's claim, and its commit
     emit("b", "c")
     cons = make_consumer()
     cons.resume()
@@ -333,6 +333,7 @@ def test_follow_tails_live_events_in_order(ledger, emit, make_consumer, run_id):
 
     everything = list(ledger.events(run_id))
     assert [e.kind for e in everything] == [
+        Kind.CLAIM,
         Kind.COMMIT,
         Kind.COMMIT,
         Kind.COMMIT,
@@ -346,14 +347,14 @@ def test_follow_tails_live_events_in_order(ledger, emit, make_consumer, run_id):
 
 def test_follow_starts_after_a_seq_and_stops_when_idle(ledger, emit, run_id):
     emit("a", "b", "c")
-    first = next(iter(ledger.events(run_id))).seq
+    first = next(e.seq for e in ledger.events(run_id) if e.kind == Kind.COMMIT)
     assert [e.sample_id for e in ledger.follow(run_id, first, timeout=0)] == ["b", "c"]
     assert list(ledger.follow(run_id, ledger.head_seq(run_id), timeout=0)) == []
 
 
 def test_events_between_seqs(ledger, emit, run_id):
     emit("a", "b", "c", "d")
-    seqs = [e.seq for e in ledger.events(run_id)]
+    seqs = [e.seq for e in ledger.events(run_id) if e.kind == Kind.COMMIT]
     picked = ledger.events(run_id, after_seq=seqs[0], upto_seq=seqs[2])
     assert [e.sample_id for e in picked] == ["b", "c"]
 
@@ -391,7 +392,14 @@ def test_event_payloads_round_trip(ledger, producer, make_consumer, run_id):
     cons.checkpoint(12, "s3://bucket/ckpt 12")
     producer.close()
 
-    commit, resume, lease, nack, _lease, ack, checkpoint, close = ledger.events(run_id)
+    claim, commit, resume, lease, nack, _lease, ack, checkpoint, close = ledger.events(run_id)
+    assert (claim.kind, claim.actor, claim.epoch, claim.payload["store"]) == (
+        Kind.CLAIM,
+        "producer",
+        1,
+        producer.store.uri,
+    )
+    assert commit.epoch == close.epoch == producer.epoch == 1
     assert leased == ref
     assert ref.metadata == metadata
     assert (commit.kind, commit.sample_id, commit.revision, commit.actor) == (
@@ -438,15 +446,16 @@ def test_an_emit_the_stream_cannot_carry_raises_and_commits_nothing(ledger, stor
     )
     try:
         producer = Producer(ledger, store, run_id=run_id, stream=sender)
+        claimed = ledger.head_seq(run_id)
         huge = {"text": "x" * (2 << 20)}
         for _attempt in range(2):
             with pytest.raises(BadFrameError, match="max_frame_bytes"):
                 producer.emit("big", {"x": torch.ones(1)}, metadata=huge)
-            assert ledger.head_seq(run_id) == 0
+            assert ledger.head_seq(run_id) == claimed
             assert store.stats().objects == 0
         with pytest.raises(BadFrameError, match="max_frame_bytes"):
             producer.emit_many([("ok", {"x": torch.ones(1)}), ("big", {"x": torch.ones(1)}, huge)])
-        assert ledger.head_seq(run_id) == 0 and store.stats().objects == 0
+        assert ledger.head_seq(run_id) == claimed and store.stats().objects == 0
         ref = producer.emit("big", {"x": torch.ones(1)}, metadata={"text": "fits"})
         assert ref is not None and list(ledger.commits(run_id, ["big"])) == ["big"]
         assert receiver.receive(1, timeout=10) == [ref]
@@ -504,9 +513,9 @@ def _released(ledger, store, run_id, sample_id: str) -> None:
 )
 def test_every_write_checks_its_refs_with_the_stream_before_committing(ledger, store, run_id, call):
     _released(ledger, store, run_id, "bad-released")
-    head, objects = ledger.head_seq(run_id), store.stats().objects
     sender = PickySender()
     producer = Producer(ledger, store, run_id=run_id, stream=sender)
+    head, objects = ledger.head_seq(run_id), store.stats().objects
     with pytest.raises(BadFrameError, match=r"'bad-(1|released)' is refused"):
         call(producer, store)
     assert ledger.head_seq(run_id) == head
@@ -530,13 +539,13 @@ def test_a_committed_ref_the_stream_then_refuses_is_returned_and_stays_pending(
 
 
 def test_resuming_a_run_without_events_warns_and_names_the_known_runs(
-    ledger, store, emit, make_consumer
+    ledger, store, make_consumer, run_id
 ):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         # The first run of a new ledger (a trainer started before its producers) is no typo.
         Consumer(ledger, store, run_id="first", consumer_id="c").resume()
-    emit("a")
+    Producer(ledger, store, run_id=run_id).emit("a", {"x": torch.ones(1)})
     with pytest.warns(UserWarning, match=r"run 'rnu' has no events .* known runs: ") as got:
         Consumer(ledger, store, run_id="rnu", consumer_id="c").resume()
     assert got[0].filename == __file__  # it points at the resume() call

@@ -171,6 +171,7 @@ def test_a_duplicate_that_cannot_be_settled_never_fails_the_commit(
     # after the fresh refs are in, so a failure there is logged, not raised.
     Producer(ledger, store, run_id=run_id, producer_id="p1").commit([put(store, "a", 1)])
     ours, fresh = put(store, "a", 2), put(store, "b")  # ours superseded p1's features of a
+    late = Producer(ledger, store, run_id=run_id, producer_id="p2")
     real, calls = ledger.write, []
 
     def write(run: str, what: str):  # the second transaction (the settling) fails
@@ -180,7 +181,6 @@ def test_a_duplicate_that_cannot_be_settled_never_fails_the_commit(
         return real(run, what)
 
     monkeypatch.setattr(ledger, "write", write)
-    late = Producer(ledger, store, run_id=run_id, producer_id="p2")
     with caplog.at_level(logging.WARNING, logger="dataflow"):
         assert late.commit([ours, fresh]) == [None, fresh]
     assert "'a'" in caplog.text and "recording ours failed (the ledger went away)" in caplog.text
@@ -192,10 +192,10 @@ def test_a_commit_that_fails_deletes_every_put_and_commits_nothing(ledger_url, s
         producer = Producer(ledger, store, run_id=run_id)
         committed = put(store, "a")
         producer.commit([committed])
-        head = ledger.head_seq(run_id)
         with LocalFeatureStore() as elsewhere:
             refs = [put(elsewhere, "a"), put(elsewhere, "b")]
             late = Producer(ledger, elsewhere, run_id=run_id, producer_id="late")
+            head = ledger.head_seq(run_id)
             with holder.write(run_id, "holding the run's lock"), pytest.raises(OperationalError):
                 late.commit(refs)  # its wait for the lock runs out
             assert not any(elsewhere.exists(r) for r in refs)

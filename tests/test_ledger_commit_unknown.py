@@ -114,6 +114,7 @@ def test_a_retry_that_fails_keeps_the_features_an_unknown_commit_may_have_commit
         Ledger.open(ledger_url) as holder,
         Ledger.open(ledger_url, busy_timeout=0.05) as ledger,
     ):
+        producer = Producer(ledger, store, run_id=run_id)
         dialect = ledger._engine.dialect
         real, left = type(dialect).do_commit, [2]
 
@@ -126,7 +127,6 @@ def test_a_retry_that_fails_keeps_the_features_an_unknown_commit_may_have_commit
             raise dialect.dbapi.OperationalError("server closed the connection unexpectedly")
 
         monkeypatch.setattr(dialect, "do_commit", do_commit)
-        producer = Producer(ledger, store, run_id=run_id)
         refs = put(store, "a", "b")
         with pytest.raises(CommitOutcomeUnknownError):
             producer.commit(refs)

@@ -274,7 +274,7 @@ def test_a_streamed_retry_goes_back_to_the_rank_that_nacked_it(tmp_path: Path) -
         stream=stream.receiver(1),
     )
     rank1.resume()
-    producer = Producer(ledger, store, run_id=RUN, stream=stream.sender("p"))
+    producer = Producer(ledger, store, run_id=RUN, producer_id="p", stream=stream.sender("p"))
     for i in range(2):
         producer.emit(f"s{i}", {"x": torch.zeros(2)})
     producer.close()

@@ -247,7 +247,7 @@ def test_a_sidecar_counts_what_other_processes_wrote_folding_only_new_events(
         assert value(samples, "dataflow_lag_refs", run=RUN) == 6
         assert metrics._backlog.state.head_seq == led.head_seq(RUN) > seen
     assert ledger_kinds(led) == collections.Counter(
-        {Kind.COMMIT: 10, Kind.CLOSE: 1, Kind.RESUME: 1, Kind.LEASE: 4, Kind.ACK: 4}
+        {Kind.CLAIM: 1, Kind.COMMIT: 10, Kind.CLOSE: 1, Kind.RESUME: 1, Kind.LEASE: 4, Kind.ACK: 4}
     )
 
 

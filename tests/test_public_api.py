@@ -22,6 +22,7 @@ REQUIRED = {
     "FeatureSpec",
     "DataflowError",
     "StaleEpochError",
+    "ProducerFencedError",
     "InvalidSampleIdError",
     "TensorInRefError",
     "NotALedgerError",

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 
 from dataflow import Consumer, Ledger, Producer, _snapshot, replay
-from dataflow._schema import SCHEMA_VERSION, schema_info, snapshots
+from dataflow._schema import SCHEMA_VERSION, events, producers, schema_info, snapshots
 from stores import LocalFeatureStore
 from tests._paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 
@@ -45,6 +45,7 @@ def _busy_run(ledger: Ledger, store, run_id: str) -> None:
     cons.nack([refs[4]], retryable=False, reason="bad sample")
     cons.lost([refs[5]], reason="store restarted")
     first = cons.checkpoint(1, ckpt(1))
+    producer = Producer(ledger, store, run_id=run_id)  # a closed producer started again
     producer.regenerate(refs[5].sample_id, _features(refs[5].sample_id))
     more = cons.lease(4)
     cons.ack(more, step=2)
@@ -234,7 +235,7 @@ def test_a_version_1_ledger_is_migrated_by_a_writer_and_read_as_is_by_a_reader(t
 
     writer = Ledger.open(f"sqlite:///{path}")  # a writer migrates, in one transaction
     with writer._engine.connect() as conn:
-        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 2
+        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 3
     assert writer.save_snapshot("r", replay(writer, "r"))
     assert list(writer.load_snapshot("r").committed) == ["a", "b"]
     writer.close()
@@ -245,13 +246,19 @@ def test_a_postgres_ledger_of_version_1_is_migrated(postgres_url, store):
     Producer(led, store, run_id="r").emit_many((s, _features(s)) for s in "ab")
     with led._engine.begin() as conn:
         snapshots.drop(conn)
+        producers.drop(conn)  # and the claims: a version 1 ledger has neither
+        conn.execute(delete(events).where(events.c.kind == "claim"))
+        conn.execute(update(events).values(epoch=0))  # commits before producer epochs
         conn.execute(update(schema_info).values(version=1))
     led.close()
     led = Ledger.open(postgres_url)
     with led._engine.connect() as conn:
-        assert conn.execute(select(schema_info.c.version)).scalar() == 2
+        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 3
     assert led.save_snapshot("r", replay(led, "r"))
     assert list(replay(led, "r").committed) == ["a", "b"]
+    Producer(led, store, run_id="r").emit("c", _features("c"))  # the producers table is back
+    state = replay(led, "r")
+    assert list(state.committed) == ["a", "b", "c"] and state.verify() == []
     led.close()
 
 

@@ -510,7 +510,7 @@ def test_unwritten_acks_are_written_before_the_loader_waits_for_a_stream(led, st
     stream = MemoryStream(window=2, expected_producers=1)
     consumer = Consumer(led, store, run_id=RUN, consumer_id="trainer", stream=stream.receiver())
     consumer.resume()
-    producer = Producer(led, store, run_id=RUN, stream=stream.sender("p"))
+    producer = Producer(led, store, run_id=RUN, producer_id="p", stream=stream.sender("p"))
 
     def produce() -> None:
         for i in range(8):

@@ -107,7 +107,7 @@ def test_lost_and_corrupt_features_are_regenerated_and_trained_once(damaged, tmp
     assert sorted(e.sample_id for e in events if e.kind == Kind.LOST) == sorted((*GONE, ROTTEN))
     assert not any(e.kind == Kind.NACK for e in events)
     regenerated = [e for e in events if e.kind == Kind.COMMIT and e.revision]
-    assert {e.actor for e in regenerated} == {"trainer-regenerate"}
+    assert {e.actor for e in regenerated} == {"trainer-regenerate"}  # rank 0's id
 
 
 def test_without_a_regenerate_fn_lost_samples_wait_for_a_producer(damaged, tmp_path) -> None:

@@ -483,13 +483,16 @@ class Trainer:
         log.info("regenerated %d samples of run %r", len(sample_ids), consumer.run_id)
 
     def _put_back(self, sample_ids: list[str]) -> None:
-        """Commit ``regenerate_fn``'s features for ``sample_ids`` as ``REGENERATE_PRODUCER_ID``."""
+        """Commit ``regenerate_fn``'s features for ``sample_ids`` as ``REGENERATE_PRODUCER_ID``
+        (rank 0) or ``REGENERATE_PRODUCER_ID-rankN``: a producer id is held by one process at
+        a time, and ranks put back what they found lost at once."""
         consumer = self.consumer
+        suffix = f"-rank{consumer.rank}" if consumer.rank else ""
         producer = Producer(
             consumer.ledger,
             consumer.store,
             run_id=consumer.run_id,
-            producer_id=REGENERATE_PRODUCER_ID,
+            producer_id=REGENERATE_PRODUCER_ID + suffix,
         )
         wanted = set(sample_ids)
         # The training's generators come out as they went in: a regenerate_fn that draws

@@ -56,17 +56,25 @@ class MemoryStream:
         self._rr = 0
 
     def sender(self, producer_id: str | None = None) -> MemoryRefSender:
-        """A producer's end; a second sender with the same id is that producer restarted."""
+        """A producer's end; a second sender with the same id is that producer restarted.
+
+        ``producer_id`` None: the Producer given the sender as its stream names it
+        (a random id for a sender used on its own).
+        """
+        named = producer_id is not None
         producer_id = f"producer-{uuid.uuid4().hex[:12]}" if producer_id is None else producer_id
         if not isinstance(producer_id, str) or not 0 < len(producer_id) <= 256:
             raise InvalidArgumentError(
                 f"producer_id must be a str of 1-256 characters: {producer_id!r}"
             )
+        self._open_producer(producer_id)
+        return MemoryRefSender(self, producer_id, named=named)
+
+    def _open_producer(self, producer_id: str) -> None:
         with self._cond:
             self._closed.discard(producer_id)
             for window in self._windows.values():
                 window.closed.discard(producer_id)
-        return MemoryRefSender(self, producer_id)
 
     def receiver(self, rank: int = 0) -> MemoryRefReceiver:
         """Rank ``rank``'s end, with an empty window (a restart forgets the old one's refs)."""
@@ -134,10 +142,23 @@ class MemoryStream:
 class MemoryRefSender(RefSender):
     """A producer's end of a MemoryStream."""
 
-    def __init__(self, stream: MemoryStream, producer_id: str) -> None:
+    def __init__(self, stream: MemoryStream, producer_id: str, *, named: bool = True) -> None:
         self.stream = stream
         self.producer_id = producer_id
+        self._named = named
         self._closed = False
+
+    def bind_producer(self, producer_id: str) -> None:
+        """As ``ZmqRefSender.bind_producer``: take the Producer's id, or refuse another."""
+        if not self._named:
+            self.producer_id, self._named = producer_id, True
+            self.stream._open_producer(producer_id)
+        elif producer_id != self.producer_id:
+            raise InvalidArgumentError(
+                f"the stream's sender speaks for producer {self.producer_id!r}, not the "
+                f"Producer's producer_id {producer_id!r}: make the two equal (or call "
+                "sender() without an id and the sender takes the Producer's)"
+            )
 
     def check(self, ref: SampleRef) -> None:
         """Raise BadFrameError if ``send`` would refuse ``ref`` (as ``ZmqRefSender.check``)."""

@@ -13,7 +13,7 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -58,8 +58,11 @@ class SenderConfig:
 
     endpoints: tuple[str, ...]
     """Every consumer rank's receiver endpoint (``ZmqRefReceiver.endpoint``)."""
-    producer_id: str = field(default_factory=_default_producer_id)
-    """Stable across restarts (use the ledger's producer id): a restart replaces the old session."""
+    producer_id: str | None = None
+    """The producer this sender speaks for, stable across restarts: a restart replaces the old
+    session. None (the default): the ``Producer`` given this sender as its ``stream`` names it
+    (its ``producer_id``), and a sender used on its own takes a random one at its first send.
+    Set, it must be the Producer's: a mismatch raises InvalidArgumentError."""
     send_timeout: float = 30.0
     """``send`` raises BackpressureError when no consumer granted credit for this long."""
     close_timeout: float = 5.0
@@ -89,7 +92,9 @@ class SenderConfig:
         if len(set(endpoints)) != len(endpoints):
             raise InvalidArgumentError(f"endpoints repeat: {endpoints!r}")
         object.__setattr__(self, "endpoints", endpoints)
-        if not isinstance(self.producer_id, str) or not 0 < len(self.producer_id) <= 256:
+        if self.producer_id is not None and (
+            not isinstance(self.producer_id, str) or not 0 < len(self.producer_id) <= 256
+        ):
             raise InvalidArgumentError(
                 f"producer_id must be a str of 1-256 characters: {self.producer_id!r}"
             )
@@ -150,7 +155,9 @@ class ZmqRefSender(RefSender):
         if not isinstance(config, SenderConfig):
             raise ArgumentTypeError(f"config must be a SenderConfig, got {type(config).__name__}")
         self.config = cfg = config
-        self.producer_id = cfg.producer_id
+        #: None until a Producer names it (``bind_producer``) or the first send or close:
+        #: until then this sender says nothing, so no receiver counts a producer by another id.
+        self.producer_id: str | None = cfg.producer_id
         #: This sender's session id: its ZeroMQ routing id on every connection.
         self.session = uuid.uuid4().hex
         self._tick = cfg.heartbeat_interval / 2
@@ -171,7 +178,10 @@ class ZmqRefSender(RefSender):
             self._shutdown(linger=0)
             raise StreamError(f"cannot connect a ref sender: {exc}") from exc
         self._ticker = Ticker(
-            f"dataflow-sender[{self.producer_id}]", self._tick, self._lock, lambda: self._pump(0)
+            f"dataflow-sender[{self.producer_id or self.session[:12]}]",
+            self._tick,
+            self._lock,
+            lambda: self._pump(0),
         )
 
     def _connect(self, endpoint: str) -> _Link:
@@ -198,6 +208,25 @@ class ZmqRefSender(RefSender):
         return link
 
     # -- RefSender -------------------------------------------------------------
+    def bind_producer(self, producer_id: str) -> None:
+        """Speak for ``producer_id`` (the Producer's); a config naming another is refused."""
+        with self._lock:
+            if self.producer_id is None:
+                self.producer_id = producer_id
+            elif self.producer_id != producer_id:
+                raise InvalidArgumentError(
+                    f"the stream's SenderConfig.producer_id {self.producer_id!r} is not the "
+                    f"Producer's producer_id {producer_id!r}: leave SenderConfig.producer_id "
+                    "out (the sender takes the Producer's) or make the two equal"
+                )
+            self._pump(0)  # introduce ourselves now, under the Producer's id
+
+    def _speaker(self) -> str:
+        """The producer id this sender speaks for, a random one if nobody named it."""
+        if self.producer_id is None:
+            self.producer_id = _default_producer_id()
+        return self.producer_id
+
     def check(self, ref: SampleRef) -> None:
         """Raise BadFrameError if ``send`` would refuse ``ref``; sends nothing.
 
@@ -214,6 +243,7 @@ class ZmqRefSender(RefSender):
         waited = False
         with self._lock:
             self._check_open()
+            self._speaker()
             while True:
                 now = time.monotonic()
                 if now >= self._next_beat:
@@ -256,6 +286,7 @@ class ZmqRefSender(RefSender):
         with self._lock:
             if self._closing:
                 return
+            self._speaker()
             self._closing = True
             self._send_eofs()
         deadline = time.monotonic() + self.config.close_timeout
@@ -324,6 +355,8 @@ class ZmqRefSender(RefSender):
     def _pump(self, wait: float) -> None:
         """Handle consumers' frames (waiting up to ``wait`` s), then the timed duties."""
         if self._closed:
+            return
+        if self.producer_id is None:  # nobody named it yet: say nothing (see producer_id)
             return
         for sock, _ in self._poller.poll(math.ceil(wait * 1000) if wait > 0 else 0):
             link = self._by_sock[sock]

@@ -45,6 +45,8 @@ from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef
 from dataflow._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
+    LedgerStateError,
+    ProducerFencedError,
     StaleEpochError,
     UnknownCheckpointError,
 )
@@ -83,7 +85,10 @@ class LedgerMachine(RuleBasedStateMachine):
                 f"make_store() returned {self.store!r} ({type(self.store).__name__}), not a "
                 "dataflow FeatureStore: make it return a new store (a FeatureStore subclass)"
             )
-        self.producer = Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
+        self.producer = self._start_producer()
+        #: Producers of "p0" a later start fenced (presumed dead, but alive).
+        self.fenced_producers: list[Producer] = []
+        self.producer_closed = False  # the model: whether p0's current holder closed
         self.consumers: list[Consumer] = []
         self.zombies: list[Consumer] = []
         self.generation = 0
@@ -137,16 +142,29 @@ class LedgerMachine(RuleBasedStateMachine):
         return consumers
 
     # -- producers ---------------------------------------------------------------
+    def _start_producer(self) -> Producer:
+        """A new process of producer "p0": it claims the id, fencing the one before."""
+        self.producer_closed = False
+        return Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
+
+    def _open_producer(self) -> Producer:
+        """The holder of "p0", started again if it closed (a closed producer commits nothing)."""
+        if self.producer_closed:
+            self.fenced_producers.append(self.producer)
+            self.producer = self._start_producer()
+        return self.producer
+
     @rule(
         indices=st.lists(st.integers(0, _ID_POOL - 1), min_size=1, max_size=4),
         seed=st.integers(0, 1000),
     )
     def emit(self, indices: list[int], seed: int) -> None:
         sample_ids = [f"s{index:02d}/x" for index in indices]
+        producer = self._open_producer()
         if len(sample_ids) == 1:
-            refs = [self.producer.emit(sample_ids[0], _features(seed))]
+            refs = [producer.emit(sample_ids[0], _features(seed))]
         else:
-            refs = self.producer.emit_many((sid, _features(seed)) for sid in sample_ids)
+            refs = producer.emit_many((sid, _features(seed)) for sid in sample_ids)
         # An id given twice in one call is committed as its last item, as commit does.
         last = {sample_id: i for i, sample_id in enumerate(sample_ids)}
         for i, (sample_id, ref) in enumerate(zip(sample_ids, refs, strict=True)):
@@ -166,18 +184,44 @@ class LedgerMachine(RuleBasedStateMachine):
         sample_id = f"s{index:02d}/x"
         if sample_id not in self.emitted:
             self.store.put(sample_id, _features(seed))
-        self.producer = Producer(self.ledger, self.store, run_id=self.run_id, producer_id="p0")
+        self.fenced_producers.append(self.producer)
+        self.producer = self._start_producer()
 
     @rule()
     def close_producer(self) -> None:
-        self.producer.close()
-        self.writes_since_resume += 1
+        if not self.producer_closed:
+            self.producer.close()
+            self.producer_closed = True
+            self.writes_since_resume += 1
+
+    @rule(index=st.integers(0, _ID_POOL - 1), seed=st.integers(0, 1000), close=st.booleans())
+    def fenced_producer_writes(self, index: int, seed: int, close: bool) -> None:
+        """A producer presumed dead writes after its restart claimed the id: refused."""
+        if not self.fenced_producers:
+            return
+        zombie = self.fenced_producers[-1]
+        head, objects = self.ledger.head_seq(self.run_id), self.store.stats().objects
+        try:
+            if close:
+                zombie.close()
+            else:
+                # None, writing nothing: an id the ledger holds is answered from it.
+                assert zombie.emit(f"s{index:02d}/x", _features(seed)) is None
+        except ProducerFencedError:
+            pass
+        except LedgerStateError:  # it had closed before it was fenced: commits nothing
+            assert zombie._closed and not close
+        else:
+            assert not close or zombie._closed, "a fenced producer's close was accepted"
+        assert self.ledger.head_seq(self.run_id) == head, "a fenced producer changed the ledger"
+        if not close:
+            assert self.store.stats().objects <= objects, "a fenced emit left its features"
 
     @rule(seed=st.integers(0, 1000))
     def regenerate(self, seed: int) -> None:
         missing = list(replay(self.ledger, self.run_id).regenerate)
         if missing:
-            ref = self.producer.regenerate(missing[0], _features(seed))
+            ref = self._open_producer().regenerate(missing[0], _features(seed))
             self.emitted[missing[0]] = ref
             self.payload_seeds[(missing[0], ref.generation)] = seed
             self.writes_since_resume += 1
@@ -412,6 +456,7 @@ class LedgerMachine(RuleBasedStateMachine):
             consumer._catch_up()
             assert consumer.state.snapshot() == state.snapshot(), "live state != replay"
         assert set(state.committed) == set(self.emitted), "a committed sample was lost"
+        assert state.producers_done == self.producer_closed, "producers_done differs from model"
         assert set(state.dead) == self.dead
         # A lost sample trained in this data epoch of the lineage (a resume to a checkpoint
         # from before the loss) needs its features again only in the next data epoch.
