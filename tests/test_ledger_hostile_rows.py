@@ -225,13 +225,13 @@ def test_status_counts_the_runs_events_beside_the_ledgers_global_seq(
         mine.emit(f"s{i}", _features("x"))
         other.emit(f"s{i}", _features("x"))
     head = ledger.head_seq(RUN)
-    assert head == 5
+    assert head == 7  # each producer's claim, then the commits
     assert main(["status", "--ledger", ledger.url, "--run", RUN]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith(f"run {RUN!r}: 3 events (newest at seq {head} of the ledger"), first
+    assert first.startswith(f"run {RUN!r}: 4 events (newest at seq {head} of the ledger"), first
     assert main(["status", "--ledger", ledger.url, "--run", RUN, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["events"], report["head_seq"]) == (3, head)
+    assert (report["events"], report["head_seq"]) == (4, head)
 
 
 def test_a_snapshot_nested_100000_levels_is_skipped_not_a_recursion_error(

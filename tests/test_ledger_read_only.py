@@ -80,14 +80,14 @@ def test_the_reading_commands_read_a_ledger_on_a_read_only_mount(read_only_ledge
     assert SAYS_SO in verify.stderr
 
     status = dataflow(read_only_ledger, "status", "--run", "r1")
-    assert ok(status).startswith("run 'r1': 41 events") and "12 committed" in ok(status)
+    assert ok(status).startswith("run 'r1': 43 events") and "12 committed" in ok(status)
 
     events = [json.loads(line) for line in ok(dataflow(read_only_ledger, "events", "--run", "r1"))
               .splitlines()]  # fmt: skip
     assert sum(e["kind"] == "commit" for e in events) == 12
 
     out = Path(read_only_ledger.removeprefix("sqlite:///")).parent.parent / "r1.parquet"
-    assert "wrote 41 events of run 'r1'" in ok(
+    assert "wrote 43 events of run 'r1'" in ok(
         dataflow(read_only_ledger, "export", "--run", "r1", str(out))
     )
 
@@ -120,7 +120,7 @@ def test_read_only_on_a_writable_ledger_sees_live_writes_and_writes_nothing(
         assert not reader.immutable  # the live ledger, WAL and all: no frozen snapshot
         producer = Producer(writer, LocalFeatureStore(), run_id="r")
         producer.emit("a", {"x": torch.zeros(2)})
-        assert [e.sample_id for e in reader.events("r")] == ["a"]
+        assert [e.sample_id for e in reader.events("r") if e.kind == "commit"] == ["a"]
         with pytest.raises(ReadOnlyLedgerError), reader.write("r", "commit"):
             pass
     with pytest.raises(NotALedgerError, match="no ledger"):
@@ -143,4 +143,6 @@ def test_a_snapshot_taken_with_its_wal_on_a_read_only_mount_is_read_with_it(
             assert "5 committed" in ok(status) and SAYS_SO not in status.stderr
             with Ledger.open(f"sqlite:///{mount}/ledger.db", read_only=True) as reader:
                 assert not reader.immutable
-                assert [e.sample_id for e in reader.events("r")] == [f"s{i}" for i in range(5)]
+                assert [e.sample_id for e in reader.events("r") if e.kind == "commit"] == [
+                    f"s{i}" for i in range(5)
+                ]

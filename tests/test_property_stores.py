@@ -33,6 +33,7 @@ def test_state_machine_with_mooncake_store(sqlite_url, mooncake_master) -> None:
         return MooncakeFeatureStore(
             mooncake_master.master_address,
             metadata=mooncake_master.metadata_url,
+            admin=mooncake_master.admin_address,  # stats() and scan() list the master's keys
             namespace=f"prop-{uuid.uuid4().hex[:12]}",
         )
 

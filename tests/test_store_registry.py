@@ -37,6 +37,7 @@ def test_public_names():
         "StoreStats",
         "StoredObject",
         "known_schemes",
+        "lend_memory",
         "open_store",
         "register_store",
     }
