@@ -120,6 +120,39 @@ def _cut_the_link(pid: int, progress: Any, cut: list[float]) -> None:
         cut.append(time.monotonic())
 
 
+def _streamed_trainer(
+    led: Ledger,
+    features: str,
+    receiver: ZmqRefReceiver,
+    tmp_path: Path,
+    prefetch: int,
+    trained: list[str],
+) -> Trainer:
+    """A one-rank Trainer on ``receiver``'s stream, noting each sample it trains."""
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step_fn(batch: Batch) -> None:
+        model(batch.features["x"]).sum().backward()
+        trained.extend(batch.sample_ids)
+
+    def optimizer_fn(step: int) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return Trainer(
+        Consumer(
+            led, SharedDirFeatureStore(features), run_id=RUN, consumer_id="rank0", stream=receiver
+        ),
+        step_fn=step_fn,
+        optimizer_fn=optimizer_fn,
+        checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+        state_fn=lambda: {"model": model.state_dict()},
+        config=TrainerConfig(grad_accum=2),
+        loader_config=LoaderConfig(batch_size=4, prefetch=prefetch),
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_trainer_rides_out_a_link_cut_longer_than_the_heartbeat_timeout(
@@ -135,33 +168,8 @@ def test_a_trainer_rides_out_a_link_cut_longer_than_the_heartbeat_timeout(
         cut: list[float] = []
         cutter = threading.Thread(target=_cut_the_link, args=(child.pid, progress, cut))
         cutter.start()
-        model = torch.nn.Linear(3, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         trained: list[str] = []
-
-        def step_fn(batch: Batch) -> None:
-            model(batch.features["x"]).sum().backward()
-            trained.extend(batch.sample_ids)
-
-        def optimizer_fn(step: int) -> None:
-            optimizer.step()
-            optimizer.zero_grad()
-
-        trainer = Trainer(
-            Consumer(
-                led,
-                SharedDirFeatureStore(features),
-                run_id=RUN,
-                consumer_id="rank0",
-                stream=receiver,
-            ),
-            step_fn=step_fn,
-            optimizer_fn=optimizer_fn,
-            checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
-            state_fn=lambda: {"model": model.state_dict()},
-            config=TrainerConfig(grad_accum=2),
-            loader_config=LoaderConfig(batch_size=4, prefetch=prefetch),
-        )
+        trainer = _streamed_trainer(led, features, receiver, tmp_path, prefetch, trained)
         with caplog.at_level(logging.WARNING, logger="training"):
             trainer.run()
         cutter.join(60)
@@ -262,28 +270,8 @@ def test_a_trainer_rides_out_a_stream_link_cut_silently_between_two_hosts(
         cutter = threading.Thread(target=cut_the_link)
         try:
             cutter.start()
-            model = torch.nn.Linear(3, 1)
             trained: list[str] = []
-
-            def step_fn(batch: Batch) -> None:
-                model(batch.features["x"]).sum().backward()
-                trained.extend(batch.sample_ids)
-
-            trainer = Trainer(
-                Consumer(
-                    led,
-                    SharedDirFeatureStore(features),
-                    run_id=RUN,
-                    consumer_id="rank0",
-                    stream=receiver,
-                ),
-                step_fn=step_fn,
-                optimizer_fn=lambda step: model.zero_grad(),
-                checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
-                state_fn=lambda: {"model": model.state_dict()},
-                config=TrainerConfig(grad_accum=2),
-                loader_config=LoaderConfig(batch_size=4, prefetch=2),
-            )
+            trainer = _streamed_trainer(led, features, receiver, tmp_path, 2, trained)
             with caplog.at_level(logging.WARNING, logger="training"):
                 trainer.run()
             cutter.join(60)
