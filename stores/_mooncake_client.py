@@ -621,9 +621,19 @@ class _Client:
     def close(self, drain_timeout: float) -> list[str]:
         left = self.removals.drain("", drain_timeout)
         self.removals.stop()
-        self.pool.close()
-        self.raw.close()
+        if self.settings.segment_size:
+            # What this client lent goes with it: the caller must see it gone.
+            self._teardown()
+        else:
+            # Mooncake's own teardown of a client takes about a second (its threads wind
+            # down), and a client that lends nothing holds nothing anyone waits for. A
+            # thread that is no daemon finishes it; the interpreter waits for it at exit.
+            threading.Thread(target=self._teardown, name="mooncake-teardown").start()
         return left
+
+    def _teardown(self) -> None:
+        self.pool.close()  # the registered buffers, while the client still knows them
+        self.raw.close()
 
 
 _clients: dict[tuple[str, ...], _Client] = {}

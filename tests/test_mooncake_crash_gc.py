@@ -153,7 +153,12 @@ _CLOSER = """
         store.delete(ref)  # under the read lease: queued
     started = time.monotonic()
     store.close()
-    print(time.monotonic() - started, raw.took, flush=True)
+    took = time.monotonic() - started
+    import threading
+    for thread in threading.enumerate():  # what the interpreter waits for at exit
+        if thread.name == "mooncake-teardown":
+            thread.join()
+    print(took, raw.took, flush=True)
 """
 
 
@@ -174,10 +179,10 @@ def test_close_returns_within_a_second_and_gc_frees_what_a_lease_held(mooncake_i
             out, _ = closer.communicate(timeout=60)
             assert closer.returncode == 0
             took, teardown = (float(word) for word in out.split())
-            # Ours is the part before Mooncake's own client teardown (about 1 s of its
-            # own, with nothing left to wait for); the old close waited out the lease.
-            assert took - teardown < 1.0, f"close() took {took:.2f}s, {teardown:.2f}s teardown"
-            assert took < 3.0, f"close() took {took:.2f}s, {teardown:.2f}s teardown"
+            # The old close waited out the lease; Mooncake's own teardown of a client that
+            # lends nothing (about 1 s) runs on after close() returns.
+            assert took < 1.0, f"close() took {took:.2f}s"
+            assert teardown > 0, "the client was torn down before the process ended"
             assert _unreferenced(master.admin_address, namespace, set())  # left to gc
 
             deadline = time.monotonic() + 10  # the lease, 3 s, ends meanwhile

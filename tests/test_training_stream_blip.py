@@ -120,6 +120,39 @@ def _cut_the_link(pid: int, progress: Any, cut: list[float]) -> None:
         cut.append(time.monotonic())
 
 
+def _streamed_trainer(
+    led: Ledger,
+    features: str,
+    receiver: ZmqRefReceiver,
+    tmp_path: Path,
+    prefetch: int,
+    trained: list[str],
+) -> Trainer:
+    """A one-rank Trainer on ``receiver``'s stream, noting each sample it trains."""
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step_fn(batch: Batch) -> None:
+        model(batch.features["x"]).sum().backward()
+        trained.extend(batch.sample_ids)
+
+    def optimizer_fn(step: int) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return Trainer(
+        Consumer(
+            led, SharedDirFeatureStore(features), run_id=RUN, consumer_id="rank0", stream=receiver
+        ),
+        step_fn=step_fn,
+        optimizer_fn=optimizer_fn,
+        checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+        state_fn=lambda: {"model": model.state_dict()},
+        config=TrainerConfig(grad_accum=2),
+        loader_config=LoaderConfig(batch_size=4, prefetch=prefetch),
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_trainer_rides_out_a_link_cut_longer_than_the_heartbeat_timeout(
@@ -135,33 +168,8 @@ def test_a_trainer_rides_out_a_link_cut_longer_than_the_heartbeat_timeout(
         cut: list[float] = []
         cutter = threading.Thread(target=_cut_the_link, args=(child.pid, progress, cut))
         cutter.start()
-        model = torch.nn.Linear(3, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         trained: list[str] = []
-
-        def step_fn(batch: Batch) -> None:
-            model(batch.features["x"]).sum().backward()
-            trained.extend(batch.sample_ids)
-
-        def optimizer_fn(step: int) -> None:
-            optimizer.step()
-            optimizer.zero_grad()
-
-        trainer = Trainer(
-            Consumer(
-                led,
-                SharedDirFeatureStore(features),
-                run_id=RUN,
-                consumer_id="rank0",
-                stream=receiver,
-            ),
-            step_fn=step_fn,
-            optimizer_fn=optimizer_fn,
-            checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
-            state_fn=lambda: {"model": model.state_dict()},
-            config=TrainerConfig(grad_accum=2),
-            loader_config=LoaderConfig(batch_size=4, prefetch=prefetch),
-        )
+        trainer = _streamed_trainer(led, features, receiver, tmp_path, prefetch, trained)
         with caplog.at_level(logging.WARNING, logger="training"):
             trainer.run()
         cutter.join(60)
@@ -185,3 +193,100 @@ def test_a_trainer_rides_out_a_link_cut_longer_than_the_heartbeat_timeout(
         child.join(10)
         receiver.close()
         led.close()
+
+
+_PRODUCER_ON_ITS_HOST = """
+import sys, time
+from pathlib import Path
+import torch
+from dataflow import Ledger, Producer
+from dataflow.streams import SenderConfig, ZmqRefSender
+from stores import SharedDirFeatureStore
+
+ledger_url, features, endpoint, progress, samples = sys.argv[1:6]
+config = SenderConfig(endpoints=(endpoint,), heartbeat_interval=0.1, heartbeat_timeout=1.0)
+with Ledger.open(ledger_url) as led:
+    producer = Producer(led, SharedDirFeatureStore(features), run_id="run", producer_id="p0",
+                        stream=ZmqRefSender(config))
+    for i in range(int(samples)):
+        producer.emit(f"s{i:03d}", {"x": torch.full((3,), float(i))})
+        Path(progress).write_text(str(i + 1))
+        time.sleep(0.015)
+    producer.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_rides_out_a_stream_link_cut_silently_between_two_hosts(
+    tmp_path: Path, caplog
+) -> None:
+    # The producer on a host of its own (a network namespace), streaming to the rank's
+    # receiver on the host's address; the link between them is cut silently (frames vanish,
+    # no FIN or RST) for three heartbeat timeouts, then healed.
+    import subprocess
+    import sys
+
+    from tests._netns import veth_namespace, why_unavailable
+    from tests.conftest import unavailable
+
+    reason = why_unavailable()
+    if reason is not None:
+        unavailable(reason)
+    ledger_url = f"sqlite:///{tmp_path}/ledger.db"
+    features = str(tmp_path / "features")
+    progress = tmp_path / "progress"
+    with veth_namespace("df-lod", "10.43.0.0/16") as link, Ledger.open(ledger_url) as led:
+        receiver = ZmqRefReceiver(
+            ReceiverConfig(
+                endpoint=f"tcp://{link.host_address}:0", expected_producers=1, **HEARTBEATS
+            )
+        )
+        child = subprocess.Popen(
+            link.exec(
+                sys.executable,
+                "-c",
+                _PRODUCER_ON_ITS_HOST,
+                ledger_url,
+                features,
+                receiver.endpoint,
+                str(progress),
+                str(SAMPLES),
+            ),
+        )
+        cut: list[float] = []
+
+        def cut_the_link() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if progress.exists() and int(progress.read_text() or 0) >= SAMPLES // 3:
+                    break
+                time.sleep(0.01)
+            link.cut()
+            cut.append(time.monotonic())
+            time.sleep(CUT_S)
+            link.heal()
+            cut.append(time.monotonic())
+
+        cutter = threading.Thread(target=cut_the_link)
+        try:
+            cutter.start()
+            trained: list[str] = []
+            trainer = _streamed_trainer(led, features, receiver, tmp_path, 2, trained)
+            with caplog.at_level(logging.WARNING, logger="training"):
+                trainer.run()
+            cutter.join(60)
+            assert child.wait(60) == 0
+            assert len(cut) == 2 and cut[1] - cut[0] >= CUT_S
+            assert receiver.stats().producers_lost >= 1  # the cut outlasted the heartbeats
+            assert any("is lost" in r.getMessage() for r in caplog.records)
+            assert len(trained) == len(set(trained)) == SAMPLES
+            run = replay(led, RUN)
+            assert set(run.trained) == set(run.committed) == set(trained)
+            assert run.verify() == []
+        finally:
+            if cut and len(cut) == 1:
+                link.heal()
+            cutter.join(10)
+            child.kill()
+            child.wait(10)
+            receiver.close()
