@@ -728,7 +728,7 @@ def cmd_mooncake_keeper(args: argparse.Namespace) -> int:
     from stores import lend_memory
 
     def ready(store: Any) -> None:
-        size = store._settings.segment_size
+        size = store.segment_size
         print(
             f"lending {size / 2**20:,.0f} MiB to {store.uri} (pid {os.getpid()}); "
             "stop with SIGTERM or Ctrl-C",

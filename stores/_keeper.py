@@ -34,7 +34,7 @@ def lend_memory(
     """
     store = MooncakeFeatureStore.from_uri(uri)
     try:
-        if store._settings.segment_size <= 0:
+        if store.segment_size <= 0:
             raise InvalidRefError(
                 f"{uri!r} lends no memory (segment_size=0): give the keeper a "
                 "segment_size, e.g. segment_size=4G"

@@ -421,6 +421,11 @@ class MooncakeFeatureStore(FeatureStore):
         self._stage_puts = protocol != "tcp"
 
     @property
+    def segment_size(self) -> int:
+        """Bytes of memory this process's client lends the cluster (0: none)."""
+        return self._settings.segment_size
+
+    @property
     def open_uri(self) -> str:
         """``uri`` and ``admin``: what ``dataflow gc`` opens this store by (``scan`` needs it)."""
         return f"{self.uri}&admin={urllib.parse.quote(self.admin, safe='')}"
