@@ -132,7 +132,7 @@ def _rank_main(rank: int, cfg: dict[str, Any], go: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from dataflow._dist import join_loopback_gloo
+    from dataflow.live._collectives import join_loopback_gloo
 
     torch.set_num_threads(1)
     join_loopback_gloo(rank, RANKS, cfg["port"], timeout_s=WAIT_S)

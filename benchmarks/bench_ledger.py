@@ -57,10 +57,10 @@ from benchmarks import _report
 from benchmarks._rows import Row, row
 from benchmarks._runner import tiny
 from dataflow import FeatureSpec, Kind, Ledger, Producer, SampleRef, replay
-from dataflow._events import dump_payload
-from dataflow._ledger import NewEvent
-from dataflow._projection import RunState
-from dataflow._schema import events as events_table
+from dataflow.model._events import dump_payload
+from dataflow.model._fold import RunState
+from dataflow.recorder._ledger import NewEvent
+from dataflow.recorder._schema import events as events_table
 from stores import LocalFeatureStore
 
 RUN_ID = "bench"

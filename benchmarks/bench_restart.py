@@ -35,7 +35,7 @@ from benchmarks._rows import Row, row
 from benchmarks.bench_ledger import RUN_ID, build_run
 from benchmarks.bench_stores import filesystem
 from dataflow import Ledger, replay
-from dataflow._durable import fsync_path
+from dataflow.interfaces._durable import fsync_path
 
 _SIZES = (10_000, 100_000, 1_000_000)
 _QUICK = (2_000, 6_000)

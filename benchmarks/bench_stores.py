@@ -49,7 +49,7 @@ import xxhash
 from benchmarks import _report
 from benchmarks._rows import Row, row
 from dataflow import SampleRef, StoreDependencyError
-from dataflow._durable import fsync_path
+from dataflow.interfaces._durable import fsync_path
 from stores import LocalFeatureStore, MooncakeFeatureStore, SharedDirFeatureStore
 from stores.mooncake_master import MooncakeMaster, find_master_binary
 

@@ -1,19 +1,13 @@
 """dataflow: the data and control plane between feature producers and trainers."""
 
-from dataflow._backpressure import Watermarks
-from dataflow._consumer import Consumer
-from dataflow._contracts import (
-    FeatureSpec,
-    FeatureStore,
-    RefReceiver,
-    RefSender,
-    SampleRef,
-    StoredObject,
-    StoreStats,
-    assert_no_tensors,
-    validate_sample_id,
-)
-from dataflow._errors import (
+from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
+from dataflow.interfaces._stream import RefReceiver, RefSender
+from dataflow.live._backpressure import Watermarks
+from dataflow.live._consumer import Consumer
+from dataflow.live._metrics import MetricsServer, RunMetrics, serve_metrics
+from dataflow.live._producer import Producer
+from dataflow.live._replay import replay
+from dataflow.model._errors import (
     ArgumentTypeError,
     BackpressureError,
     BadFrameError,
@@ -50,12 +44,11 @@ from dataflow._errors import (
     UnknownCheckpointError,
     UnknownStoreError,
 )
-from dataflow._events import Event, Kind
-from dataflow._gc import GcReport, collect_garbage
-from dataflow._ledger import Ledger
-from dataflow._metrics import MetricsServer, RunMetrics, serve_metrics
-from dataflow._producer import Producer
-from dataflow._projection import Checkpoint, ReconcilePlan, RunState, replay, seeded_order
+from dataflow.model._events import Event, Kind
+from dataflow.model._fold import Checkpoint, ReconcilePlan, RunState, seeded_order
+from dataflow.model._refs import FeatureSpec, SampleRef, assert_no_tensors, validate_sample_id
+from dataflow.recorder._ledger import Ledger
+from dataflow.tools._gc import GcReport, collect_garbage
 
 __all__ = [
     "ArgumentTypeError",

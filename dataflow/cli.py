@@ -8,7 +8,7 @@ sample, a file that cannot be written, a run that fails verification ...).
 ``replay``, ``status``, ``events``, ``export``, ``gc``) open the ledger without
 creating anything: a mistyped path is reported, never turned into a new, empty
 ledger. Without ``--ledger`` they read ``$DATAFLOW_LEDGER``, else
-``./dataflow.db``. What they compute lives in :mod:`dataflow._inspect`; heavy
+``./dataflow.db``. What they compute lives in :mod:`dataflow.tools._inspect`; heavy
 packages (pyarrow, matplotlib, tqdm) are imported by the commands that use them.
 """
 
@@ -26,15 +26,15 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from dataflow import _inspect
-from dataflow._errors import (
+from dataflow.model._errors import (
     ArgumentTypeError,
     DataflowError,
     InvalidArgumentError,
     NotALedgerError,
 )
-from dataflow._inspect import NotInRunError, Progress
-from dataflow._text import printable
+from dataflow.model._text import printable
+from dataflow.tools import _inspect
+from dataflow.tools._inspect import NotInRunError, Progress
 
 _MAX_SEQ = 2**63 - 1
 #: The environment variable that names the ledger when ``--ledger`` is not given.
@@ -91,7 +91,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _run_id(text: str) -> str:
-    from dataflow._ledger import check_id
+    from dataflow.recorder._ledger import check_id
 
     try:
         return check_id("run id", text)
@@ -100,7 +100,7 @@ def _run_id(text: str) -> str:
 
 
 def _sample_id(text: str) -> str:
-    from dataflow._contracts import validate_sample_id
+    from dataflow.model._refs import validate_sample_id
 
     try:
         return validate_sample_id(text)
@@ -128,7 +128,7 @@ def _checkpoint(text: str) -> int | str:
 
 
 def _ledger_url(text: str) -> str:
-    from dataflow._db import backend_for
+    from dataflow.recorder._db import backend_for
 
     try:
         backend_for(text)
@@ -173,7 +173,7 @@ def _ledger_source(args: argparse.Namespace) -> tuple[str, str]:
         return env, LEDGER_ENV
     from sqlalchemy.engine import make_url
 
-    from dataflow._db import DEFAULT_URL
+    from dataflow.recorder._db import DEFAULT_URL
 
     path = make_url(DEFAULT_URL).database or ""
     if not os.path.exists(path):
@@ -187,7 +187,7 @@ def _ledger_source(args: argparse.Namespace) -> tuple[str, str]:
 def _open(args: argparse.Namespace) -> Any:
     """The ledger the arguments name, read-only: nothing is created or written, a missing
     one is an error, and one on a read-only file system is opened immutable (said on stderr)."""
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
     url, source = _ledger_source(args)
     try:
@@ -243,7 +243,7 @@ def _progress(what: str, total: int) -> Iterator[Progress | None]:
 
 
 def _say(text: str, *, file: Any = None, end: str = "\n", flush: bool = False) -> None:
-    """Print a line of text with every control character escaped (see dataflow._text): what
+    """Print a line of text with every control character escaped (see dataflow.model._text): what
     it holds may come from the ledger (reasons, paths, ids) and so from anyone."""
     print(printable(text), file=file, end=end, flush=flush)
 
@@ -605,7 +605,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dataflow._export import export_parquet, samples_path_for
+    from dataflow.tools._export import export_parquet, samples_path_for
 
     if (args.file is None) == (args.out is None):
         args.parser.error(
@@ -630,7 +630,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from dataflow._gc import collect_garbage
+    from dataflow.tools._gc import collect_garbage
 
     ledger = _open(args)
     _check_run(ledger, args.run)
@@ -654,7 +654,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _recorded_stores(ledger: Any, run_id: str) -> list[str]:
     """Every store the run's producers claimed to write to (``--store`` not given)."""
-    from dataflow._projection import replay
+    from dataflow.live._replay import replay
 
     uris = list(replay(ledger, run_id).store_uris)
     if not uris:

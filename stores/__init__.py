@@ -12,7 +12,7 @@ passes; ``stores.mooncake_master.MooncakeMaster`` runs a master for tests, and
 :func:`lend_memory` (``dataflow mooncake-keeper``) lends a Mooncake cluster memory.
 """
 
-from dataflow._contracts import FeatureStore, StoredObject, StoreStats
+from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
 from stores._keeper import lend_memory
 from stores._local import LocalFeatureStore
 from stores._mooncake import MooncakeFeatureStore

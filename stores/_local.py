@@ -12,14 +12,15 @@ from typing import Any
 
 import torch
 
-from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef, StoredObject, StoreStats
-from dataflow._errors import (
+from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
+from dataflow.model._errors import (
     CorruptFeatureError,
     InvalidRefError,
     StaleRefError,
     StoreError,
     StoreFullError,
 )
+from dataflow.model._refs import FeatureSpec, SampleRef
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 

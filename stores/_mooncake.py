@@ -45,14 +45,8 @@ import numpy as np
 import torch
 import xxhash
 
-from dataflow._contracts import (
-    FeatureSpec,
-    FeatureStore,
-    SampleRef,
-    StoredObject,
-    validate_sample_id,
-)
-from dataflow._errors import (
+from dataflow.interfaces._store import FeatureStore, StoredObject
+from dataflow.model._errors import (
     CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
@@ -60,6 +54,7 @@ from dataflow._errors import (
     StoreError,
     StoreUnavailableError,
 )
+from dataflow.model._refs import FeatureSpec, SampleRef, validate_sample_id
 from stores import _tensors
 from stores._mooncake_client import (
     _BUSY,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from dataflow._errors import (
+from dataflow.model._errors import (
     InvalidRefError,
     StaleRefError,
     StoreDependencyError,

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from dataflow._contracts import FeatureStore
-from dataflow._errors import (
+from dataflow.interfaces._store import FeatureStore
+from dataflow.model._errors import (
     InvalidRefError,
     StoreDependencyError,
     StoreError,

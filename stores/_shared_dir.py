@@ -48,16 +48,9 @@ from typing import Any
 import torch
 import xxhash
 
-from dataflow._contracts import (
-    FeatureSpec,
-    FeatureStore,
-    SampleRef,
-    StoredObject,
-    StoreStats,
-    validate_sample_id,
-)
-from dataflow._durable import fsync_path
-from dataflow._errors import (
+from dataflow.interfaces._durable import fsync_path
+from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
+from dataflow.model._errors import (
     CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
@@ -65,6 +58,7 @@ from dataflow._errors import (
     StoreError,
     StoreFullError,
 )
+from dataflow.model._refs import FeatureSpec, SampleRef, validate_sample_id
 from stores import _tensors
 from stores._pool import ChunkPool
 

@@ -33,15 +33,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow._contracts import (
-    FeatureSpec,
-    FeatureStore,
-    SampleRef,
-    StoredObject,
-    StoreStats,
-    dtype_name,
-)
-from dataflow._errors import (
+from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
+from dataflow.model._errors import (
     CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
@@ -50,6 +43,7 @@ from dataflow._errors import (
     StoreError,
     TensorInRefError,
 )
+from dataflow.model._refs import FeatureSpec, SampleRef, dtype_name
 from stores import _tensors
 from stores._registry import open_store
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dataflow import Consumer, Ledger
-from dataflow._dist import join_loopback_gloo
+from dataflow.live._collectives import join_loopback_gloo
 from stores import SharedDirFeatureStore
 
 CHILD_TIMEOUT_S = 120

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 def _collectives(backend: str, port: int, out: str) -> None:
     from dataflow import PeerFailedError
-    from dataflow._dist import agree, broadcast_int, flag_device
+    from dataflow.live._collectives import agree, broadcast_int, flag_device
     from training._dist import exchange
 
     torch.cuda.set_device(0)

@@ -33,10 +33,10 @@ from dataflow import (
     RunState,
     StreamError,
     Watermarks,
-    _backpressure,
     replay,
 )
-from dataflow._backpressure import Backlog, Gate, itemsize
+from dataflow.live import _backpressure
+from dataflow.live._backpressure import Backlog, Gate, itemsize
 from dataflow.streams import (
     MemoryStream,
     ReceiverConfig,

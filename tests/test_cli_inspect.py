@@ -25,8 +25,8 @@ import torch
 from _threads import errors_of_threads
 
 from dataflow import Consumer, Ledger, Producer, replay
-from dataflow._inspect import RunFold, status
 from dataflow.cli import main
+from dataflow.tools._inspect import RunFold, status
 from stores import LocalFeatureStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -441,7 +441,7 @@ def test_export_never_replaces_a_file_that_is_no_earlier_export(
 
 
 def test_export_refuses_one_file_for_events_and_samples(crashed: str, tmp_path: Path) -> None:
-    from dataflow._export import export_parquet
+    from dataflow.tools._export import export_parquet
 
     target = tmp_path / "r1.parquet"
     with Ledger.open(crashed, create=False) as led, pytest.raises(FileExistsError, match="same"):
@@ -652,7 +652,7 @@ def test_every_bad_input_is_one_line_with_its_exit_status(
 @pytest.mark.parametrize("checkpoint", [True, 1.0, "1"], ids=["bool", "float", "str"])
 def test_plan_resume_refuses_what_resume_refuses(tmp_path: Path, checkpoint: object) -> None:
     from dataflow import ArgumentTypeError
-    from dataflow._inspect import plan_resume
+    from dataflow.tools._inspect import plan_resume
 
     url = write_crashed_run(tmp_path)
     with Ledger.open(url, create=False) as led:
@@ -665,7 +665,7 @@ def test_plan_resume_refuses_what_resume_refuses(tmp_path: Path, checkpoint: obj
 
 def test_a_sample_the_run_never_names_is_a_dataflow_error(tmp_path: Path) -> None:
     from dataflow import DataflowError
-    from dataflow._inspect import NotInRunError, sample_history
+    from dataflow.tools._inspect import NotInRunError, sample_history
 
     url = write_crashed_run(tmp_path)
     with Ledger.open(url, create=False) as led, pytest.raises(NotInRunError) as got:
@@ -676,7 +676,7 @@ def test_a_sample_the_run_never_names_is_a_dataflow_error(tmp_path: Path) -> Non
 def test_exports_to_one_target_from_threads_at_once_each_write_a_whole_file(
     crashed: str, tmp_path: Path
 ) -> None:
-    from dataflow._export import export_parquet
+    from dataflow.tools._export import export_parquet
 
     out = tmp_path / "r1.parquet"
 

@@ -26,10 +26,10 @@ from dataflow import (
     InvalidIdError,
     Ledger,
     Producer,
-    _consumer,
     replay,
     seeded_order,
 )
+from dataflow.live import _consumer
 from dataflow.streams import MemoryStream
 from stores import LocalFeatureStore, SharedDirFeatureStore
 from training import CheckpointConfig, CheckpointManager, FeatureLoader, LoaderConfig, Trainer

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from _gloo import forkserver_start, init_gloo, join, rank_consumer, run_args
 
 from dataflow import Consumer, Ledger, replay
-from dataflow._dist import flag_device
+from dataflow.live._collectives import flag_device
 from stores import SharedDirFeatureStore
 
 start = forkserver_start("torch.distributed", __name__)

@@ -159,9 +159,9 @@ def test_ranks_that_finish_before_the_kill_is_due_are_reported_not_skipped_silen
     import time
     from types import SimpleNamespace
 
-    from dataflow._projection import RunState
     from dataflow.demo import DemoOptions
     from dataflow.demo._run import Demo, _Child
+    from dataflow.model._fold import RunState
 
     demo = Demo(DemoOptions(workdir=str(tmp_path), quick=True))
     demo.started, demo.kill_at, demo.kill_delay = time.monotonic(), 0, 0.0
@@ -187,9 +187,9 @@ def test_a_child_that_dies_while_the_tick_looks_is_the_tick_s_to_notice_next_rou
     import time
     from types import SimpleNamespace
 
-    from dataflow._projection import RunState
     from dataflow.demo import DemoError, DemoOptions
     from dataflow.demo._run import Demo, _Child
+    from dataflow.model._fold import RunState
 
     demo = Demo(DemoOptions(workdir=str(tmp_path), quick=True, crash=False))
     log = tmp_path / "producer.log"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dataflow._dist import join_loopback_gloo
+from dataflow.live._collectives import join_loopback_gloo
 from eval import EvalError, Evaluator
 
 pytestmark = pytest.mark.slow

@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 RUN = "run"
 BUSY_TIMEOUT = 2.0
-DEAD = max(BUSY_TIMEOUT, 2.0)  # dataflow._postgres.dead_peer_s
+DEAD = max(BUSY_TIMEOUT, 2.0)  # dataflow.recorder._postgres.dead_peer_s
 LOCK_FREED_WITHIN = DEAD
 CALL_WITHIN = 3 * DEAD + 2
 SLACK = 8.0

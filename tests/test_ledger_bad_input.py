@@ -36,7 +36,7 @@ from dataflow import (
     replay,
     validate_sample_id,
 )
-from dataflow._ledger import NewEvent
+from dataflow.recorder._ledger import NewEvent
 from stores import LocalFeatureStore
 
 ONE = {"x": torch.ones(1)}

@@ -24,10 +24,10 @@ from dataflow import (
     SchemaVersionError,
     StaleRefError,
     StoreStats,
-    _consumer,
-    _ledger,
     replay,
 )
+from dataflow.live import _consumer
+from dataflow.recorder import _ledger
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
 from stores import LocalFeatureStore
 

@@ -25,9 +25,9 @@ from dataflow import (
     Producer,
     SampleRef,
     Watermarks,
-    _producer,
     replay,
 )
+from dataflow.live import _producer
 from dataflow.testing import sample_refs
 from stores import LocalFeatureStore
 

@@ -15,8 +15,8 @@ import torch
 from _threads import errors_of_threads
 
 from dataflow import Event, Kind, Ledger, OperationalError, Producer
-from dataflow._ledger import NewEvent
-from dataflow._schema import SCHEMA_VERSION
+from dataflow.recorder._ledger import NewEvent
+from dataflow.recorder._schema import SCHEMA_VERSION
 from dataflow.testing._postgres import create_database, drop_database
 from stores import LocalFeatureStore
 

@@ -238,7 +238,7 @@ def test_a_snapshot_nested_100000_levels_is_skipped_not_a_recursion_error(
     ledger: Ledger, store: LocalFeatureStore, run
 ) -> None:
     # A snapshot row written by hand, with a digest that matches its body.
-    from dataflow import _snapshot
+    from dataflow.model import _snapshot
 
     header = zlib.compress(b"[" * 100_000 + b"]" * 100_000)
     body = _snapshot._MAGIC + _snapshot._LENGTH.pack(len(header)) + header

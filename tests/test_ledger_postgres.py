@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dataflow import Ledger, NotALedgerError, Producer, replay
-from dataflow._postgres import connect_args
+from dataflow.recorder._postgres import connect_args
 from dataflow.testing import _postgres
 from dataflow.testing._postgres import (
     PostgresServer,

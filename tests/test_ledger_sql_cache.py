@@ -8,7 +8,7 @@ entry, and a dialect, for every engine it ever opened.
 from __future__ import annotations
 
 from dataflow import Consumer, Ledger, Producer, replay
-from dataflow._ledger import _driver_sql, _insert_sql
+from dataflow.recorder._ledger import _driver_sql, _insert_sql
 from stores import LocalFeatureStore
 
 

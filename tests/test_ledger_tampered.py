@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from dataflow import Consumer, CorruptLedgerError, Kind, Ledger, Producer, replay
-from dataflow._inspect import summary
-from dataflow._ledger import NewEvent
 from dataflow.cli import main
+from dataflow.recorder._ledger import NewEvent
+from dataflow.tools._inspect import summary
 from stores import LocalFeatureStore
 
 RUN = "run"

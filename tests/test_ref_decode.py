@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataflow import DataflowError, FeatureSpec, InvalidRefError, SampleRef
-from dataflow._contracts import _REF_FIELDS, ref_from_parsed
+from dataflow.model._refs import _REF_FIELDS, ref_from_parsed
 from dataflow.streams import _wire
 from dataflow.streams._wire import check_limits
 from tests.test_streams_wire import json_values, maybe_bad, sample_ids, spec_dicts, specs

@@ -20,8 +20,14 @@ import pytest
 import torch
 from sqlalchemy import delete, select, update
 
-from dataflow import Consumer, Ledger, Producer, _snapshot, replay
-from dataflow._schema import SCHEMA_VERSION, events, producers, schema_info, snapshots
+from dataflow import (
+    Consumer,
+    Ledger,
+    Producer,
+    replay,
+)
+from dataflow.model import _snapshot
+from dataflow.recorder._schema import SCHEMA_VERSION, events, producers, schema_info, snapshots
 from stores import LocalFeatureStore
 from tests._paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 

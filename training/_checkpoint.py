@@ -47,8 +47,8 @@ from dataflow import (
     StaleEpochError,
     UnknownCheckpointError,
 )
-from dataflow._dist import group_active
-from dataflow._durable import fsync_path
+from dataflow.interfaces._durable import fsync_path
+from dataflow.live._collectives import group_active
 from training._best import BestRecord
 from training._config import COMPONENTS, CheckpointConfig
 from training._dist import agree

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow._dist import flag_device, group_active
+from dataflow.live._collectives import flag_device, group_active
 from training._errors import CheckpointError
 
 

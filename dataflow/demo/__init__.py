@@ -31,7 +31,7 @@ import os
 from typing import Any
 from urllib.parse import urlsplit
 
-from dataflow._errors import DataflowError
+from dataflow.model._errors import DataflowError
 
 #: The fewest samples a demo runs with: enough for checkpoints before the kill.
 MIN_SAMPLES = 64

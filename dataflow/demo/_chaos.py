@@ -43,8 +43,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from dataflow._events import Kind
-from dataflow._projection import RunState, replay
 from dataflow.demo import DemoError, DemoOptions, check_store_uri
 from dataflow.demo._report import lineage_report
 from dataflow.demo._run import (
@@ -58,6 +56,9 @@ from dataflow.demo._run import (
     _write_json,
     sigterm_raises,
 )
+from dataflow.live._replay import replay
+from dataflow.model._events import Kind
+from dataflow.model._fold import RunState
 
 #: Kill targets, taken in turn (so any three consecutive trials hit each).
 TARGETS = ("producer", "rank", "ranks")
@@ -507,7 +508,7 @@ class ChaosTrial(Demo):
     def _collect(self) -> dict[str, int]:
         """``dataflow gc --grace 0``, then count what the store still holds that the fold
         keeps no reason for (the newest committed revision, neither released nor lost)."""
-        from dataflow._gc import collect_garbage
+        from dataflow.tools._gc import collect_garbage
         from stores import open_store
 
         store = open_store(self.store_uri)

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataflow._events import Event, Kind
-from dataflow._projection import RunState
+from dataflow.model._events import Event, Kind
+from dataflow.model._fold import RunState
 
 
 @dataclass

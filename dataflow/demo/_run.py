@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from dataflow._ledger import Ledger
-from dataflow._projection import RunState
 from dataflow.demo import DemoError, DemoOptions
 from dataflow.demo._child import run_child, write_config
 from dataflow.demo._report import build_report, lineage_report, write_timeline
+from dataflow.model._fold import RunState
+from dataflow.recorder._ledger import Ledger
 
 PRODUCERS = 2
 RANKS = 2

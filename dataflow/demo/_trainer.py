@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dataflow import Consumer, Ledger
-from dataflow._dist import join_loopback_gloo
 from dataflow.demo._child import kill_self
 from dataflow.demo._model import (
     DRAFT,
@@ -39,6 +38,7 @@ from dataflow.demo._model import (
     producer_id,
     sample_index,
 )
+from dataflow.live._collectives import join_loopback_gloo
 from dataflow.streams import ReceiverConfig, ZmqRefReceiver
 from eval import Evaluator
 from stores import open_store

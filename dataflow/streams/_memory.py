@@ -6,8 +6,9 @@ import threading
 import time
 import uuid
 
-from dataflow._contracts import RefReceiver, RefSender, SampleRef
-from dataflow._errors import BackpressureError, InvalidArgumentError, StreamError
+from dataflow.interfaces._stream import RefReceiver, RefSender
+from dataflow.model._errors import BackpressureError, InvalidArgumentError, StreamError
+from dataflow.model._refs import SampleRef
 from dataflow.streams._window import ReceiverStats, Window, check_count, check_timeout
 from dataflow.streams._wire import DEFAULT_MAX_FRAME_BYTES, check_ref, decode, encode_ref, ref_body
 

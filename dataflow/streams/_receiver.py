@@ -19,8 +19,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from dataflow._contracts import RefReceiver, SampleRef
-from dataflow._errors import ArgumentTypeError, BadFrameError, InvalidArgumentError, StreamError
+from dataflow.interfaces._stream import RefReceiver
+from dataflow.model._errors import (
+    ArgumentTypeError,
+    BadFrameError,
+    InvalidArgumentError,
+    StreamError,
+)
+from dataflow.model._refs import SampleRef
 from dataflow.streams._security import (
     DEFAULT_ENDPOINT,
     CurveServerConfig,

@@ -11,7 +11,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from dataflow._errors import InvalidArgumentError
+from dataflow.model._errors import InvalidArgumentError
 
 log = logging.getLogger("dataflow.streams")
 

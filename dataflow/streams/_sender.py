@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from dataflow._contracts import RefSender, SampleRef
-from dataflow._errors import (
+from dataflow.interfaces._stream import RefSender
+from dataflow.model._errors import (
     ArgumentTypeError,
     BackpressureError,
     BadFrameError,
     InvalidArgumentError,
     StreamError,
 )
+from dataflow.model._refs import SampleRef
 from dataflow.streams._security import CurveClientConfig, secure_client
 from dataflow.streams._ticker import Ticker
 from dataflow.streams._window import check_count, check_timeout

@@ -7,8 +7,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from dataflow._contracts import SampleRef
-from dataflow._errors import InvalidArgumentError, ProducerLostError, StreamIdleError
+from dataflow.model._errors import InvalidArgumentError, ProducerLostError, StreamIdleError
+from dataflow.model._refs import SampleRef
 from dataflow.streams._wire import BAD_FRAME_KINDS
 
 

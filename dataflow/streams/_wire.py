@@ -13,14 +13,14 @@ import json
 import math
 from dataclasses import dataclass
 
-from dataflow._contracts import (
+from dataflow.model._errors import BadFrameError, DataflowError, InvalidRefError, TensorInRefError
+from dataflow.model._refs import (
     _REF_FIELDS,
     FeatureSpec,
     SampleRef,
     assert_no_tensors,
     ref_from_parsed,
 )
-from dataflow._errors import BadFrameError, DataflowError, InvalidRefError, TensorInRefError
 
 WIRE_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 1 << 20

@@ -39,10 +39,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from dataflow import _snapshot
-from dataflow._consumer import Consumer
-from dataflow._contracts import FeatureSpec, FeatureStore, SampleRef
-from dataflow._errors import (
+from dataflow.interfaces._store import FeatureStore
+from dataflow.live._consumer import Consumer
+from dataflow.live._producer import Producer
+from dataflow.live._replay import replay
+from dataflow.model import _snapshot
+from dataflow.model._errors import (
     ArgumentTypeError,
     InvalidArgumentError,
     LedgerStateError,
@@ -50,9 +52,9 @@ from dataflow._errors import (
     StaleEpochError,
     UnknownCheckpointError,
 )
-from dataflow._ledger import Ledger
-from dataflow._producer import Producer
-from dataflow._projection import Checkpoint, RunState, replay
+from dataflow.model._fold import Checkpoint, RunState
+from dataflow.model._refs import FeatureSpec, SampleRef
+from dataflow.recorder._ledger import Ledger
 
 #: Examples per run of the machine: "normal" is the test suite's, "thorough" the long profile.
 PROFILES = {"normal": 200, "thorough": 2000}

@@ -34,7 +34,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from dataflow._errors import ArgumentTypeError, InvalidArgumentError
+from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import pwd

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from dataflow._contracts import MAX_SAMPLE_ID_LENGTH, FeatureSpec, SampleRef
+from dataflow.model._refs import MAX_SAMPLE_ID_LENGTH, FeatureSpec, SampleRef
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/-"
 

@@ -1,6 +1,6 @@
 """Producer: the role that puts a sample's features into a store and commits its ref.
 
-A commit is one ledger transaction (see :mod:`dataflow._roles`); the features
+A commit is one ledger transaction (see :mod:`dataflow.live._args`); the features
 go into the store before it, and are deleted again when it raises.
 """
 
@@ -15,33 +15,27 @@ from collections.abc import Iterable, Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Any
 
-from dataflow._backpressure import (
+from dataflow.interfaces._store import FeatureStore
+from dataflow.interfaces._stream import RefSender
+from dataflow.live._args import _check_roles_args
+from dataflow.live._backpressure import (
     ProducerBlocking,
     ProducerGate,
     Watermarks,
     check_wait,
     tensors_nbytes,
 )
-from dataflow._contracts import (
-    _JSON,
-    FeatureSpec,
-    FeatureStore,
-    RefSender,
-    SampleRef,
-    ref_from_ledger,
-    validate_sample_id,
-)
-from dataflow._errors import (
+from dataflow.live._metrics import MetricsServer, serve_run_metrics
+from dataflow.model._errors import (
     ArgumentTypeError,
     BackpressureError,
     CommitOutcomeUnknownError,
     DataflowError,
     LedgerStateError,
 )
-from dataflow._events import Kind, dump_payload
-from dataflow._ledger import Ledger, NewEvent, check_id
-from dataflow._metrics import MetricsServer, serve_run_metrics
-from dataflow._roles import _check_roles_args
+from dataflow.model._events import Kind, dump_payload
+from dataflow.model._refs import _JSON, FeatureSpec, SampleRef, ref_from_ledger, validate_sample_id
+from dataflow.recorder._ledger import Ledger, NewEvent, check_id
 
 if TYPE_CHECKING:
     import torch

@@ -18,8 +18,8 @@ import math
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from dataflow._db import Backend
-from dataflow._schema import events, runs
+from dataflow.recorder._db import Backend
+from dataflow.recorder._schema import events, runs
 
 _LOCK_RUN = f"SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s FOR UPDATE"
 # A run's row starts at the newest epoch its events name: 0 for a new run, and the

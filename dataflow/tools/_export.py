@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataflow._durable import fsync_path
-from dataflow._events import Kind
+from dataflow.interfaces._durable import fsync_path
+from dataflow.model._events import Kind
 
 if TYPE_CHECKING:
-    from dataflow._inspect import Progress
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
+    from dataflow.tools._inspect import Progress
 
 SCHEMA = pa.schema(
     [
@@ -36,7 +36,7 @@ SCHEMA = pa.schema(
     ]
 )
 #: One row per committed sample, in commit order. ``state``: one of
-#: dataflow._inspect.SAMPLE_STATES; ``commit_seq`` and ``producer``: the commit of its
+#: dataflow.tools._inspect.SAMPLE_STATES; ``commit_seq`` and ``producer``: the commit of its
 #: newest ``revision``; ``reason``: why it is dead or lost.
 SAMPLES_SCHEMA = pa.schema(
     [
@@ -92,7 +92,7 @@ def export_parquet(
     tmps = [t.with_name(f".{t.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}") for t in targets]
     state = None
     if samples_path is not None:
-        from dataflow._projection import RunState
+        from dataflow.model._fold import RunState
 
         state = RunState(run_id, ref_source=ledger)
     commits: dict[str, tuple[int, str]] = {}  # sample id -> (seq, producer) of its newest
@@ -171,7 +171,7 @@ def _write_events(
 
 
 def _write_samples(path: Path, state: Any, commits: dict[str, tuple[int, str]]) -> None:
-    from dataflow._inspect import sample_rows
+    from dataflow.tools._inspect import sample_rows
 
     names = SAMPLES_SCHEMA.names
     with pq.ParquetWriter(path, SAMPLES_SCHEMA) as writer:

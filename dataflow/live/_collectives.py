@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from dataflow._errors import PeerFailedError
+from dataflow.model._errors import PeerFailedError
 
 if TYPE_CHECKING:
     import torch

@@ -44,7 +44,7 @@ keeps working around a store lookup::
         └── ProducerLostError                  a producer stopped heart-beating
 
 Database driver errors are mapped into this tree in exactly one place,
-:func:`dataflow._db.translate_errors`.
+:func:`dataflow.recorder._db.translate_errors`.
 """
 
 from __future__ import annotations

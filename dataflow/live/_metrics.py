@@ -20,11 +20,9 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dataflow._backpressure import Backlog, producer_blockings
-from dataflow._contracts import FeatureStore
-from dataflow._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
-from dataflow._events import Kind
-from dataflow._scrape import (
+from dataflow.interfaces._store import FeatureStore
+from dataflow.live._backpressure import Backlog, producer_blockings
+from dataflow.live._scrape import (
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
     MIN_INTERVAL_S,
@@ -32,11 +30,13 @@ from dataflow._scrape import (
     _Exposition,
     _ScrapeServer,
 )
+from dataflow.model._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
+from dataflow.model._events import Kind
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
 #: Where ``dataflow_append_seconds`` puts append transactions (seconds): a
 #: SQLite commit with fsync takes a few milliseconds, a lock wait up to the busy timeout.
@@ -115,7 +115,7 @@ class RunMetrics:
         store: FeatureStore | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        from dataflow._ledger import Ledger, check_id
+        from dataflow.recorder._ledger import Ledger, check_id
 
         if not isinstance(ledger, Ledger):
             raise ArgumentTypeError(

@@ -73,7 +73,7 @@ Index(
     postgresql_where=events.c.revision.isnot(None),
 )
 
-#: Snapshots of a run's fold (dataflow._snapshot): derived data, a cache of a
+#: Snapshots of a run's fold (dataflow.model._snapshot): derived data, a cache of a
 #: replay. A bad or missing one only costs a full replay.
 snapshots = Table(
     "dataflow_snapshots",

@@ -21,10 +21,10 @@ from array import array
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dataflow._projection import Checkpoint, ReconcilePlan, RunState, _Acks, _Epoch
+from dataflow.model._fold import Checkpoint, ReconcilePlan, RunState, _Acks, _Epoch
 
 if TYPE_CHECKING:
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
 #: The layout of a snapshot body and the fold it was taken with. Bump it whenever
 #: RunState's fields or the meaning of an event change: older snapshots are then

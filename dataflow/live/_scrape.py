@@ -1,7 +1,7 @@
 """The HTTP side of a metrics endpoint: a server with a cap on connections, a deadline
 on silent and slow clients, and an exposition rendered at most once per interval.
 
-What is served (collectors, a registry) is dataflow._metrics's; this module only
+What is served (collectors, a registry) is dataflow.live._metrics's; this module only
 serves bytes, so it imports no prometheus_client.
 """
 

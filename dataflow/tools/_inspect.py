@@ -21,17 +21,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from dataflow._errors import (
+from dataflow.live._replay import replay
+from dataflow.model._errors import (
     ArgumentTypeError,
     DataflowError,
     InvalidArgumentError,
     UnknownCheckpointError,
 )
-from dataflow._events import Kind, dump_payload, load_payload
-from dataflow._projection import Checkpoint, RunState, replay
+from dataflow.model._events import Kind, dump_payload, load_payload
+from dataflow.model._fold import Checkpoint, RunState
 
 if TYPE_CHECKING:
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
 Progress = Callable[[int], None]
 

@@ -11,7 +11,7 @@ import sqlalchemy.exc as sa_exc
 from sqlalchemy import Connection, Engine, insert, inspect, select, update
 from sqlalchemy.engine import make_url
 
-from dataflow._errors import (
+from dataflow.model._errors import (
     DataflowError,
     IntegrityError,
     InvalidArgumentError,
@@ -20,7 +20,7 @@ from dataflow._errors import (
     NotALedgerError,
     OperationalError,
 )
-from dataflow._schema import SCHEMA_VERSION, metadata, schema_info
+from dataflow.recorder._schema import SCHEMA_VERSION, metadata, schema_info
 
 DEFAULT_URL = "sqlite:///./dataflow.db"
 DURABILITY = ("full", "normal")
@@ -177,11 +177,11 @@ def backend_for(url: str) -> Backend:
             "postgresql+psycopg://USER@HOST/DB"
         ) from None
     if backend == "sqlite":
-        from dataflow._sqlite import SQLiteBackend
+        from dataflow.recorder._sqlite import SQLiteBackend
 
         return SQLiteBackend()
     if backend == "postgresql":
-        from dataflow._postgres import PostgresBackend
+        from dataflow.recorder._postgres import PostgresBackend
 
         return PostgresBackend()
     raise InvalidArgumentError(

@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dataflow._contracts import SampleRef, ref_from_ledger
-from dataflow._errors import ArgumentTypeError, InvalidArgumentError
-from dataflow._events import Kind, load_payload
+from dataflow.model._events import Kind, load_payload
+from dataflow.model._refs import SampleRef, ref_from_ledger
 
 if TYPE_CHECKING:
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
 RELEASE_POLICIES = ("on_checkpoint", "on_ack", "never")
 
@@ -1075,30 +1074,3 @@ _HANDLERS = {
     Kind.LOST: RunState._on_lost,
     Kind.CLAIM: RunState._on_claim,
 }
-
-
-def replay(
-    ledger: Ledger, run_id: str, upto_seq: int | None = None, *, snapshots: bool = True
-) -> RunState:
-    """Fold the run's log (up to ``upto_seq``) into its RunState, in constant read memory.
-
-    Starts from the newest valid snapshot at or before ``upto_seq`` and folds
-    the events after it; ``snapshots=False`` folds the whole log (what a
-    snapshot is checked against).
-    """
-    from dataflow._ledger import Ledger
-
-    if not isinstance(ledger, Ledger):
-        raise ArgumentTypeError(f"replay needs a Ledger, got {type(ledger).__name__}")
-    if upto_seq is not None and (
-        not isinstance(upto_seq, int) or isinstance(upto_seq, bool) or not 0 <= upto_seq < 2**63
-    ):
-        raise InvalidArgumentError(
-            f"upto_seq must be an int from 0 to 2**63-1 or None, got {upto_seq!r}"
-        )
-    if not isinstance(snapshots, bool):
-        raise ArgumentTypeError(f"snapshots must be a bool, got {snapshots!r}")
-    state = ledger.load_snapshot(run_id, upto_seq=upto_seq) if snapshots else None
-    if state is None:
-        state = RunState(run_id, ref_source=ledger)
-    return state.apply_rows(ledger.rows(run_id, after_seq=state.head_seq, upto_seq=upto_seq))

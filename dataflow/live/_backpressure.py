@@ -31,12 +31,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from dataflow._errors import ArgumentTypeError, BackpressureError, InvalidArgumentError
-from dataflow._events import Kind
-from dataflow._projection import RunState
+from dataflow.model._errors import ArgumentTypeError, BackpressureError, InvalidArgumentError
+from dataflow.model._events import Kind
+from dataflow.model._fold import RunState
 
 if TYPE_CHECKING:
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
 log = logging.getLogger("dataflow.backpressure")
 

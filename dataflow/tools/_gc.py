@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dataflow._contracts import FeatureStore
-from dataflow._errors import ArgumentTypeError, InvalidArgumentError
-from dataflow._projection import replay
+from dataflow.interfaces._store import FeatureStore
+from dataflow.live._replay import replay
+from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from dataflow._ledger import Ledger
+    from dataflow.recorder._ledger import Ledger
 
 #: Seconds a stored generation is left alone after its put: a commit may still come.
 DEFAULT_GRACE_S = 300.0

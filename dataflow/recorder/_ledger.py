@@ -28,16 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import make_url
 
-from dataflow import _snapshot
-from dataflow._db import (
-    DEFAULT_URL,
-    backend_for,
-    check_durability,
-    create_schema,
-    translate_errors,
-    write_options,
-)
-from dataflow._errors import (
+from dataflow.model import _snapshot
+from dataflow.model._errors import (
     ArgumentTypeError,
     CommitOutcomeUnknownError,
     CorruptLedgerError,
@@ -50,12 +42,20 @@ from dataflow._errors import (
     SchemaVersionError,
     StaleEpochError,
 )
-from dataflow._events import Event, Kind, load_payload
-from dataflow._schema import SCHEMA_VERSION, events, producers, schema_info, snapshots
+from dataflow.model._events import Event, Kind, load_payload
+from dataflow.recorder._db import (
+    DEFAULT_URL,
+    backend_for,
+    check_durability,
+    create_schema,
+    translate_errors,
+    write_options,
+)
+from dataflow.recorder._schema import SCHEMA_VERSION, events, producers, schema_info, snapshots
 
 if TYPE_CHECKING:
-    from dataflow._projection import RunState
-from dataflow._schema import runs as runs_table
+    from dataflow.model._fold import RunState
+from dataflow.recorder._schema import runs as runs_table
 
 #: Columns of a raw event row, in order: what the fold consumes.
 ROW_COLUMNS = (
@@ -665,7 +665,7 @@ class Ledger:
         may have committed before the connection failed, so the caller cannot
         take the write as undone.
         """
-        from dataflow._metrics import observe_append  # cached after the first; no prometheus
+        from dataflow.live._metrics import observe_append  # cached after the first; no prometheus
 
         _check_run_id(run_id)
         self._check_writable(f"write ({what}) in run {run_id!r}")
@@ -799,7 +799,7 @@ class Ledger:
         older schema opened read-only, or holds a snapshot at that seq already.
         """
         _check_run_id(run_id)
-        from dataflow._projection import RunState
+        from dataflow.model._fold import RunState
 
         if not isinstance(state, RunState):
             raise ArgumentTypeError(f"state must be a RunState, got {type(state).__name__}")

@@ -9,9 +9,9 @@ A bad write raises before anything is appended.
 
 from __future__ import annotations
 
-from dataflow._contracts import FeatureStore
-from dataflow._errors import ArgumentTypeError
-from dataflow._ledger import Ledger, _check_run_id
+from dataflow.interfaces._store import FeatureStore
+from dataflow.model._errors import ArgumentTypeError
+from dataflow.recorder._ledger import Ledger, _check_run_id
 
 
 def _check_roles_args(ledger: object, store: object, run_id: object) -> None:

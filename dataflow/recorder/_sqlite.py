@@ -16,16 +16,16 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
-from dataflow._db import (
+from dataflow.interfaces._durable import fsync_path
+from dataflow.model._errors import InvalidArgumentError, NotALedgerError, ReadOnlyLedgerError
+from dataflow.recorder._db import (
     WRITE_OPTION,
     Backend,
     SQLiteFilesReplaced,
     create_schema,
     write_options,
 )
-from dataflow._durable import fsync_path
-from dataflow._errors import InvalidArgumentError, NotALedgerError, ReadOnlyLedgerError
-from dataflow._schema import events, runs, schema_info
+from dataflow.recorder._schema import events, runs, schema_info
 
 #: SQLite's smallest page size: a database file is never shorter.
 _MIN_PAGE = 512

@@ -1,6 +1,6 @@
 """Consumer: a trainer rank's role, leasing, acking and checkpointing what producers committed.
 
-Each write is one ledger transaction (see :mod:`dataflow._roles`), fenced by
+Each write is one ledger transaction (see :mod:`dataflow.live._args`), fenced by
 the consumer's epoch, which :meth:`Consumer.resume` starts.
 """
 
@@ -23,17 +23,15 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dataflow._backpressure import (
+from dataflow.interfaces._store import FeatureStore
+from dataflow.interfaces._stream import RefReceiver
+from dataflow.live._args import _check_roles_args
+from dataflow.live._backpressure import (
     check_timeout,
 )
-from dataflow._contracts import (
-    FeatureStore,
-    RefReceiver,
-    SampleRef,
-    validate_sample_id,
-)
-from dataflow._dist import agree, broadcast_int, group_active
-from dataflow._errors import (
+from dataflow.live._collectives import agree, broadcast_int, group_active
+from dataflow.live._metrics import MetricsServer, serve_run_metrics
+from dataflow.model._errors import (
     ArgumentTypeError,
     CommitOutcomeUnknownError,
     CorruptLedgerError,
@@ -46,11 +44,10 @@ from dataflow._errors import (
     StreamIdleError,
     UnknownCheckpointError,
 )
-from dataflow._events import Kind, dump_payload
-from dataflow._ledger import Ledger, NewEvent, WriteTransaction, check_id
-from dataflow._metrics import MetricsServer, serve_run_metrics
-from dataflow._projection import RELEASE_POLICIES, Checkpoint, ReconcilePlan, RunState
-from dataflow._roles import _check_roles_args
+from dataflow.model._events import Kind, dump_payload
+from dataflow.model._fold import RELEASE_POLICIES, Checkpoint, ReconcilePlan, RunState
+from dataflow.model._refs import SampleRef, validate_sample_id
+from dataflow.recorder._ledger import Ledger, NewEvent, WriteTransaction, check_id
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""The interfaces other packages implement: a feature store and a ref stream."""

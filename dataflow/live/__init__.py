@@ -1,0 +1,1 @@
+"""The live run: producers, consumers, backpressure, metrics and collectives."""

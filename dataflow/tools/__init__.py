@@ -1,0 +1,1 @@
+"""Read-side tools over a recorded run: inspect, export, garbage collection."""
