@@ -1,1 +1,25 @@
 """The live run: producers, consumers, backpressure, metrics and collectives."""
+
+from dataflow.live._collectives import (
+    agree,
+    broadcast_int,
+    flag_device,
+    group_active,
+    join_loopback_gloo,
+)
+from dataflow.live._consumer import Consumer
+from dataflow.live._producer import Producer
+from dataflow.live._replay import replay
+from dataflow.live._view import RunView
+
+__all__ = [
+    "Consumer",
+    "Producer",
+    "RunView",
+    "agree",
+    "broadcast_int",
+    "flag_device",
+    "group_active",
+    "join_loopback_gloo",
+    "replay",
+]

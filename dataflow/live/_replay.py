@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataflow.live._view import RunView
 from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
 from dataflow.model._fold import RunState
 from dataflow.recorder._ledger import Ledger
@@ -26,7 +27,4 @@ def replay(
         )
     if not isinstance(snapshots, bool):
         raise ArgumentTypeError(f"snapshots must be a bool, got {snapshots!r}")
-    state = ledger.load_snapshot(run_id, upto_seq=upto_seq) if snapshots else None
-    if state is None:
-        state = RunState(run_id, ref_source=ledger)
-    return state.apply_rows(ledger.rows(run_id, after_seq=state.head_seq, upto_seq=upto_seq))
+    return RunView(ledger, run_id, upto_seq=upto_seq, snapshots=snapshots).catch_up()

@@ -1,0 +1,125 @@
+"""The one place that folds a live run: its newest snapshot, then the tail, refolded when asked.
+
+Every reader of a run's state goes through :class:`RunView`: the consumer
+(which also folds its own writes inside each transaction), backpressure's
+backlog, ``dataflow status`` and :func:`dataflow.replay`. A view starts from
+the newest valid snapshot at or before ``upto_seq`` (or from an empty fold)
+and folds the events after it; :meth:`RunView.refold` builds a new fold from
+scratch and swaps it in only once it is whole, so a read that fails halfway
+leaves the old fold as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from dataflow.model._fold import RunState
+from dataflow.recorder._ledger import Ledger
+
+log = logging.getLogger("dataflow.view")
+
+#: A row of the ``events`` table as ``Ledger.rows`` returns it.
+Row = Sequence[Any]
+
+
+def newest_state(ledger: Ledger, run_id: str, *, upto_seq: int | None = None) -> RunState:
+    """The run's newest valid snapshot at or before ``upto_seq``; an empty fold when none."""
+    restored = ledger.load_snapshot(run_id, upto_seq=upto_seq)
+    return restored if restored is not None else RunState(run_id, ref_source=ledger)
+
+
+class RunView:
+    """A run's fold, brought up to date from the ledger on demand.
+
+    ``snapshots=False`` never reads a snapshot (what a snapshot is checked
+    against); ``upto_seq`` stops the fold at that seq. ``on_rows`` is called
+    with each chunk of rows before it is folded, for readers that keep
+    counts of their own alongside the fold (the backlog, the status fold).
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        run_id: str,
+        *,
+        upto_seq: int | None = None,
+        snapshots: bool = True,
+        on_rows: Callable[[list[Row]], object] | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.run_id = run_id
+        self.upto_seq = upto_seq
+        self.snapshots = snapshots
+        self.on_rows = on_rows
+        self.state = RunState(run_id, ref_source=ledger)
+        #: The seq of the snapshot the fold started from (0: the start of the log);
+        #: -1 until the first catch-up.
+        self.snapshot_seq = -1
+
+    @property
+    def started(self) -> bool:
+        return self.snapshot_seq >= 0
+
+    def catch_up(self) -> RunState:
+        """Fold what came since the last catch-up (the first starts from the newest snapshot)."""
+        if not self.started:
+            self.snapshot_seq = 0
+            if self.state.head_seq == 0 and self.snapshots:
+                self.state = newest_state(self.ledger, self.run_id, upto_seq=self.upto_seq)
+                self.snapshot_seq = self.state.head_seq
+        self.apply(self._tail(self.state))
+        return self.state
+
+    def refold(self) -> RunState:
+        """Fold the run anew (its newest snapshot, then the log); swapped in once whole."""
+        if self.snapshots:
+            state = newest_state(self.ledger, self.run_id, upto_seq=self.upto_seq)
+        else:
+            state = RunState(self.run_id, ref_source=self.ledger)
+        snapshot_seq = state.head_seq
+        self._fold(state, self._tail(state))
+        self.state, self.snapshot_seq = state, snapshot_seq
+        return state
+
+    def apply(self, rows: Iterable[Row]) -> RunState:
+        """Fold ``rows`` (the events after the fold's head, in seq order) into the view."""
+        return self._fold(self.state, rows)
+
+    def save_snapshot(self, every: int | None) -> bool:
+        """Snapshot the fold when ``every`` events or more came since the last one.
+
+        A snapshot is a cache: one that cannot be written costs a longer replay
+        later and nothing else, so a failure is logged, not raised.
+        """
+        if every is None or self.state.head_seq - max(self.snapshot_seq, 0) < every:
+            return False
+        try:
+            saved = self.ledger.save_snapshot(self.run_id, self.state)
+        except Exception as exc:
+            log.warning("could not snapshot run %r: %s", self.run_id, exc)
+            return False
+        self.snapshot_seq = self.state.head_seq
+        return saved
+
+    def _tail(self, state: RunState) -> Iterable[Row]:
+        return self.ledger.rows(self.run_id, after_seq=state.head_seq, upto_seq=self.upto_seq)
+
+    def _fold(self, state: RunState, rows: Iterable[Row]) -> RunState:
+        if self.on_rows is None:
+            return state.apply_rows(rows)
+        chunk: list[Row] = []
+        for row in rows:
+            chunk.append(row)
+            if len(chunk) >= _CHUNK:
+                self.on_rows(chunk)
+                state.apply_rows(chunk)
+                chunk = []
+        if chunk:
+            self.on_rows(chunk)
+            state.apply_rows(chunk)
+        return state
+
+
+_CHUNK = 4096
