@@ -45,8 +45,7 @@ import numpy as np
 import torch
 import xxhash
 
-from dataflow.interfaces._store import FeatureStore, StoredObject
-from dataflow.model._errors import (
+from dataflow import (
     CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
@@ -54,7 +53,8 @@ from dataflow.model._errors import (
     StoreError,
     StoreUnavailableError,
 )
-from dataflow.model._refs import FeatureSpec, SampleRef, validate_sample_id
+from dataflow.interfaces import FeatureStore, StoredObject
+from dataflow.model import FeatureSpec, SampleRef, validate_sample_id
 from stores import _tensors
 from stores._mooncake_client import (
     _BUSY,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from dataflow.model._errors import (
+from dataflow import (
     InvalidRefError,
     StaleRefError,
     StoreDependencyError,

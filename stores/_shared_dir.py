@@ -48,9 +48,7 @@ from typing import Any
 import torch
 import xxhash
 
-from dataflow.interfaces._durable import fsync_path
-from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
-from dataflow.model._errors import (
+from dataflow import (
     CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
@@ -58,7 +56,8 @@ from dataflow.model._errors import (
     StoreError,
     StoreFullError,
 )
-from dataflow.model._refs import FeatureSpec, SampleRef, validate_sample_id
+from dataflow.interfaces import FeatureStore, StoredObject, StoreStats, fsync_path
+from dataflow.model import FeatureSpec, SampleRef, validate_sample_id
 from stores import _tensors
 from stores._pool import ChunkPool
 

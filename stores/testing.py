@@ -33,8 +33,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
-from dataflow.model._errors import (
+from dataflow import (
     CorruptFeatureError,
     InvalidRefError,
     InvalidSampleIdError,
@@ -43,7 +42,8 @@ from dataflow.model._errors import (
     StoreError,
     TensorInRefError,
 )
-from dataflow.model._refs import FeatureSpec, SampleRef, dtype_name
+from dataflow.interfaces import FeatureStore, StoredObject, StoreStats
+from dataflow.model import FeatureSpec, SampleRef, dtype_name
 from stores import _tensors
 from stores._registry import open_store
 
