@@ -19,8 +19,8 @@ killed midway left); a removal takes the head, then the tensors, then the
 record, so that a crash at any moment leaves something ``scan`` lists.
 
 Every Mooncake return code is translated into the dataflow error tree in
-:func:`stores._mooncake_client._error`, and nowhere else; the client, its
-generation numbers and its removals are in that module too.
+:func:`stores._mooncake_codes._error`, and nowhere else; the client and its
+generation numbers are in :mod:`stores._mooncake_client`.
 """
 
 from __future__ import annotations
@@ -56,19 +56,15 @@ from dataflow import (
 from dataflow.interfaces import FeatureStore, StoredObject
 from dataflow.model import FeatureSpec, SampleRef, validate_sample_id
 from stores import _tensors
-from stores._mooncake_client import (
+from stores._mooncake_client import _OPENER, _acquire, _release, _Settings, _split_host_port
+from stores._mooncake_codes import (
     _BUSY,
-    _OPENER,
     BUFFER_TOO_SMALL,
     LEASE_EXPIRED,
     NOT_FOUND,
     NOT_READY,
     OK,
-    _acquire,
     _error,
-    _release,
-    _Settings,
-    _split_host_port,
 )
 from stores._pool import Chunk, _view
 
