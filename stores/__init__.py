@@ -12,12 +12,26 @@ passes; ``stores.mooncake_master.MooncakeMaster`` runs a master for tests, and
 :func:`lend_memory` (``dataflow mooncake-keeper``) lends a Mooncake cluster memory.
 """
 
-from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
-from stores._keeper import lend_memory
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dataflow.interfaces import FeatureStore, StoredObject, StoreStats
 from stores._local import LocalFeatureStore
-from stores._mooncake import MooncakeFeatureStore
 from stores._registry import ENTRY_POINT_GROUP, known_schemes, open_store, register_store
 from stores._shared_dir import SharedDirFeatureStore
+
+if TYPE_CHECKING:
+    from stores._keeper import lend_memory
+    from stores._mooncake import MooncakeFeatureStore
+
+# Names whose modules import the Mooncake client: loaded on first use, so that
+# `import stores` works (and stays cheap) without the mooncake extra.
+_LAZY = {
+    "MooncakeFeatureStore": "stores._mooncake",
+    "lend_memory": "stores._keeper",
+}
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -32,3 +46,16 @@ __all__ = [
     "open_store",
     "register_store",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

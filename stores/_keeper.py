@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-from dataflow.model._errors import InvalidRefError
+from dataflow import InvalidRefError
 from stores._mooncake import MooncakeFeatureStore
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)

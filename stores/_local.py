@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
-from dataflow.interfaces._store import FeatureStore, StoredObject, StoreStats
-from dataflow.model._errors import (
+from dataflow import (
     CorruptFeatureError,
     InvalidRefError,
     StaleRefError,
     StoreError,
     StoreFullError,
 )
-from dataflow.model._refs import FeatureSpec, SampleRef
+from dataflow.interfaces import FeatureStore, StoredObject, StoreStats
+from dataflow.model import FeatureSpec, SampleRef
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 

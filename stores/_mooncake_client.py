@@ -1,22 +1,19 @@
 """The Mooncake client a process shares among its MooncakeFeatureStores, and what it needs.
 
 One ``mooncake.store`` client per master, metadata server, protocol and
-device (:func:`_acquire` / :func:`_release` count its users): its return codes
-and their translation into the dataflow error tree (:func:`_error`, the only
-place), the generation numbers it hands out (:class:`_Generations`), the
-removals that wait for read leases (:class:`_Removals`), and the checks of a
-store URI's addresses. The keys and records are ``stores._mooncake``'s.
+device (:func:`_acquire` / :func:`_release` count its users), the generation
+numbers it hands out (:class:`_Generations`), and the checks of a store URI's
+addresses. Its return codes and their translation into the dataflow error
+tree are in :mod:`stores._mooncake_codes`, its removals that wait for read
+leases in :mod:`stores._mooncake_removals`, its log in
+:mod:`stores._mooncake_log`; the keys and records are ``stores._mooncake``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import socket
-import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -27,53 +24,25 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from dataflow.model._errors import (
+from dataflow import (
     InvalidRefError,
-    StaleRefError,
     StoreDependencyError,
     StoreError,
-    StoreFullError,
     StoreUnavailableError,
 )
+from stores._mooncake_codes import (
+    _TRANSIENT,
+    _UNAVAILABLE,
+    ALREADY_EXISTS,
+    NO_AVAILABLE_HANDLE,
+    OK,
+    TRANSFER_FAIL,
+    _error,
+)
+from stores._mooncake_log import _log_wanted, _setup_log
+from stores._mooncake_removals import _Removals
 from stores._pool import Chunk, ChunkPool
 from stores._registry import MOONCAKE_HINT
-
-OK, NOT_FOUND, ALREADY_EXISTS, BUFFER_TOO_SMALL, NOT_READY = 0, -704, -705, -600, -703
-NO_AVAILABLE_HANDLE = -200
-TRANSFER_FAIL = -800
-# A read whose transfer outlasted the read lease it was granted: its bytes may be torn.
-LEASE_EXPIRED = -707
-# What a write of a key that another client is writing at the same moment gets.
-_BUSY = {-601, -703, -714}
-_NAMES = {
-    -1: "INTERNAL_ERROR",
-    -10: "BUFFER_OVERFLOW",
-    -101: "SEGMENT_NOT_FOUND",
-    -103: "CLIENT_NOT_FOUND",
-    -200: "NO_AVAILABLE_HANDLE",
-    -400: "INVALID_KEY",
-    -500: "WRITE_FAIL",
-    -600: "INVALID_PARAMS",
-    -601: "ILLEGAL_CLIENT",
-    -700: "INVALID_WRITE",
-    -701: "INVALID_READ",
-    -702: "INVALID_REPLICA",
-    -703: "REPLICA_IS_NOT_READY",
-    -704: "OBJECT_NOT_FOUND",
-    -705: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
-    -708: "OBJECT_HAS_REPLICATION_TASK",
-    -714: "OBJECT_REPLICA_BUSY",
-    -800: "TRANSFER_FAIL",
-    -801: "CHECKSUM_MISMATCH",
-    -900: "RPC_FAIL",
-    -901: "RPC_TIMEOUT",
-    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
-}
-_UNAVAILABLE = frozenset({-103, -800, -900, -901, -1010})
-# What may pass once the master answers and has taken this client back (see _Client.call).
-_TRANSIENT = _UNAVAILABLE | {NO_AVAILABLE_HANDLE}
 
 _CLAIM_BYTES = 8
 _BLOCK = 1 << 20
@@ -84,64 +53,6 @@ log = logging.getLogger(__name__)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-#: Set to 1 to see Mooncake's own log (its INFO lines on stderr), quiet by default.
-LOG_ENV = "DATAFLOW_MOONCAKE_LOG"
-# Mooncake's log level; its client reads it when it starts (values TRACE, INFO, WARNING, ERROR).
-_LEVEL_ENV = "MC_LOG_LEVEL"
-_OURS_ENV = "DATAFLOW_SET_MC_LOG_LEVEL"  # marks an MC_LOG_LEVEL that dataflow set
-# A glog line ("E1126 23:43:37.598625  6534 file.cpp:292] ...") or glog's own notice.
-_GLOG_LINE = re.compile(
-    rb"([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] |WARNING: Logging before )"
-)
-
-
-def _log_wanted() -> bool:
-    """Whether Mooncake's own log shows: asked for (``DATAFLOW_MOONCAKE_LOG=1``), or its
-    level set by hand (``MC_LOG_LEVEL``); otherwise only its errors, and none at setup.
-
-    The level this sets is inherited by child processes, marked as ours, so that a
-    child asked for the log (or not) is treated as if its parent had set nothing."""
-    env = os.environ
-    ours = env.pop(_OURS_ENV, None) is not None
-    if ours:
-        env.pop(_LEVEL_ENV, None)
-    if env.get(LOG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-        return True
-    if _LEVEL_ENV in env:
-        return True
-    env[_LEVEL_ENV], env[_OURS_ENV] = "ERROR", "1"
-    return False
-
-
-@contextlib.contextmanager
-def _setup_log(quiet: bool) -> Iterator[list[bytes]]:
-    """While ``quiet``, what the process writes to stderr (fd 2) meanwhile is held back: the
-    Mooncake lines are kept in the list yielded (for an error message), the rest written
-    out after. Its setup logs an ERROR that is none ("http=404 body: metadata not found":
-    its own segment, looked up before it registers it) and that MC_LOG_LEVEL keeps."""
-    lines: list[bytes] = []
-    if not quiet:
-        yield lines
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield lines
-        finally:
-            with contextlib.suppress(ValueError, OSError):
-                sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            for line in held.read().splitlines(keepends=True):
-                if _GLOG_LINE.match(line):
-                    lines.append(line.rstrip())
-                else:
-                    os.write(2, line)
-
-
 def _require_mooncake() -> ModuleType:
     try:
         import mooncake.store as mooncake_store
@@ -150,40 +61,6 @@ def _require_mooncake() -> ModuleType:
             f"the mooncake:// store needs mooncake.store ({exc}): {MOONCAKE_HINT}"
         ) from exc
     return mooncake_store
-
-
-def _error(code: int, what: str, *, mounted: bool | None = True) -> StoreError:
-    """The dataflow error for a Mooncake return code. ``mounted``: whether the master
-    listed this client's memory when it got the code (None: unknown; see _Client.call)."""
-    name = f"{_NAMES.get(code, 'error')} ({code})"
-    if code == NO_AVAILABLE_HANDLE and mounted is False:
-        return StoreUnavailableError(
-            f"{what}: Mooncake found no memory, {name}, and the master does not list this "
-            "client's segment (or, for a client that mounts none, any segment): a master "
-            "that restarted takes its clients back, and mounts their memory again, at their "
-            "next heartbeat; check that the master runs, that this process reaches it, and "
-            "that some process mounts memory (a store opened with segment_size > 0)"
-        )
-    if code == NO_AVAILABLE_HANDLE:
-        unknown = (
-            " (the master's HTTP server, admin=, did not answer, so it is unknown whether "
-            "this is a master that restarted and has not taken this client back yet)"
-            if mounted is None
-            else ""
-        )
-        return StoreFullError(
-            f"{what}: Mooncake has no space left, {name}{unknown}; delete released samples "
-            "or mount larger segments (segment_size), and check that some process mounts "
-            "memory (a store opened with segment_size > 0)"
-        )
-    if code in _UNAVAILABLE:
-        return StoreUnavailableError(
-            f"{what}: Mooncake is unreachable or not ready, {name}; check that the master "
-            "runs and that this process reaches it"
-        )
-    if code == NOT_FOUND:
-        return StaleRefError(f"{what}: {name}")
-    return StoreError(f"{what} failed: {name}")
 
 
 def _split_host_port(address: str, what: str) -> tuple[str, int]:
@@ -305,145 +182,6 @@ class _Generations:
 
 
 # -- removals that wait for read leases --------------------------------------
-class _Removals:
-    """Removes generations (their tensors, then their record) and plain keys; what a read
-    lease holds is retried in the background.
-
-    Mooncake refuses to remove an object for a lease time after any read
-    (OBJECT_HAS_LEASE); waiting for it in ``delete`` would stall every consumer
-    that deletes what it just read. We never probe before removing (a probe is
-    a read and renews the lease), and the keys that must wait are retried with
-    backoff by a daemon thread; ``close`` tries once more and leaves the rest.
-
-    A generation's record goes only once all its tensors are gone, so that a
-    process that dies at any moment of a removal leaves the record behind,
-    which ``scan`` lists and a collector frees (``dataflow gc``). The record
-    is removed by force: only ``scan`` and ``delete_stored`` read records, and
-    both read a record that does not decode once more (then finding none); a
-    lease would otherwise make a collector that just read it wait. Tensors are
-    never forced: a get racing the removal could read torn bytes. While the
-    master does not answer (``reachable``), keys are queued without a try: a
-    Mooncake call to a master that is down takes seconds to fail.
-    """
-
-    _BATCH = 1024
-
-    def __init__(self, raw: Any, reachable: Callable[[], bool] = lambda: True) -> None:
-        self._raw = raw
-        self._reachable = reachable
-        self._cond = threading.Condition()
-        # record key ("" for plain keys) -> the tensor keys of it still stored
-        self._groups: dict[str, set[str]] = {}
-        self._objects: set[str] = set()  # every key in a group's set
-        self._thread: threading.Thread | None = None
-        self._delay = 0.05
-        self._stopped = False
-
-    def remove(self, keys: list[str]) -> None:
-        """Remove plain keys (no record to keep until they are gone)."""
-        self.remove_generations([["", *keys]])
-
-    def remove_generations(self, generations: list[list[str]]) -> None:
-        """Remove generations, each given as ``[record, *tensor keys]``."""
-        groups: dict[str, set[str]] = {}
-        for record, *tensors in generations:
-            groups.setdefault(record, set()).update(tensors)
-        left = self._try(groups)
-        if left:
-            with self._cond:
-                for record, tensors in left.items():
-                    self._groups.setdefault(record, set()).update(tensors)
-                    self._objects.update(tensors)
-                self._delay = 0.05
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="mooncake-removals", daemon=True
-                    )
-                    self._thread.start()
-                self._cond.notify()
-
-    def is_pending(self, key: str) -> bool:
-        with self._cond:
-            return key in self._groups or key in self._objects
-
-    def pending(self, prefix: str = "") -> list[str]:
-        with self._cond:
-            records = [k for k in self._groups if k and k.startswith(prefix)]
-            return records + [k for k in self._objects if k.startswith(prefix)]
-
-    def drain(self, prefix: str, timeout: float) -> list[str]:
-        """Retry the pending keys under ``prefix`` until none is left or ``timeout`` passes
-        (at least once); the keys left."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self._retry(prefix)
-            keys = self.pending(prefix)
-            if not keys or time.monotonic() >= deadline:
-                return keys
-            time.sleep(0.05)
-
-    def _try(self, groups: dict[str, set[str]]) -> dict[str, set[str]]:
-        """Remove what ``groups`` name, tensors first; what is left of them."""
-        if not self._reachable():
-            return groups
-        kept = self._batch_remove([k for tensors in groups.values() for k in tensors], False)
-        emptied = [record for record, tensors in groups.items() if record and not tensors & kept]
-        kept_records = self._batch_remove(emptied, True)
-        left = {record: tensors & kept for record, tensors in groups.items()}
-        return {r: tensors for r, tensors in left.items() if tensors or r in kept_records}
-
-    def _batch_remove(self, keys: list[str], force: bool) -> set[str]:
-        """The keys that ``batch_remove`` left (under a read lease, or the master away)."""
-        left: set[str] = set()
-        for i in range(0, len(keys), self._BATCH):
-            batch = keys[i : i + self._BATCH]
-            codes = self._raw.batch_remove(batch, force)
-            left.update(k for k, c in zip(batch, codes, strict=True) if c not in (OK, NOT_FOUND))
-        return left
-
-    def _retry(self, prefix: str = "") -> None:
-        with self._cond:
-            groups = {
-                record: set(tensors)
-                for record, tensors in self._groups.items()
-                if record.startswith(prefix) or any(k.startswith(prefix) for k in tensors)
-            }
-        if not groups:
-            return
-        left = self._try(groups)
-        with self._cond:
-            for record, tensors in groups.items():
-                gone = tensors - left.get(record, set())
-                self._objects -= gone
-                now = self._groups.get(record)
-                if now is None:
-                    continue
-                now -= gone
-                if not now and record not in left:
-                    del self._groups[record]
-
-    def stop(self) -> None:
-        """End the retries (before the client closes); what is pending stays stored."""
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._groups or self._stopped:
-                    self._thread = None
-                    return
-                self._cond.wait(self._delay)
-                self._delay = min(self._delay * 2, 1.0)
-                stopped = self._stopped
-            if not stopped:
-                self._retry()
-
-
 # -- one Mooncake client per process and cluster -----------------------------
 @dataclass(frozen=True)
 class _Settings:

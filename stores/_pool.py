@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from dataflow.model._refs import FeatureSpec
+from dataflow.model import FeatureSpec
 from stores._tensors import nbytes
 
 _MIN_CHUNK = 64 << 10

@@ -21,13 +21,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from dataflow.interfaces._store import FeatureStore
-from dataflow.model._errors import (
+from dataflow import (
     InvalidRefError,
     StoreDependencyError,
     StoreError,
     UnknownStoreError,
 )
+from dataflow.interfaces import FeatureStore
 
 ENTRY_POINT_GROUP = "dataflow.stores"
 

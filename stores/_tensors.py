@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import xxhash
 
-from dataflow.interfaces._copy import byte_view as byte_view  # the core's, for the stores
-from dataflow.interfaces._copy import copy as copy
-from dataflow.model._errors import CorruptFeatureError
-from dataflow.model._refs import FeatureSpec, dtype_name
+from dataflow import CorruptFeatureError
+from dataflow.interfaces import byte_view as byte_view  # the core's, for the stores
+from dataflow.interfaces import copy as copy
+from dataflow.model import FeatureSpec, dtype_name
 
 #: Alignment of every tensor in a byte layout (a cache line; enough for any dtype).
 ALIGN = 64

@@ -28,7 +28,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from dataflow.model._errors import StoreDependencyError, StoreUnavailableError
+from dataflow import StoreDependencyError, StoreUnavailableError
 from stores._registry import MOONCAKE_HINT
 
 BINARY = "mooncake_master"

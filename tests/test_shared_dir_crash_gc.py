@@ -14,7 +14,7 @@ import torch
 
 from dataflow import Ledger, Producer, collect_garbage, replay
 from stores import SharedDirFeatureStore
-from stores._shared_dir import sample_file_name
+from stores._shared_dir_layout import sample_file_name
 from tests._crash import PRODUCER, RANK, RUN, SAMPLES, child, kill_at_random, live_generations
 
 

@@ -33,8 +33,8 @@ from dataflow import (
     StoreUnavailableError,
 )
 from stores import MooncakeFeatureStore, _mooncake_client, mooncake_master, open_store
-from stores._mooncake import _HEAD_MAGIC, _HEAD_SUM, _decode_record, _encode_record
 from stores._mooncake_client import _Generations
+from stores._mooncake_records import _HEAD_MAGIC, _HEAD_SUM, _decode_record, _encode_record
 from stores.mooncake_master import MooncakeMaster, find_master_binary, free_port, port_open
 from stores.testing import FeatureStoreContract, assert_same_tensor
 

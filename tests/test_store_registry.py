@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 
@@ -41,6 +42,27 @@ def test_public_names():
         "open_store",
         "register_store",
     }
+
+
+def test_importing_stores_leaves_mooncake_out_until_a_mooncake_name_is_used():
+    code = (
+        "import sys, stores\n"
+        "def loaded():\n"
+        "    return sorted(m for m in sys.modules if 'mooncake' in m.split('.')[-1]"
+        " or m.split('.')[0] == 'mooncake')\n"
+        "print(','.join(loaded()))\n"
+        "stores.MooncakeFeatureStore, stores.lend_memory\n"
+        "print(','.join(loaded()))\n"
+        "print(stores.MooncakeFeatureStore.__module__, 'lend_memory' in dir(stores))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "", f"import stores pulled in {out[0]}"
+    assert "stores._mooncake" in out[1].split(",") and "mooncake" not in out[1].split(",")
+    assert out[2] == "stores._mooncake True"
+    with pytest.raises(AttributeError, match="no_such_name"):
+        stores.no_such_name  # noqa: B018
 
 
 def test_builtin_schemes(tmp_path):

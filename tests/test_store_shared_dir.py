@@ -15,7 +15,8 @@ import xxhash
 
 from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError, StoreError
 from stores import SharedDirFeatureStore, open_store
-from stores._shared_dir import MAGIC, sample_file_name
+from stores._shared_dir_format import MAGIC
+from stores._shared_dir_layout import sample_file_name
 from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_same_tensor
 
 

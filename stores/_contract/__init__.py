@@ -1,0 +1,1 @@
+"""The FeatureStore conformance suite, by concern; :mod:`stores.testing` combines it."""

@@ -1,0 +1,49 @@
+"""The base of every suite of the contract: the store under test and how to reach it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dataflow.interfaces import FeatureStore, StoredObject
+from dataflow.model import SampleRef
+
+
+class StoreSuite:
+    """What each suite of the contract needs: :meth:`make_store` (which a subclass
+    implements), the ``store`` fixture that closes what it made, and
+    :meth:`rewrite_stored_bytes` for stores that keep bytes at rest."""
+
+    def make_store(self, tmp_path: Path) -> FeatureStore:
+        raise NotImplementedError("a FeatureStoreContract subclass implements make_store")
+
+    def rewrite_stored_bytes(
+        self, store: FeatureStore, ref: SampleRef, name: str, change: Callable[[bytearray], None]
+    ) -> None:
+        """Change the stored bytes of feature ``name`` of ``ref`` behind the store's back.
+
+        ``change`` edits the bytes in place. A store that keeps bytes at rest
+        (files, a remote store) implements this, and the contract then checks
+        that a get notices; the default skips those tests, as fits a store of
+        live tensors in process memory.
+        """
+        pytest.skip(f"{type(self).__name__} keeps no bytes at rest (no rewrite_stored_bytes)")
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[FeatureStore]:
+        made = self.make_store(tmp_path)
+        try:
+            yield made
+        finally:
+            made.close()
+
+    def _listed(self, store: FeatureStore, ids: set[str]) -> dict[str, StoredObject]:
+        listed: dict[str, StoredObject] = {}
+        for obj in store.scan():
+            assert isinstance(obj, StoredObject), obj
+            if obj.sample_id in ids:
+                assert obj.sample_id not in listed, f"{obj.sample_id} listed twice"
+                listed[obj.sample_id] = obj
+        return listed

@@ -1,0 +1,238 @@
+"""The file format of the shared directory store: one file per sample generation.
+
+File format (little endian)::
+
+    b"DFFEAT02" | u64 header length | u64 generation | u64 header xxh3 | header JSON
+    | zero pad | tensor bytes
+
+The header is ``{"sample_id": ..., "data_bytes": ..., "tensors": {name: {"dtype",
+"shape", "offset", "nbytes", "xxh3"}}}``. The data starts at the first 64-byte
+aligned offset after the header; tensor offsets count from there, each 64-byte
+aligned, tensors in name order (see :mod:`stores._tensors`). ``xxh3`` is the
+XXH3-64 of a tensor's bytes (16 hex digits); the header xxh3 covers magic,
+length, generation and header JSON. A header that fails its checksum, or names
+another sample, is corruption; only an intact header of another generation
+means the ref's generation is gone (stale).
+
+A file is written with generation and header checksum zero, and sealed
+(:func:`seal`) once its generation is chosen, just before it is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import torch
+import xxhash
+
+from dataflow import CorruptFeatureError
+from dataflow.model import FeatureSpec, SampleRef
+from stores import _tensors
+
+MAGIC = b"DFFEAT02"
+_MAGIC_FAMILY = b"DFFEAT"
+_PREFIX = struct.Struct("<8sQQQ")
+_SUMMED = struct.Struct("<8sQQ")  # what the header xxh3 covers, with the header JSON
+_SEALED = struct.Struct("<QQ")  # generation and header xxh3, written last, at offset 16
+_HEADER_READ = 4096
+_MAX_HEADER = 64 << 20
+_IOV_MAX = 512
+_FIX = "delete the file and put the sample again (regenerate it); refs to it cannot be read"
+
+
+def _corrupt(path: str, sample_id: str | None, what: str) -> CorruptFeatureError:
+    sample = "of an unknown sample" if sample_id is None else f"of sample {sample_id!r}"
+    return CorruptFeatureError(f"{path} ({sample}): {what}; the file is corrupt: {_FIX}")
+
+
+def _header_checksum(header: bytes, generation: int) -> int:
+    """XXH3-64 of everything before the data but the checksum itself."""
+    return xxhash.xxh3_64_intdigest(_SUMMED.pack(MAGIC, len(header), generation) + header)
+
+
+# -- writing -------------------------------------------------------------------
+def file_pieces(
+    sample_id: str,
+    dense: dict[str, torch.Tensor],
+    specs: dict[str, FeatureSpec],
+    checksums: bool,
+) -> tuple[list[memoryview], bytes]:
+    """The bytes of a new (unsealed) file of ``sample_id``, as pieces, and its header JSON."""
+    spans = _tensors.layout(specs)
+    data_bytes = _tensors.end_of(spans.values())
+    data = {name: _tensors.byte_view(dense[name]).numpy() for name in specs}
+    sums = {name: _tensors.checksum(data[name]) if checksums else None for name in data}
+    header = _header(sample_id, specs, spans, data_bytes, sums)
+    start = _tensors.align(_PREFIX.size + len(header))
+    pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0, 0) + header)]
+    position = _PREFIX.size + len(header)
+    for name in sorted(specs):
+        offset, nbytes = spans[name]
+        pieces.append(memoryview(bytes(start + offset - position)))
+        pieces.append(memoryview(data[name]))
+        position = start + offset + nbytes
+    pieces.append(memoryview(bytes(start + data_bytes - position)))
+    return pieces, header
+
+
+def _header(
+    sample_id: str,
+    specs: dict[str, FeatureSpec],
+    spans: dict[str, tuple[int, int]],
+    data_bytes: int,
+    sums: dict[str, str | None],
+) -> bytes:
+    tensors = {
+        name: {
+            "dtype": _tensors.dtype_str(spec.dtype),
+            "shape": list(spec.shape),
+            "offset": spans[name][0],
+            "nbytes": spans[name][1],
+            "xxh3": sums[name],
+        }
+        for name, spec in specs.items()
+    }
+    doc = {"sample_id": sample_id, "data_bytes": data_bytes, "tensors": tensors}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def writev_all(fd: int, buffers: list[memoryview]) -> None:
+    buffers = [b for b in buffers if len(b)]
+    while buffers:
+        written = os.writev(fd, buffers[:_IOV_MAX])
+        while buffers and written >= len(buffers[0]):
+            written -= len(buffers.pop(0))
+        if written:
+            buffers[0] = buffers[0][written:]
+
+
+def seal(fd: int, header: bytes, generation: int) -> None:
+    """Write the generation and the header checksum of an unsealed file."""
+    os.pwrite(fd, _SEALED.pack(generation, _header_checksum(header, generation)), 16)
+
+
+# -- reading -------------------------------------------------------------------
+def current_generation(path: str, sample_id: str) -> int:
+    """Generation in ``path``; 0 when there is none, or a corrupt one (so replaceable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return 0
+    try:
+        return read_sealed(fd, path, sample_id)[0]
+    except CorruptFeatureError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def read_sealed(fd: int, path: str, sample_id: str | None) -> tuple[int, bytes, int]:
+    """(generation, header JSON, where it ends) of a file whose header passes its checksum.
+
+    ``sample_id`` (None: unknown) only names the sample in errors.
+    """
+    try:
+        head = os.pread(fd, _HEADER_READ, 0)
+    except IsADirectoryError:
+        # A directory in place of the file (made by hand): corrupt, so that a get
+        # names it and a trainer counts the sample lost, and a put may replace it.
+        raise CorruptFeatureError(
+            f"{path} should be the file of "
+            f"{'a sample' if sample_id is None else f'sample {sample_id!r}'} but is a "
+            "directory: remove it and put the sample again"
+        ) from None
+    if len(head) < _PREFIX.size:
+        raise _corrupt(path, sample_id, f"truncated ({len(head)} bytes, no header)")
+    magic, length, generation, written = _PREFIX.unpack_from(head)
+    if magic != MAGIC and magic[:6] == _MAGIC_FAMILY:
+        raise _corrupt(
+            path,
+            sample_id,
+            f"file format version {magic[6:].decode(errors='replace')}, this dataflow reads "
+            f"only version {MAGIC[6:].decode()} (files with checksums)",
+        )
+    if magic != MAGIC or length > _MAX_HEADER:
+        raise _corrupt(path, sample_id, "not a dataflow feature file (bad magic or header)")
+    end = _PREFIX.size + length
+    if end > len(head):
+        head += os.pread(fd, end - len(head), len(head))
+    if end > len(head):
+        raise _corrupt(path, sample_id, "truncated inside its header")
+    raw = head[_PREFIX.size : end]
+    if _header_checksum(raw, generation) != written:
+        raise _corrupt(
+            path,
+            sample_id,
+            "its header (sample id, generation, tensor table) fails its checksum",
+        )
+    return generation, raw, end
+
+
+def read_header(fd: int, path: str, sample_id: str | None) -> tuple[int, dict[str, Any]]:
+    """(generation, header) of an intact file of ``sample_id`` (None: of any sample)."""
+    generation, raw, end = read_sealed(fd, path, sample_id)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header["tensors"], dict) or not isinstance(header["data_bytes"], int):
+            raise TypeError("bad field types")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _corrupt(path, sample_id, f"unreadable header: {exc}") from exc
+    if sample_id is not None and header.get("sample_id") != sample_id:
+        raise _corrupt(path, sample_id, f"its header names sample {header.get('sample_id')!r}")
+    header["start"] = _tensors.align(end)
+    size, actual = header["start"] + header["data_bytes"], os.fstat(fd).st_size
+    if actual < size:
+        raise _corrupt(path, sample_id, f"truncated: {actual} bytes, its header says {size}")
+    return generation, header
+
+
+def check_header(header: dict[str, Any], ref: SampleRef, names: list[str], path: str) -> None:
+    for name in names:
+        entry = header["tensors"].get(name)
+        spec = ref.specs[name]
+        if (
+            not isinstance(entry, dict)
+            or entry.get("dtype") != _tensors.dtype_str(spec.dtype)
+            or entry.get("shape") != list(spec.shape)
+        ):
+            raise _corrupt(
+                path,
+                ref.sample_id,
+                f"feature {name!r} is {entry!r} on disk, the ref says "
+                f"{_tensors.dtype_str(spec.dtype)} {list(spec.shape)}",
+            )
+        nbytes, offset = _tensors.nbytes(spec), entry.get("offset")
+        if (
+            entry.get("nbytes") != nbytes
+            or not isinstance(offset, int)
+            or not 0 <= offset <= header["data_bytes"] - nbytes
+        ):
+            raise _corrupt(path, ref.sample_id, f"feature {name!r} has a bad extent {entry!r}")
+
+
+def read_tensor(
+    fd: int,
+    target: Any,
+    header: dict[str, Any],
+    ref: SampleRef,
+    name: str,
+    path: str,
+    *,
+    checksums: bool,
+) -> None:
+    """Read feature ``name`` into ``target`` (a uint8 numpy array); verify it if ``checksums``."""
+    entry = header["tensors"][name]
+    offset = header["start"] + entry["offset"]
+    view = memoryview(target)
+    while view:
+        got = os.preadv(fd, [view], offset)
+        if got == 0:
+            raise _corrupt(path, ref.sample_id, f"truncated at byte {offset}")
+        view, offset = view[got:], offset + got
+    if checksums:
+        _tensors.verify(
+            target, entry.get("xxh3"), sample_id=ref.sample_id, name=name, where=path, fix=_FIX
+        )

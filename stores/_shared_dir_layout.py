@@ -1,0 +1,143 @@
+"""The directories of a shared directory store, and the locks that order its writers.
+
+Layout under the root::
+
+    samples/<bucket 00..ff>/<name of the sample id>   the sample's current generation
+    tmp/                                             files being written
+    locks/<bucket>.lock                              flock per bucket, never deleted
+
+Buckets are fixed, so a put costs the fsyncs of a plain atomic file write, no more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import itertools
+import logging
+import os
+import re
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from dataflow import StoreError
+from dataflow.interfaces import fsync_path
+
+BUCKETS = 256
+_PLAIN_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+_ESCAPE_RE = re.compile(r"[^A-Za-z0-9._-]|^\.")
+_MAX_NAME = 200
+#: The name of a file in tmp/ (``{pid}-{thread}-{count}.tmp``).
+TMP_NAME_RE = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.tmp")
+_tmp_names = itertools.count()
+log = logging.getLogger("stores._shared_dir")  # the store's logger, as documented
+
+
+def sample_file_name(sample_id: str) -> str:
+    """The file name a (valid) sample id is stored under; injective over valid ids.
+
+    ``/`` and ``:`` (and a leading ``.``) become ``%2F``, ``%3A`` (``%2E``);
+    ``%`` never occurs in a valid id, so no two ids escape to the same name.
+    Names longer than 200 characters become ``~`` + sha256 of the id, which no
+    escaped name starts with; the header keeps the full id and reads check it.
+    """
+    if _PLAIN_RE.fullmatch(sample_id):
+        escaped = sample_id
+    else:
+        escaped = _ESCAPE_RE.sub(lambda m: f"%{ord(m.group()):02X}", sample_id)
+    if len(escaped) <= _MAX_NAME:
+        return escaped
+    return "~" + hashlib.sha256(sample_id.encode()).hexdigest()
+
+
+def _bucket(sample_id: str) -> str:
+    return f"{zlib.crc32(sample_id.encode()) % BUCKETS:02x}"
+
+
+class _Directory:
+    """The root of one store handle: its paths, its temporary files, its bucket locks."""
+
+    def __init__(self, root: Path, uri: str) -> None:
+        self.root = root
+        self.uri = uri
+        self.samples = str(root / "samples")
+        self.tmp = str(root / "tmp")
+        self.locks = str(root / "locks")
+        self._lay_out()
+        self._lock_fds: dict[str, int] = {}
+        self._bucket_locks = {f"{b:02x}": threading.Lock() for b in range(BUCKETS)}
+        self._pid = os.getpid()
+
+    def _lay_out(self) -> None:
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise StoreError(
+                f"the shared directory store's root {str(root)!r} is a file, not a "
+                "directory: pass a directory (or a path that does not exist yet)"
+            )
+        try:
+            for directory in (self.tmp, self.locks):
+                os.makedirs(directory, exist_ok=True)
+            created = False
+            for bucket in range(BUCKETS):
+                with contextlib.suppress(FileExistsError):
+                    os.makedirs(f"{self.samples}/{bucket:02x}")
+                    created = True
+            if created:
+                fsync_path(self.samples, directory=True)
+        except OSError as exc:
+            raise StoreError(
+                f"cannot lay out the shared directory store under {str(root)!r}: {exc}"
+            ) from exc
+
+    def file(self, sample_id: str) -> str:
+        """The path of the file that holds the current generation of ``sample_id``."""
+        return f"{self.samples}/{_bucket(sample_id)}/{sample_file_name(sample_id)}"
+
+    def open_tmp(self) -> tuple[int, str]:
+        """A new temporary file, open for writing, and its path."""
+        tmp = f"{self.tmp}/{os.getpid()}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            return os.open(tmp, flags, 0o644), tmp
+        except FileNotFoundError:  # tmp/ was removed: make it again, not fail every put after
+            log.warning("%s: recreating the missing directory %s", self.uri, self.tmp)
+            os.makedirs(self.tmp, exist_ok=True)
+            return os.open(tmp, flags, 0o644), tmp
+
+    @contextlib.contextmanager
+    def locked(self, sample_id: str) -> Iterator[None]:
+        """Hold the lock of the bucket of ``sample_id``, against threads and processes."""
+        # One fd per bucket and process, flocked, plus a thread lock per bucket:
+        # a flock belongs to the open file, so it cannot keep apart our own
+        # threads (they share the fd), and a forked child must open fds of its
+        # own (the inherited ones share its parent's locks).
+        if self._pid != os.getpid():
+            self._lock_fds, self._pid = {}, os.getpid()
+            self._bucket_locks = {b: threading.Lock() for b in self._bucket_locks}
+        bucket = _bucket(sample_id)
+        with self._bucket_locks[bucket]:
+            fd = self._lock_fds.get(bucket)
+            if fd is None:
+                path = f"{self.locks}/{bucket}.lock"
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                except FileNotFoundError:  # locks/ was removed
+                    os.makedirs(self.locks, exist_ok=True)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._lock_fds[bucket] = fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Close the lock files (a forked child leaves its parent's alone)."""
+        if self._pid == os.getpid():
+            for fd in self._lock_fds.values():
+                os.close(fd)
+        self._lock_fds = {}
