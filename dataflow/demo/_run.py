@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
-from dataflow.demo import DemoError, DemoOptions
 from dataflow.demo._child import run_child, write_config
+from dataflow.demo._options import DemoError, DemoOptions
 from dataflow.demo._report import build_report, lineage_report, write_timeline
 from dataflow.model._fold import RunState
 from dataflow.recorder._ledger import Ledger
+from dataflow.tools._printing import fails_verification, print_run_report, progress_bar, say
+from dataflow.tools._run_fold import RunFold
+from dataflow.tools._run_report import run_report
 
 PRODUCERS = 2
 RANKS = 2
@@ -446,8 +449,6 @@ class Demo:
 
     # -- the end ------------------------------------------------------------------------
     def _finish(self) -> dict[str, Any]:
-        from dataflow.cli import build_parser
-
         state = RunState(self.run_id, ref_source=self.ledger)
         state.apply_rows(self.ledger.rows(self.run_id))
         self._read_evals()
@@ -456,10 +457,7 @@ class Demo:
         print(
             f"\n$ dataflow replay --ledger {self.ledger.safe_url} --run {self.run_id}", flush=True
         )
-        replay = build_parser().parse_args(
-            ["replay", "--ledger", self.ledger_url, "--run", self.run_id]
-        )
-        replay.func(replay)
+        self._print_replay()
         sys.stdout.flush()
         final = self._final_eval()
         lineage = lineage_report(self.ledger.events(self.run_id))
@@ -489,6 +487,16 @@ class Demo:
         _write_json(self.workdir / "report.json", report)
         self._summary(report)
         return report
+
+    def _print_replay(self) -> None:
+        """Print what ``dataflow replay`` prints of the run (its report, then any violations)."""
+        with progress_bar("replay", self.ledger.head_seq(self.run_id)) as progress:
+            fold = RunFold(self.ledger, self.run_id)
+            fold.update(progress)
+        report = run_report(fold)
+        print_run_report(report)
+        if report["violations"]:
+            say(fails_verification(self.run_id, len(report["violations"])), file=sys.stderr)
 
     def _final_eval(self) -> dict[str, Any]:
         path = self.run_dir / "final.json"

@@ -87,6 +87,15 @@ class RunView:
         """Fold ``rows`` (the events after the fold's head, in seq order) into the view."""
         return self._fold(self.state, rows)
 
+    def tail(self) -> Iterable[Row]:
+        """The rows after the fold's head (up to ``upto_seq``), read lazily.
+
+        For a reader that folds them in steps of its own through :meth:`apply`
+        (the status fold marks each resume and samples its timeline between rows);
+        ``on_rows`` sees only what :meth:`catch_up` and :meth:`refold` fold.
+        """
+        return self._tail(self.state)
+
     def save_snapshot(self, every: int | None) -> bool:
         """Snapshot the fold when ``every`` events or more came since the last one.
 

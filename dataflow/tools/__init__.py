@@ -1,4 +1,4 @@
-"""Read-side tools over a recorded run: inspect, export, garbage collection."""
+"""Read-side tools over a recorded run: inspect, reports (as data and as text), export, gc."""
 
 from dataflow.tools._gc import GcReport, collect_garbage
 

@@ -20,7 +20,7 @@ from dataflow.model._events import Kind
 
 if TYPE_CHECKING:
     from dataflow.recorder._ledger import Ledger
-    from dataflow.tools._inspect import Progress
+    from dataflow.tools._progress import Progress
 
 SCHEMA = pa.schema(
     [
@@ -36,7 +36,7 @@ SCHEMA = pa.schema(
     ]
 )
 #: One row per committed sample, in commit order. ``state``: one of
-#: dataflow.tools._inspect.SAMPLE_STATES; ``commit_seq`` and ``producer``: the commit of its
+#: dataflow.tools._samples.SAMPLE_STATES; ``commit_seq`` and ``producer``: the commit of its
 #: newest ``revision``; ``reason``: why it is dead or lost.
 SAMPLES_SCHEMA = pa.schema(
     [
@@ -171,7 +171,7 @@ def _write_events(
 
 
 def _write_samples(path: Path, state: Any, commits: dict[str, tuple[int, str]]) -> None:
-    from dataflow.tools._inspect import sample_rows
+    from dataflow.tools._samples import sample_rows
 
     names = SAMPLES_SCHEMA.names
     with pq.ParquetWriter(path, SAMPLES_SCHEMA) as writer:
