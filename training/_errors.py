@@ -13,7 +13,7 @@ Bad arguments raise ``dataflow.InvalidArgumentError`` (a ``ValueError``) or
 
 from __future__ import annotations
 
-from dataflow import DataflowError
+from dataflow import DataflowError, PeerFailedError
 
 
 class TrainingError(DataflowError):
@@ -30,6 +30,12 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest, or its manifest the ledger's record."""
+
+
+class _PeerCheckpointError(CheckpointError, PeerFailedError):
+    """Another rank failed while this one recorded a checkpoint (in the consumer's meetings):
+    what a peer's failure is everywhere, a ``PeerFailedError``, and what the manager's
+    callers catch, a ``CheckpointError``."""
 
 
 class _ReplacedError(CorruptCheckpointError):
