@@ -5,7 +5,12 @@
         └── CheckpointError                        a save or load could not be done
             ├── CheckpointNotFoundError (FileNotFoundError)
             ├── CorruptCheckpointError             bytes on disk differ from what was recorded
-            └── IncompatibleCheckpointError (ValueError)  saved by a differently set-up run
+            ├── IncompatibleCheckpointError (ValueError)  saved by a differently set-up run
+            └── (private) a peer's failure in the consumer's meetings of a save, also a
+                dataflow.PeerFailedError
+
+A peer's failure in the manager's own meetings (``training._dist.agree``, through
+``dataflow.live.agree``) raises ``CheckpointError``, carrying the failed rank's error.
 
 Bad arguments raise ``dataflow.InvalidArgumentError`` (a ``ValueError``) or
 ``dataflow.ArgumentTypeError`` (a ``TypeError``), as everywhere in dataflow.
