@@ -35,22 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import (
-    Consumer,
-    InvalidArgumentError,
-)
+from dataflow import Consumer, InvalidArgumentError
 from training._best import BestRecord
 from training._config import CheckpointConfig
 from training._dist import agree
-from training._errors import (
-    CheckpointError,
-)
-from training._layout import (
-    SavedCheckpoint,
-    parse_dir_name,
-    read_manifest,
-    run_dir_name,
-)
+from training._errors import CheckpointError
+from training._layout import SavedCheckpoint, parse_dir_name, read_manifest, run_dir_name
 from training._load import _Loading
 from training._retention import _Retention
 from training._save import _check_metrics, _Saving

@@ -11,12 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataflow import (
-    Consumer,
-    InvalidArgumentError,
-    ProducerLostError,
-    SampleRef,
-)
+from dataflow import Consumer, InvalidArgumentError, ProducerLostError, SampleRef
 from training._accelerator import current_accelerator
 from training._config import LoaderConfig
 from training._reading import CollateFn, _BatchReading, _Read, collate, pinned

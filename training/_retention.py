@@ -8,14 +8,8 @@ import secrets
 import shutil
 from pathlib import Path
 
-from dataflow import (
-    Consumer,
-)
-from training._layout import (
-    TMP_PREFIX,
-    TRASH_PREFIX,
-    parse_dir_name,
-)
+from dataflow import Consumer
+from training._layout import TMP_PREFIX, TRASH_PREFIX, parse_dir_name
 
 log = logging.getLogger("training")
 

@@ -17,20 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import (
-    Consumer,
-    InvalidArgumentError,
-    PeerFailedError,
-    StaleEpochError,
-)
+from dataflow import Consumer, InvalidArgumentError, PeerFailedError, StaleEpochError
 from dataflow.interfaces import fsync_path
 from dataflow.live import group_active
 from training._config import COMPONENTS
 from training._dist import agree
-from training._errors import (
-    CheckpointError,
-    _PeerCheckpointError,
-)
+from training._errors import CheckpointError, _PeerCheckpointError
 from training._layout import (
     FORMAT,
     MANIFEST_FILE,
