@@ -28,8 +28,6 @@ _SCALARS = ("loss_sum", "num_tokens", "negative", "over", "non_finite")
 # Layout of the header agreed with an all_reduce MAX before anything else is sent.
 _HEADER = ("num_positions", "num_batches", "per_position", "single", "failed")
 
-_ACCELERATOR_BACKENDS = {"nccl": "cuda", "xccl": "xpu"}
-
 
 class Evaluator:
     """Eval metrics over the per-batch output dicts of a draft model.
@@ -81,10 +79,11 @@ class Evaluator:
         header = dict(zip(_HEADER, totals.header(failed=failure is not None), strict=True))
         device = totals.device
         if distributed:
-            device = communication_device(dist.get_backend(self.group))
-            agreed = torch.tensor(list(header.values()), dtype=torch.int64, device=device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-            header = dict(zip(_HEADER, agreed.tolist(), strict=True))
+            # dataflow's collectives, imported here: importing eval imports only torch.
+            from dataflow.live import flag_device, reduce_max
+
+            device = flag_device(self.group)
+            header = dict(zip(_HEADER, reduce_max(list(header.values()), self.group), strict=True))
 
         if header["failed"]:
             raise failure or EvalError(
@@ -122,22 +121,6 @@ class Evaluator:
             )
         with torch.no_grad():
             return self.run(_model_outputs(model_fn, batches))
-
-
-def communication_device(backend: str) -> torch.device:
-    """The device collectives of a process group with ``backend`` run on.
-
-    ``gloo`` (and any other host backend) communicates from the CPU, ``nccl`` from CUDA;
-    for a per-device backend such as ``"cpu:gloo,cuda:nccl"`` the accelerator wins.
-    Derived from the backend alone, so every rank of a group picks the same device.
-    """
-    for part in str(backend).lower().split(","):
-        device, _, name = part.strip().rpartition(":")
-        if device and device != "cpu":
-            return torch.device(device)
-        if not device and name in _ACCELERATOR_BACKENDS:
-            return torch.device(_ACCELERATOR_BACKENDS[name])
-    return torch.device("cpu")
 
 
 @dataclass
@@ -337,3 +320,11 @@ def _add_padded(total: torch.Tensor | None, vector: torch.Tensor) -> torch.Tenso
         return vector.clone()
     length = max(total.numel(), vector.numel())
     return _pad(total, length) + _pad(vector, length)
+
+
+def communication_device(backend: str) -> torch.device:
+    """``dataflow.live.communication_device``: the device collectives of a group with
+    ``backend`` run on (imported on first use: importing eval imports only torch)."""
+    from dataflow.live import communication_device as device
+
+    return device(backend)

@@ -33,8 +33,7 @@ pytestmark = pytest.mark.skipif(
 
 def _collectives(backend: str, port: int, out: str) -> None:
     from dataflow import PeerFailedError
-    from dataflow.live._collectives import agree, broadcast_int, flag_device
-    from training._dist import exchange
+    from dataflow.live._collectives import agree, broadcast_int, exchange, flag_device
 
     torch.cuda.set_device(0)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

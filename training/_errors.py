@@ -5,7 +5,12 @@
         └── CheckpointError                        a save or load could not be done
             ├── CheckpointNotFoundError (FileNotFoundError)
             ├── CorruptCheckpointError             bytes on disk differ from what was recorded
-            └── IncompatibleCheckpointError (ValueError)  saved by a differently set-up run
+            ├── IncompatibleCheckpointError (ValueError)  saved by a differently set-up run
+            └── (private) a peer's failure in the consumer's meetings of a save, also a
+                dataflow.PeerFailedError
+
+A peer's failure in the manager's own meetings (``training._dist.agree``, through
+``dataflow.live.agree``) raises ``CheckpointError``, carrying the failed rank's error.
 
 Bad arguments raise ``dataflow.InvalidArgumentError`` (a ``ValueError``) or
 ``dataflow.ArgumentTypeError`` (a ``TypeError``), as everywhere in dataflow.
@@ -13,7 +18,7 @@ Bad arguments raise ``dataflow.InvalidArgumentError`` (a ``ValueError``) or
 
 from __future__ import annotations
 
-from dataflow import DataflowError
+from dataflow import DataflowError, PeerFailedError
 
 
 class TrainingError(DataflowError):
@@ -30,6 +35,12 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its manifest, or its manifest the ledger's record."""
+
+
+class _PeerCheckpointError(CheckpointError, PeerFailedError):
+    """Another rank failed while this one recorded a checkpoint (in the consumer's meetings):
+    what a peer's failure is everywhere, a ``PeerFailedError``, and what the manager's
+    callers catch, a ``CheckpointError``."""
 
 
 class _ReplacedError(CorruptCheckpointError):

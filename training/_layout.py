@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dataflow import InvalidArgumentError
-from dataflow.interfaces._durable import fsync_path
+from dataflow.interfaces import fsync_path
 from training._errors import CheckpointNotFoundError, CorruptCheckpointError, _ReplacedError
 
 FORMAT = 2

@@ -93,3 +93,24 @@ def _check(value: Any, where: str, path: set[int]) -> None:
 def _name(kind: type) -> str:
     module = kind.__module__
     return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+#: What an absent (None) entry is stored as, so every save writes the same entries.
+ABSENT = {"__dataflow_training__": "absent"}
+_MAX_STEP = 2**63 - 1  # the ledger's step column is a 64-bit integer
+
+
+def check_step(step: object) -> int:
+    """``step``, checked: an int in [0, 2**63 - 1] (the ledger's step column)."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise InvalidArgumentError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if step < 0:
+        raise InvalidArgumentError(f"step must be >= 0, got {step}")
+    if step > _MAX_STEP:
+        raise InvalidArgumentError(f"step must fit in 64 bits (<= 2**63 - 1), got {step}")
+    return step
+
+
+def without_absent(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as saved, each ``ABSENT`` marker back to None."""
+    return {k: None if isinstance(v, dict) and v == ABSENT else v for k, v in state.items()}

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -12,50 +10,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow import Checkpoint, Consumer, InvalidArgumentError, Producer, ReconcilePlan
+from dataflow import Checkpoint, Consumer, InvalidArgumentError, ReconcilePlan
+from dataflow.live import reduce_max
 from eval import Evaluator
 from training._checkpoint import CheckpointManager
 from training._config import LoaderConfig, TrainerConfig
-from training._dist import agree, flag_device
-from training._errors import IncompatibleCheckpointError
-from training._layout import rank_file
-from training._loader import Batch, CollateFn, FeatureLoader, check_position
+from training._loader import Batch, CollateFn, FeatureLoader
+from training._resuming import (
+    DATA_ENTRY,
+    REGENERATE_PRODUCER_ID,
+    RNG_ENTRY,
+    TRAINER_ENTRY,
+    RegenerateFn,
+    _derived_seed,
+    _Resuming,
+    _seed_generators,
+)
 from training._rng import rng_state, set_rng_state
 from training._step import StepHelper
 
 log = logging.getLogger("training")
 
-#: Called with the ids to regenerate on a resume; yields ``(sample_id, features)``.
-RegenerateFn = Callable[[list[str]], Iterable[tuple[str, Mapping[str, torch.Tensor]]]]
-#: The state entry where the Trainer records its set-up (checked on resume).
-TRAINER_ENTRY = "trainer"
-#: The per-rank state entry where the Trainer records the rank's data position.
-DATA_ENTRY = "data"
-#: The per-rank state entry where the Trainer records the rank's random generators.
-RNG_ENTRY = "rng"
-#: The producer id under which rank 0 commits regenerated samples.
-REGENERATE_PRODUCER_ID = "trainer-regenerate"
+__all__ = ["REGENERATE_PRODUCER_ID", "Trainer", "_derived_seed", "_seed_generators"]
+
 
 #: A zero-argument function returning the per-batch eval output dicts, or a
 #: ``(model_fn, batches)`` pair for ``Evaluator.evaluate``.
 EvalFn = Callable[[], Iterable[Mapping[str, Any]]] | tuple[Callable[[Any], Mapping[str, Any]], Any]
-
-
-def _derived_seed(digest: str, rank: int) -> int:
-    """A 63-bit seed for ``rank``'s fresh generators, from old rank 0's file digest."""
-    key = f"{digest}:{rank}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1
-
-
-def _seed_generators(seed: int) -> None:
-    """Seed what ``rng_state`` saves: Python's, NumPy's (when installed) and torch's."""
-    random.seed(seed)
-    torch.manual_seed(seed)  # the CPU's and every accelerator device's
-    try:
-        import numpy as np
-    except ImportError:
-        return
-    np.random.seed(seed % 2**32)
 
 
 def _check_callable(name: str, fn: object, *, optional: bool = False) -> None:
@@ -81,7 +62,7 @@ def _check_eval_fn(eval_fn: object) -> None:
     )
 
 
-class Trainer:
+class Trainer(_Resuming):
     """Runs the loop of a custom trainer over a Consumer's run; the model stays yours.
 
     ``run()`` resumes (unless ``resume`` was called), then per micro-batch calls
@@ -360,175 +341,6 @@ class Trainer:
         return metrics
 
     # -- internals ----------------------------------------------------------------
-    def _setup(self) -> dict[str, Any]:
-        """What a checkpoint must match to be resumed by this trainer."""
-        consumer = self.consumer
-        seeded = consumer.order_seed is not None
-        return {
-            "grad_accum": self.config.grad_accum,
-            "world_size": consumer.world_size,
-            "order_seed": consumer.order_seed,
-            "dataset_size": len(consumer.state.committed) if seeded else None,
-        }
-
-    def _check_resumable(self, state: dict, rank_state: dict | None) -> None:
-        """Before the resume event: refuse a checkpoint of a differently set-up run."""
-        self._resumed_rank_state = rank_state
-        self._check_model_keys(state)
-        resized = self._note_resize()
-        data = (rank_state or {}).get(DATA_ENTRY)
-        self._resumed_position = 0
-        # A resize starts a new split: the saved positions were places in the old ranks'
-        # queues, and this rank's batches now start where its new queue starts (0).
-        if not resized and isinstance(data, dict) and "position" in data:
-            # Seeded: a place in the rank's queue, where batches must line up; in arrival
-            # order only a count (a stream's batches may be short).
-            seeded = self.consumer.order_seed is not None
-            try:
-                check_position(
-                    data["position"],
-                    self.loader.config.batch_size if seeded else 1,
-                    saved_batch_size=data.get("batch_size") if seeded else 1,
-                )
-            except ValueError as exc:
-                raise IncompatibleCheckpointError(
-                    f"cannot resume rank {self.consumer.rank} of run {self.consumer.run_id!r}: "
-                    f"{exc}"
-                ) from None
-            self._resumed_position = data["position"]
-        saved = state.get(TRAINER_ENTRY)
-        if not isinstance(saved, dict) or "grad_accum" not in saved:
-            return  # not saved by a Trainer: nothing to compare
-        mine = self._setup()
-        consumer = self.consumer
-        compared = ("grad_accum", "order_seed") + (
-            () if self.config.allow_resize else ("world_size",)
-        )
-        problems = [
-            f"{name} was {saved.get(name)!r}, now {mine[name]!r}"
-            for name in compared
-            if saved.get(name) != mine[name]
-        ]
-        # The dataset: only a committed one has a size, and only rank 0 has caught up.
-        sizes = saved.get("dataset_size"), mine["dataset_size"]
-        comparable = consumer.rank == 0 and None not in sizes and consumer.producers_done
-        if comparable and sizes[0] != sizes[1]:
-            problems.append(f"dataset_size was {sizes[0]}, now {sizes[1]}")
-        if problems:
-            resize = (
-                "; to re-split the run over another number of ranks, pass "
-                'TrainerConfig(allow_resize=True) (docs/operations.md, "Resizing a run")'
-                if saved.get("world_size") != mine["world_size"] and not self.config.allow_resize
-                else ""
-            )
-            raise IncompatibleCheckpointError(
-                f"cannot resume run {consumer.run_id!r} from this checkpoint: "
-                + "; ".join(problems)
-                + ". Resume with the set-up it was saved with"
-                + resize
-            )
-
-    def _note_resize(self) -> bool:
-        """Whether this resume changes the number of ranks; note what this rank's own
-        state becomes. (Without ``allow_resize``, the manager refused a checkpoint with
-        per-rank state already, and the set-up check refuses the others.)"""
-        saved = self.checkpoints.resumed_from
-        rank = self.consumer.rank
-        if saved is None or saved.world_size == self.consumer.world_size:
-            return False
-        if saved.has_rank_state and rank >= saved.world_size:
-            self._new_rank = True
-            if RNG_ENTRY in saved.manifest.get("entries", {}).get("rank", ()):
-                # Old rank 0's file digest covers its generators: the same checkpoint
-                # resumed on the same world always gives this rank the same ones.
-                sha256 = saved.manifest["files"][rank_file(0)]["sha256"]
-                self._fresh_seed = _derived_seed(sha256, rank)
-        return True
-
-    def _check_model_keys(self, state: dict) -> None:
-        """The checkpoint's model must have exactly this model's keys (before any load)."""
-        saved = state.get("model")
-        if self.model is None or not isinstance(saved, Mapping):
-            return
-        mine, theirs = set(self.model.state_dict()), set(saved)
-        if not mine & theirs:
-            raise IncompatibleCheckpointError(
-                f"the checkpoint's model has no key in common with this model (saved: "
-                f"{sorted(theirs)[:5]}, this model: {sorted(mine)[:5]}): another model, or a "
-                "wrapped one (save and pass the unwrapped module, not the DDP wrapper)"
-            )
-        unexpected, missing = sorted(theirs - mine), sorted(mine - theirs)
-        if unexpected or missing:
-            raise IncompatibleCheckpointError(
-                f"the checkpoint's model does not fit this model: unexpected keys "
-                f"{unexpected[:10]}, missing keys {missing[:10]}"
-            )
-
-    def _regenerate(self, sample_ids: list[str]) -> None:
-        """Rank 0 puts the released samples back, as producer ``REGENERATE_PRODUCER_ID``;
-        the other ranks wait for it (an error on rank 0 is raised on every rank)."""
-        consumer = self.consumer
-        error = None
-        if consumer.rank == 0:
-            try:
-                self._put_back(sample_ids)
-            except Exception as exc:
-                error = exc
-        agree(
-            error,
-            world_size=consumer.world_size if self._distributed() else 1,
-            rank=consumer.rank,
-            what="regeneration",
-        )
-        log.info("regenerated %d samples of run %r", len(sample_ids), consumer.run_id)
-
-    def _put_back(self, sample_ids: list[str]) -> None:
-        """Commit ``regenerate_fn``'s features for ``sample_ids`` as ``REGENERATE_PRODUCER_ID``
-        (rank 0) or ``REGENERATE_PRODUCER_ID-rankN``: a producer id is held by one process at
-        a time, and ranks put back what they found lost at once."""
-        consumer = self.consumer
-        suffix = f"-rank{consumer.rank}" if consumer.rank else ""
-        producer = Producer(
-            consumer.ledger,
-            consumer.store,
-            run_id=consumer.run_id,
-            producer_id=REGENERATE_PRODUCER_ID + suffix,
-        )
-        wanted = set(sample_ids)
-        # The training's generators come out as they went in: a regenerate_fn that draws
-        # from (or seeds) the global ones must not change what the steps after draw, or a
-        # resume that regenerates would not end with the uninterrupted run's weights.
-        generators = rng_state()
-        try:
-            for sample_id, tensors in self.regenerate_fn(sample_ids):  # type: ignore[misc]
-                if sample_id not in wanted:
-                    raise InvalidArgumentError(
-                        f"regenerate_fn returned {sample_id!r}, which is not to regenerate"
-                    )
-                producer.regenerate(sample_id, tensors)
-                wanted.discard(sample_id)
-        finally:
-            set_rng_state(generators)
-        producer.close()
-        if wanted:
-            raise InvalidArgumentError(
-                f"regenerate_fn left out {len(wanted)} samples to regenerate: {sorted(wanted)[:10]}"
-            )
-
-    def _on_lost(self, sample_ids: list[str]) -> None:
-        """The loader found features gone: this rank, the only one that knows, puts them back
-        (no collective: the other ranks may be anywhere in their step)."""
-        if self.regenerate_fn is None:
-            warnings.warn(
-                f"{len(sample_ids)} samples of run {self.consumer.run_id!r} lost their features "
-                f"({sample_ids[:5]}): without a regenerate_fn, a producer must regenerate them "
-                "(Producer.regenerate) before they are trained",
-                stacklevel=2,
-            )
-            return
-        self._put_back(sample_ids)
-        log.info("regenerated %d lost samples of run %r", len(sample_ids), self.consumer.run_id)
-
     @property
     def _eval_enabled(self) -> bool:
         return self.eval_fn is not None and self.config.eval_every > 0
@@ -562,14 +374,8 @@ class Trainer:
         batch = self.loader.next_batch()
         remaining = self.loader.remaining_batches()
         has = int(batch is not None)
-        flags = torch.tensor(
-            [has, int(remaining is None), has + (remaining or 0)],
-            dtype=torch.int64,
-            device=flag_device(),
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_has, any_open, most = reduce_max([has, int(remaining is None), has + (remaining or 0)])
         self.agreements += 1
-        any_has, any_open, most = (int(v) for v in flags.tolist())
         if not any_open:
             self._batches_left = max(most - 1, 0)
             if most == 0:
@@ -588,13 +394,9 @@ class Trainer:
         if max_steps is not None and self.step >= max_steps:
             return False
         self.loader.flush()
-        left = torch.tensor(
-            [int(bool(self.loader.remaining_batches(fresh=True)))],
-            dtype=torch.int64,
-            device=flag_device(),
-        )
-        dist.all_reduce(left, op=dist.ReduceOp.MAX)  # not counted in self.agreements
-        if not int(left.item()):
+        # Not counted in self.agreements.
+        [left] = reduce_max([int(bool(self.loader.remaining_batches(fresh=True)))])
+        if not left:
             return False
         self._batches_left = None
         return True
@@ -629,8 +431,10 @@ class Trainer:
         if RNG_ENTRY not in rank_state and (components is None or RNG_ENTRY in components):
             rank_state[RNG_ENTRY] = rng_state()
         if DATA_ENTRY not in rank_state and (components is None or DATA_ENTRY in components):
-            batch_size = self.loader.config.batch_size
-            rank_state[DATA_ENTRY] = {"position": self.position, "batch_size": batch_size}
+            # The loader's state, at the position trained: the loader hands out the next
+            # micro-batch before this step's last one trains (to know the boundary), and
+            # a resume gives that batch back to the queue.
+            rank_state[DATA_ENTRY] = {**self.loader.state_dict(), "position": self.position}
         path = self.checkpoints.save(
             self.step, state, rank_state=rank_state or None, metrics=metrics
         )

@@ -3,9 +3,12 @@
 from dataflow.live._collectives import (
     agree,
     broadcast_int,
+    communication_device,
+    exchange,
     flag_device,
     group_active,
     join_loopback_gloo,
+    reduce_max,
 )
 from dataflow.live._consumer import Consumer
 from dataflow.live._producer import Producer
@@ -18,8 +21,11 @@ __all__ = [
     "RunView",
     "agree",
     "broadcast_int",
+    "communication_device",
+    "exchange",
     "flag_device",
     "group_active",
     "join_loopback_gloo",
+    "reduce_max",
     "replay",
 ]
