@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from dataflow.model._fold import RunState
-from dataflow.recorder._ledger import Ledger
+from dataflow.recorder._ledger import Ledger, WriteTransaction
 
 log = logging.getLogger("dataflow.view")
 
@@ -57,13 +57,20 @@ class RunView:
         #: The seq of the snapshot the fold started from (0: the start of the log);
         #: -1 until the first catch-up.
         self.snapshot_seq = -1
+        #: Set by a writer whose transaction folded its own events and then did not
+        #: commit (or whose COMMIT failed): the fold may hold events the ledger does
+        #: not, so the next catch-up refolds.
+        self.stale = False
 
     @property
     def started(self) -> bool:
         return self.snapshot_seq >= 0
 
     def catch_up(self) -> RunState:
-        """Fold what came since the last catch-up (the first starts from the newest snapshot)."""
+        """Fold what came since the last catch-up (the first starts from the newest snapshot;
+        a stale view is refolded)."""
+        if self.stale:
+            return self.refold()
         if not self.started:
             self.snapshot_seq = 0
             if self.state.head_seq == 0 and self.snapshots:
@@ -81,7 +88,21 @@ class RunView:
         snapshot_seq = state.head_seq
         self._fold(state, self._tail(state))
         self.state, self.snapshot_seq = state, snapshot_seq
+        self.stale = False
         return state
+
+    def catch_up_in(self, tx: WriteTransaction) -> RunState:
+        """Fold the rows ``tx`` reads after the fold's head: what a write is checked against,
+        and (called again after the write appends) the writer's own events.
+
+        A view that has not caught up yet (or is stale) first does so through
+        ``ledger.rows``, which pages through the log outside the transaction, so
+        that the transaction, which holds what it reads in memory, reads only the
+        tail. For a view without ``upto_seq``.
+        """
+        if self.stale or not self.started:
+            self.catch_up()
+        return self.apply(tx.rows_after(self.state.head_seq))
 
     def apply(self, rows: Iterable[Row]) -> RunState:
         """Fold ``rows`` (the events after the fold's head, in seq order) into the view."""

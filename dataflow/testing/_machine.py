@@ -392,7 +392,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.step += 1
         path = Path(self.checkpoint_dir.name, f"step{self.step}")
         path.mkdir()  # a checkpoint's files exist before the ledger records it
-        ckpt = self.consumers[0].checkpoint(self.step, str(path))
+        ckpt = self.consumers[0].record_checkpoint(self.step, str(path))
         assert ckpt is not None and ckpt.step == self.step
         self.snapshots[ckpt.seq] = (self.data_epoch, dict(self.trained))
         self.ever_checkpointed.update(self.trained)
@@ -433,7 +433,7 @@ class LedgerMachine(RuleBasedStateMachine):
             elif kind == "nack":
                 zombie.nack([some_id])
             else:
-                zombie.checkpoint(self.step + 1, "zombie")
+                zombie.record_checkpoint(self.step + 1, "zombie")
         except StaleEpochError:
             pass
         else:

@@ -1,0 +1,199 @@
+"""The Consumer's fenced writes: its live fold, its lock, and the transactions it appends in.
+
+Every write of a consumer is one ledger transaction fenced by the consumer's
+fencing epoch (the generation of the run's consumers that :meth:`Consumer.resume`
+starts; a newer one fences the older off with StaleEpochError). Inside it the
+consumer's :class:`~dataflow.live._view.RunView` folds what it has not seen
+yet, the write is checked against that exact state, appended, and folded
+back in (see :mod:`dataflow.live._args`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from dataflow.interfaces._store import FeatureStore
+from dataflow.interfaces._stream import RefReceiver
+from dataflow.live._view import RunView
+from dataflow.model._errors import DataflowError, LedgerStateError, StaleEpochError
+from dataflow.model._events import Kind, dump_payload
+from dataflow.model._fold import RunState
+from dataflow.recorder._ledger import Ledger, NewEvent, WriteTransaction
+
+log = logging.getLogger("dataflow")
+_T = TypeVar("_T")
+
+#: How long a consumer waits between two looks at the ledger or the stream.
+_POLL_S = 0.02
+
+
+def _trim_heap(events: int) -> None:
+    """After the first fold of a long run, give the heap's free pages back (glibc).
+
+    Decoding a snapshot and reconciling a resume allocate far more than the fold
+    keeps; without this the process would go on holding that peak.
+    """
+    if events < 100_000 or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the pages stay, no more
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a Consumer method under the consumer's lock (one thread at a time)."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class _FencedWrites:
+    """What every concern of the Consumer builds on: the fold, the lock, fenced writes.
+
+    The attributes are set by ``Consumer.__init__``.
+    """
+
+    ledger: Ledger
+    store: FeatureStore
+    run_id: str
+    consumer_id: str
+    rank: int
+    world_size: int
+    stream: RefReceiver | None
+    release_policy: str
+    max_attempts: int
+    order_seed: int | None
+    producers: frozenset[str]
+    #: The fencing epoch this consumer joined (``resume``/``rejoin``); None before.
+    epoch: int | None
+    _lock: threading.RLock
+    _view: RunView
+    #: Sample ids leased from the stream and not finished yet: their stream slots come
+    #: back when they are acked, nacked or reported lost.
+    _from_stream: set[str]
+
+    @property
+    def state(self) -> RunState:
+        """The live fold of the run, brought up to date on every write."""
+        return self._view.state
+
+    @property
+    def _snapshot_seq(self) -> int:
+        """The seq of the snapshot the fold started from or last wrote (0: the start of
+        the log); -1 until the first fold."""
+        return self._view.snapshot_seq
+
+    # -- the fold --------------------------------------------------------------
+    def _catch_up(self) -> None:
+        """Fold what came since (the first time: from the newest snapshot; after a write
+        that may not have landed: anew)."""
+        self._view.catch_up()
+
+    def _sync(self, tx: WriteTransaction) -> None:
+        """Fold what ``tx`` reads that the fold has not seen: before a write is checked, and
+        after it appended its events."""
+        self._view.catch_up_in(tx)
+
+    # -- fencing ---------------------------------------------------------------
+    def _fencing_epoch(self) -> int:
+        """The fencing epoch this consumer joined; LedgerStateError before it resumed."""
+        if self.epoch is None:
+            raise LedgerStateError(
+                f"consumer {self.consumer_id!r} has not resumed: call resume() before "
+                "leasing, acking or checkpointing"
+            )
+        return self.epoch
+
+    def _check_not_fenced(self) -> None:
+        if self.state.epoch != self.epoch:
+            raise StaleEpochError(
+                f"{self.consumer_id!r} is at epoch {self.epoch} of run {self.run_id!r}, but the "
+                f"run moved to epoch {self.state.epoch}: a newer consumer resumed; stop this one"
+            )
+
+    # -- transactions ----------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self, what: str) -> Iterator[WriteTransaction]:
+        """``ledger.write``, after which the fold agrees with the ledger however it ended.
+
+        Inside it the fold takes what the transaction appended (the writes that
+        follow read it: a resume its plan, a checkpoint its releases). If the
+        transaction then rolls back, or its COMMIT fails (and may have landed),
+        those events are in the fold and perhaps not in the ledger: the fold is
+        rebuilt from the ledger (at once, or on the next read while the ledger
+        cannot be read), rather than skip the events that take their place in
+        the log.
+        """
+        transaction: WriteTransaction | None = None
+        try:
+            with self.ledger.write(self.run_id, what) as tx:
+                transaction = tx
+                yield tx
+        except BaseException as exc:
+            if transaction is not None and transaction.appended:
+                self._view.stale = True
+                if isinstance(exc, Exception):  # not on KeyboardInterrupt: later then
+                    with contextlib.suppress(DataflowError):  # the ledger is away: later
+                        self._view.refold()
+            raise
+
+    @contextlib.contextmanager
+    def _write(self, what: str) -> Iterator[WriteTransaction]:
+        """A fenced write: refused with StaleEpochError once a newer fencing epoch started."""
+        epoch = self._fencing_epoch()
+        with self._transaction(what) as tx:
+            tx.check_epoch(epoch, self.consumer_id)
+            self._sync(tx)
+            yield tx
+
+    def _landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
+        """After a COMMIT of unknown outcome: whether the ledger holds the write, read
+        again; it did when every one of ``sample_ids`` ``shows`` it. False if unreadable."""
+        try:
+            self._catch_up()
+        except DataflowError:
+            return False
+        return bool(sample_ids) and all(shows(s) for s in sample_ids)
+
+    # -- releases --------------------------------------------------------------
+    def _release_events(self, sample_ids: Iterable[str]) -> list[NewEvent]:
+        return [
+            NewEvent(
+                Kind.RELEASE,
+                self.consumer_id,
+                sid,
+                epoch=self._fencing_epoch(),
+                payload=dump_payload({"revision": self.state.revision(sid)}),
+            )
+            for sid in sample_ids
+        ]
+
+    def _delete_features(self, sample_ids: Iterable[str]) -> None:
+        # The release events are durable before the features go: a crash in
+        # between leaks features, it never leaves a ledger that promises
+        # features which are gone.
+        for sid, ref in self.state.refs(sample_ids).items():
+            try:
+                self.store.delete(ref)
+            except DataflowError as exc:
+                log.warning("could not delete features of %r from %s: %s", sid, ref.store, exc)
+
+    # -- the stream's credits --------------------------------------------------
+    def _credit(self, ids: list[str]) -> None:
+        """Give the stream back the slots of the finished ``ids`` that came through it."""
+        if self.stream is None:
+            return
+        streamed = [s for s in ids if s in self._from_stream]
+        self._from_stream.difference_update(streamed)
+        if streamed:
+            self.stream.credit(len(streamed))
