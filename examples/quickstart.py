@@ -40,7 +40,7 @@ def main(workdir: Path) -> int:
         batch = [cons.load(ref)["hidden"] for ref in refs]
         _ = torch.stack(batch).mean()  # the training step
         cons.ack(refs, step=step)
-        cons.checkpoint(step=step, path=save_checkpoint(workdir, step))
+        cons.record_checkpoint(step=step, path=save_checkpoint(workdir, step))
     cons.lease(2)  # in flight when the trainer dies
 
     # The trainer dies; its replacement resumes from an older checkpoint.
@@ -62,7 +62,7 @@ def main(workdir: Path) -> int:
     for refs in new.batches(4, timeout=1.0):
         step += 1
         new.ack(refs, step=step)
-    new.checkpoint(step=step, path=save_checkpoint(workdir, step))
+    new.record_checkpoint(step=step, path=save_checkpoint(workdir, step))
 
     state = replay(led, "r1")
     print(

@@ -408,7 +408,7 @@ class _Saving:
             self._unpublished = error
             try:
                 # Fails on every rank or on none (it meets the other ranks twice).
-                self.consumer.checkpoint(job["step"], str(final), digest=digest)
+                self.consumer.record_checkpoint(job["step"], str(final), digest=digest)
             except PeerFailedError as exc:
                 if isinstance(exc, CheckpointError):
                     raise
