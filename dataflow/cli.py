@@ -128,7 +128,7 @@ def _checkpoint(text: str) -> int | str:
 
 
 def _ledger_url(text: str) -> str:
-    from dataflow.recorder._db import backend_for
+    from dataflow.recorder._backends import backend_for
 
     try:
         backend_for(text)
