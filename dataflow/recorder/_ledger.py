@@ -66,8 +66,6 @@ __all__ = [
 #: Events per page of :meth:`Ledger.rows`.
 _PAGE = 5000
 _MAX_POLL_S = 3600.0
-
-
 MAX_SEQ = 2**63 - 1
 
 
@@ -264,7 +262,7 @@ class Ledger:
         cursor = after_seq
         statement = "page_after" if upto_seq is None else "page_between"
         while True:
-            with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+            with self._reading(run_id) as conn:
                 # Plain driver tuples, not Rows: the GC untracks tuples of
                 # scalars, while a page of Rows survives into the old
                 # generation and triggers full collections of the whole heap.
@@ -341,7 +339,7 @@ class Ledger:
         _check_run_id(run_id)
         if isinstance(sample_ids, str):
             raise ArgumentTypeError(f"sample_ids must be a list of ids, not the str {sample_ids!r}")
-        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+        with self._reading(run_id) as conn:
             return newest_commits(conn, run_id, list(sample_ids))
 
     def commit_payloads(self, run_id: str, revisions: Mapping[str, int]) -> dict[str, str]:
@@ -350,7 +348,7 @@ class Ledger:
         What a RunState that keeps only its live refs in memory reads the others from.
         """
         _check_run_id(run_id)
-        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+        with self._reading(run_id) as conn:
             return commit_payloads(conn, run_id, revisions)
 
     # -- snapshots -------------------------------------------------------------
@@ -429,13 +427,13 @@ class Ledger:
     def released_revision(self, run_id: str, sample_id: str) -> int | None:
         """Highest revision of ``sample_id`` whose features were released, if any."""
         _check_run_id(run_id)
-        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+        with self._reading(run_id) as conn:
             return released_revision(conn, run_id, sample_id)
 
     def head_seq(self, run_id: str) -> int:
         """The seq of the run's newest event (0 when it has none)."""
         _check_run_id(run_id)
-        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+        with self._reading(run_id) as conn:
             return (
                 conn.execute(
                     select(func.max(events.c.seq)).where(events.c.run_id == run_id)
@@ -447,7 +445,7 @@ class Ledger:
         """(seq, kind, sample id) of up to ``limit`` events of the run that no fold reads: a
         seq below 1, which only a hand-edited or damaged row has."""
         _check_run_id(run_id)
-        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+        with self._reading(run_id) as conn:
             return [tuple(r) for r in run_sql(conn, "unseen_rows", run_id=run_id, limit=limit)]
 
     def kind_counts(self, run_id: str, *, upto_seq: int | None = None) -> dict[str, int]:
@@ -457,7 +455,7 @@ class Ledger:
         query = select(events.c.kind, func.count()).where(events.c.run_id == run_id)
         if upto_seq is not None:
             query = query.where(events.c.seq <= upto_seq)
-        with translate_errors(f"reading run {run_id!r}"), self._engine.connect() as conn:
+        with self._reading(run_id) as conn:
             return {kind: count for kind, count in conn.execute(query.group_by(events.c.kind))}
 
     def runs(self) -> list[str]:
