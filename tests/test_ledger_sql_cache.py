@@ -8,7 +8,7 @@ entry, and a dialect, for every engine it ever opened.
 from __future__ import annotations
 
 from dataflow import Consumer, Ledger, Producer, replay
-from dataflow.recorder._ledger import _driver_sql, _insert_sql
+from dataflow.recorder._sql import driver_sql, insert_sql
 from stores import LocalFeatureStore
 
 
@@ -23,7 +23,7 @@ def test_opening_many_ledgers_keeps_one_entry_per_statement(tmp_path) -> None:
             (ref,) = consumer.lease(1)
             consumer.ack([ref], step=1)
             assert replay(ledger, "run").verify() == []
-        sizes.append((len(_driver_sql.cache), len(_insert_sql.cache)))
+        sizes.append((len(driver_sql.cache), len(insert_sql.cache)))
     assert sizes[-1] == sizes[1], sizes  # the first ledger filled it; the others added none
     store.close()
 

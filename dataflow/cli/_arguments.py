@@ -111,7 +111,7 @@ def checkpoint(text: str) -> int | str:
 
 
 def ledger_url(text: str) -> str:
-    from dataflow.recorder._db import backend_for
+    from dataflow.recorder._backends import backend_for
 
     try:
         backend_for(text)

@@ -32,6 +32,7 @@ from dataflow.live._scrape import (
 )
 from dataflow.model._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
 from dataflow.model._events import Kind
+from dataflow.recorder import _observers as append_observers
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -43,13 +44,13 @@ if TYPE_CHECKING:
 APPEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 DEFAULT_HOST = "127.0.0.1"
 
-# Copy-on-write, so that Ledger.write reads it without a lock from any thread.
+# Copy-on-write, so that observe_append reads it without a lock from any thread.
 _append_subscribers: tuple[weakref.ref[RunMetrics], ...] = ()
 _subscribe_lock = threading.Lock()
 
 
 def observe_append(ledger_url: str, run_id: str, what: str, seconds: float) -> None:
-    """Called by ``Ledger.write`` once an append transaction committed; free when unused."""
+    """The recorder's append observer while a RunMetrics of this process times appends."""
     for ref in _append_subscribers:
         metrics = ref()
         if metrics is not None and metrics.run_id == run_id and metrics.ledger.url == ledger_url:
@@ -63,6 +64,11 @@ def _subscribe(metrics: RunMetrics | None, *, drop: RunMetrics | None = None) ->
         if metrics is not None:
             kept.append(weakref.ref(metrics))
         _append_subscribers = tuple(kept)
+        # Observed only while a RunMetrics listens: appends pay nothing otherwise.
+        if kept:
+            append_observers.subscribe(observe_append)
+        else:
+            append_observers.unsubscribe(observe_append)
 
 
 def _prometheus() -> Any:

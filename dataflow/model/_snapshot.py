@@ -21,6 +21,7 @@ from array import array
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from dataflow.model._errors import ArgumentTypeError
 from dataflow.model._fold import Checkpoint, ReconcilePlan, RunState, _Acks, _Epoch
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ class _Columns:
         if not isinstance(column, list):
             raise TypeError(f"a snapshot column is a {type(column).__name__}")
         return column
+
+
+def check_state(state: object) -> None:
+    """ArgumentTypeError unless ``state`` is a RunState (what :func:`encode` takes)."""
+    if not isinstance(state, RunState):
+        raise ArgumentTypeError(f"state must be a RunState, got {type(state).__name__}")
 
 
 def digest(body: bytes) -> str:

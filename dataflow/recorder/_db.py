@@ -1,15 +1,14 @@
-"""Engine set-up per backend, and the one place where driver errors become ours."""
+"""What every ledger backend provides (:class:`Backend`), the schema it creates, and the one
+place where driver errors become ours. ``_backends.backend_for`` picks the backend of a URL."""
 
 from __future__ import annotations
 
 import contextlib
-import re
 import sqlite3
 from collections.abc import Iterator
 
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import Connection, Engine, insert, inspect, select, update
-from sqlalchemy.engine import make_url
 
 from dataflow.model._errors import (
     DataflowError,
@@ -161,33 +160,6 @@ def _migrate(conn: Connection, version: int) -> None:
         steps[version]()
         version += 1
     conn.execute(update(schema_info).where(schema_info.c.id == 1).values(version=version))
-
-
-def _masked(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part (if any) hidden."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
-
-
-def backend_for(url: str) -> Backend:
-    try:
-        backend = make_url(url).get_backend_name()
-    except (sa_exc.ArgumentError, ValueError) as exc:  # ValueError: e.g. a bad port
-        raise InvalidArgumentError(
-            f"cannot parse ledger URL {_masked(url)!r} ({exc}): use sqlite:///PATH or "
-            "postgresql+psycopg://USER@HOST/DB"
-        ) from None
-    if backend == "sqlite":
-        from dataflow.recorder._sqlite import SQLiteBackend
-
-        return SQLiteBackend()
-    if backend == "postgresql":
-        from dataflow.recorder._postgres import PostgresBackend
-
-        return PostgresBackend()
-    raise InvalidArgumentError(
-        f"unsupported ledger URL {_masked(url)!r}: use sqlite:///PATH or "
-        "postgresql+psycopg://USER@HOST/DB"
-    )
 
 
 def check_durability(durability: str) -> None:
