@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from dataflow.live._view import Row, RunView
 from dataflow.model._errors import ArgumentTypeError, BackpressureError, InvalidArgumentError
 from dataflow.model._events import Kind
-from dataflow.live._view import Row, RunView
 from dataflow.model._fold import RunState
 
 if TYPE_CHECKING:
@@ -509,24 +509,3 @@ def tensors_nbytes(tensors: object) -> int:
         nbytes = getattr(tensor, "nbytes", 0)
         total += nbytes if isinstance(nbytes, int) else 0
     return total
-
-
-def check_wait(block: object, timeout: object) -> None:
-    """Refuse bad ``block`` / ``timeout`` arguments of an emit, naming them."""
-    if not isinstance(block, bool):
-        raise ArgumentTypeError(f"block must be a bool, got {type(block).__name__} {block!r}")
-    check_timeout(timeout, none_means="wait as long as it takes")
-
-
-def check_timeout(timeout: object, *, none_means: str) -> None:
-    """Refuse a ``timeout`` that is not None or a finite number of seconds >= 0."""
-    if timeout is not None and (
-        not isinstance(timeout, (int, float))
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or timeout < 0
-    ):
-        raise InvalidArgumentError(
-            f"timeout must be a non-negative number of seconds or None ({none_means}), "
-            f"got {timeout!r}"
-        )

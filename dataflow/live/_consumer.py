@@ -25,10 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefReceiver
-from dataflow.live._args import _check_roles_args
-from dataflow.live._backpressure import (
-    check_timeout,
-)
+from dataflow.live._args import _check_roles_args, check_timeout
 from dataflow.live._collectives import agree, broadcast_int, group_active
 from dataflow.live._metrics import MetricsServer, serve_run_metrics
 from dataflow.model._errors import (
