@@ -10,16 +10,15 @@ backlog is below every low mark, so a producer does not wake for each single
 ack. An emit into an empty backlog always goes, so a batch larger than a mark
 cannot wait forever.
 
-:class:`Backlog` keeps the count current by folding only the events it has
-not seen (``Ledger.rows(after_seq=...)``) into a live RunState; the metrics
-collector uses it too.
+:class:`Backlog` keeps the count current through a :class:`RunView` (the one
+fold of a live run: the newest snapshot, then only the events it has not
+seen); the metrics collector uses it too.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from dataflow.live._view import Row, RunView
 from dataflow.model._errors import ArgumentTypeError, BackpressureError, InvalidArgumentError
 from dataflow.model._events import Kind
 from dataflow.model._fold import RunState
@@ -174,21 +174,29 @@ class Backlog:
     """A run's un-trained features in the store, kept current by folding new events only.
 
     ``refs`` and ``bytes`` count the samples that are pending or leased in
-    the live fold ``state``: committed, stored, not trained in the current
-    lineage, not dead, not waiting for regeneration. A refresh reads the
-    events after ``state.head_seq`` and settles only the samples they name,
-    except after a resume or a new data epoch, which move every sample.
+    the live fold ``state`` (a :class:`RunView`'s): committed, stored, not
+    trained in the current lineage, not dead, not waiting for regeneration.
+    A refresh folds the events after ``state.head_seq`` and settles only the
+    samples they name, except after a resume or a new data epoch, which move
+    every sample.
     """
 
     def __init__(self, ledger: Ledger, run_id: str) -> None:
         self.ledger = ledger
         self.run_id = run_id
-        self.state = RunState(run_id, ref_source=ledger)
+        self.view = RunView(ledger, run_id, after_rows=self._folded)
         self._nbytes: dict[str, int] = {}  # committed id -> bytes of its newest revision
         self._members: dict[str, int] = {}  # backlog id -> the bytes it counts with
         self.bytes = 0
         #: Events folded so far, by kind.
         self.kinds: collections.Counter[str] = collections.Counter()
+        self._snapshot_counted = False  # the kinds the view's snapshot holds are in ``kinds``
+        self._recount_due = False
+
+    @property
+    def state(self) -> RunState:
+        """The live fold of the run."""
+        return self.view.state
 
     @property
     def refs(self) -> int:
@@ -200,41 +208,45 @@ class Backlog:
 
     def refresh(self) -> None:
         """Fold the events that came since the last refresh (a failed read loses none)."""
-        recount = self.state.head_seq == 0  # the first refresh: count once at the end
-        if recount:
-            self._start_from_snapshot()
-        rows = iter(self.ledger.rows(self.run_id, after_seq=self.state.head_seq))
+        self._recount_due = self.state.head_seq == 0  # the first refresh: count once at the end
         try:
-            while chunk := list(itertools.islice(rows, _CHUNK)):
-                commits = [(r[2], r[3] or 0, r[7]) for r in chunk if r[1] == Kind.COMMIT]
-                self.state.apply_rows(chunk)
-                chunk_kinds = collections.Counter(r[1] for r in chunk)
-                self.kinds.update(chunk_kinds)
-                for sid, revision, payload in commits:
-                    try:
-                        newest = self.state.revision(sid)
-                    except KeyError:
-                        continue  # refused by the fold (a damaged commit)
-                    if newest == revision:
-                        self._nbytes[sid] = ref_nbytes(payload)
-                if chunk_kinds[Kind.RESUME] or chunk_kinds[Kind.DATA_EPOCH]:
-                    recount = True  # every sample may have moved
-                if not recount:
-                    for sid in {r[2] for r in chunk if r[2] is not None}:
-                        self._settle(sid)
+            self.view.catch_up()
+            self._count_snapshot_kinds()
         finally:
-            if recount:
+            if self._recount_due:
                 self._recount()
 
-    def _start_from_snapshot(self) -> None:
-        """Start from the run's newest snapshot, with the sizes of what it holds un-trained."""
-        restored = self.ledger.load_snapshot(self.run_id)
-        if restored is None:
+    def _folded(self, chunk: list[Row]) -> None:
+        """After the view folded ``chunk``: the kinds, the sizes of new commits, the members."""
+        chunk_kinds = collections.Counter(r[1] for r in chunk)
+        self.kinds.update(chunk_kinds)
+        if chunk_kinds[Kind.COMMIT]:
+            for r in chunk:
+                if r[1] == Kind.COMMIT:
+                    self._sized(r[2], r[3] or 0, r[7])
+        if chunk_kinds[Kind.RESUME] or chunk_kinds[Kind.DATA_EPOCH]:
+            self._recount_due = True  # every sample may have moved
+        if not self._recount_due:
+            for sid in {r[2] for r in chunk if r[2] is not None}:
+                self._settle(sid)
+
+    def _sized(self, sample_id: str, revision: int, payload: str) -> None:
+        """Note the size of a commit the fold took, if it is the sample's newest revision."""
+        try:
+            newest = self.state.revision(sample_id)
+        except KeyError:
+            return  # refused by the fold (a damaged commit)
+        if newest == revision:
+            self._nbytes[sample_id] = ref_nbytes(payload)
+
+    def _count_snapshot_kinds(self) -> None:
+        """The counts by kind go on from the run's start, not from the view's snapshot."""
+        if self._snapshot_counted or not self.view.started:
             return
-        # The counts by kind go on from the run's start, not from the snapshot.
-        counts = self.ledger.kind_counts(self.run_id, upto_seq=restored.head_seq)
-        self.state = restored
-        self.kinds.update(counts)
+        if self.view.snapshot_seq > 0:
+            counts = self.ledger.kind_counts(self.run_id, upto_seq=self.view.snapshot_seq)
+            self.kinds.update(counts)
+        self._snapshot_counted = True
 
     def _sizes(self, sample_ids: list[str]) -> None:
         """Fill in the sizes of ``sample_ids`` from their commits in the ledger."""
@@ -497,24 +509,3 @@ def tensors_nbytes(tensors: object) -> int:
         nbytes = getattr(tensor, "nbytes", 0)
         total += nbytes if isinstance(nbytes, int) else 0
     return total
-
-
-def check_wait(block: object, timeout: object) -> None:
-    """Refuse bad ``block`` / ``timeout`` arguments of an emit, naming them."""
-    if not isinstance(block, bool):
-        raise ArgumentTypeError(f"block must be a bool, got {type(block).__name__} {block!r}")
-    check_timeout(timeout, none_means="wait as long as it takes")
-
-
-def check_timeout(timeout: object, *, none_means: str) -> None:
-    """Refuse a ``timeout`` that is not None or a finite number of seconds >= 0."""
-    if timeout is not None and (
-        not isinstance(timeout, (int, float))
-        or isinstance(timeout, bool)
-        or not math.isfinite(timeout)
-        or timeout < 0
-    ):
-        raise InvalidArgumentError(
-            f"timeout must be a non-negative number of seconds or None ({none_means}), "
-            f"got {timeout!r}"
-        )

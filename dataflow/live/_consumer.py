@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefReceiver
-from dataflow.live._args import _check_roles_args
-from dataflow.live._backpressure import check_timeout
+from dataflow.live._args import _check_roles_args, check_timeout
 from dataflow.live._consumer_acks import _Acks
 from dataflow.live._consumer_args import _check_int, _check_producers
 from dataflow.live._consumer_checkpoints import _CheckpointRecords

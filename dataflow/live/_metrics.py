@@ -14,7 +14,6 @@ a deadline on silent ones, and the collectors run at most once per interval.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from dataflow.live._scrape import (
     _Exposition,
     _ScrapeServer,
 )
+from dataflow.model._checks import check_seconds
 from dataflow.model._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
 from dataflow.model._events import Kind
 from dataflow.recorder import _observers as append_observers
@@ -349,16 +349,7 @@ def _check_limits(max_connections: object, idle_timeout: object, min_interval: o
 
 
 def _check_seconds(name: str, value: object, *, least: str) -> None:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if (
-        not number
-        or not math.isfinite(value)  # type: ignore[arg-type]
-        or value < 0  # type: ignore[operator]
-        or (value == 0 and least == "above 0")
-    ):
-        raise InvalidArgumentError(
-            f"{name} must be a finite number of seconds {least}, got {value!r}"
-        )
+    check_seconds(name, value, positive=least == "above 0")
 
 
 def serve_metrics(

@@ -6,82 +6,36 @@ go into the store before it, and are deleted again when it raises.
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
 import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
-from json.encoder import encode_basestring_ascii as _quote
 from typing import TYPE_CHECKING, Any
 
 from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefSender
-from dataflow.live._args import _check_roles_args
+from dataflow.live._args import _check_roles_args, check_wait
 from dataflow.live._backpressure import (
-    ProducerBlocking,
     ProducerGate,
     Watermarks,
-    check_wait,
     tensors_nbytes,
 )
 from dataflow.live._metrics import MetricsServer, serve_run_metrics
+from dataflow.live._outbox import RefOutbox
 from dataflow.model._errors import (
     ArgumentTypeError,
-    BackpressureError,
     CommitOutcomeUnknownError,
-    DataflowError,
     LedgerStateError,
 )
 from dataflow.model._events import Kind, dump_payload
-from dataflow.model._refs import _JSON, FeatureSpec, SampleRef, ref_from_ledger, validate_sample_id
+from dataflow.model._ref_codec import ref_json
+from dataflow.model._refs import SampleRef, ref_from_ledger, validate_sample_id
 from dataflow.recorder._ledger import Ledger, NewEvent, check_id
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("dataflow")
-_NO_CREDIT = (
-    "its stream's consumers grant no credit (every window is full, or no consumer is "
-    "reachable): the trainers are not receiving, committed refs wait to be sent, and "
-    "each emit waits the sender's timeout"
-)
-
-
-@functools.lru_cache(maxsize=256)
-def _specs_json(specs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]) -> str:
-    return _JSON.encode({name: FeatureSpec(shape, dtype).to_dict() for name, shape, dtype in specs})
-
-
-def _ref_json(ref: SampleRef) -> str:
-    """``ref.to_json()``, several times faster for the refs of one producer.
-
-    Encoding a ref costs as much as inserting its row; the refs of a batch share
-    their store and specs, so the specs are encoded once and the rest is joined
-    in ``to_json``'s key order (tests/test_ledger_commit_dedup.py holds the two
-    equal). Metadata, and anything unusual, goes through ``to_json``.
-    """
-    if ref.metadata or type(ref.generation) is not int:
-        return ref.to_json()
-    specs = ref.specs
-    try:
-        if len(specs) == 1:  # most refs: no list to build
-            for name, spec in specs.items():
-                key: tuple[Any, ...] = ((name, spec.shape, spec.dtype),)
-        else:
-            key = tuple([(name, spec.shape, spec.dtype) for name, spec in specs.items()])
-        specs_json = _specs_json(key)
-    except (TypeError, AttributeError):  # not a FeatureSpec after all: let to_json say so
-        return ref.to_json()
-    return (
-        f'{{"generation":{ref.generation},"metadata":{{}},"sample_id":{_quote(ref.sample_id)},'
-        f'"specs":{specs_json},"store":{_store_json(ref.store)}}}'
-    )
-
-
-@functools.lru_cache(maxsize=64)  # a producer writes to one store or a few
-def _store_json(store: str) -> str:
-    return _quote(store)
 
 
 class Producer:
@@ -131,19 +85,12 @@ class Producer:
             stream.bind_producer(self.producer_id)
         self.stream = stream
         self._closed = False
-        #: Committed refs the stream did not take yet (its window stayed full), oldest first:
-        #: sent before the next refs, and while an emit waits at the backpressure gate.
-        self._unsent: collections.deque[SampleRef] = collections.deque()
         self._gate = (
             None
             if backpressure is None
             else ProducerGate(ledger, run_id, self.producer_id, backpressure)
         )
-        self._credit = (
-            None
-            if stream is None
-            else ProducerBlocking(run_id, self.producer_id, "credit", _NO_CREDIT)
-        )
+        self._outbox = None if stream is None else RefOutbox(stream, run_id, self.producer_id)
         #: The metrics endpoint (``metrics_port``), None when not serving.
         self.metrics: MetricsServer | None = serve_run_metrics(
             ledger, run_id, store, metrics_port, metrics_host
@@ -242,9 +189,8 @@ class Producer:
                 added = sum(tensors_nbytes(item[1]) for item in fresh.values())
                 # While it waits, the refs the stream did not take go out as its window
                 # opens: the backlog it waits on drains only once consumers receive them.
-                self._gate.wait(
-                    len(fresh), added, block=block, timeout=timeout, idle=self._send_waiting
-                )
+                idle = None if self._outbox is None else self._outbox.send_waiting
+                self._gate.wait(len(fresh), added, block=block, timeout=timeout, idle=idle)
         refs: list[SampleRef] = []
         positions: list[int] = []  # of the items put, in ``items``
         try:
@@ -299,7 +245,7 @@ class Producer:
         newest = {ref.sample_id: ref for ref in refs}
         try:
             self._check_sendable(newest.values())
-            payloads = {sid: _ref_json(ref) for sid, ref in newest.items()}
+            payloads = {sid: ref_json(ref) for sid, ref in newest.items()}
             known = self._append_commits(payloads)
         except CommitOutcomeUnknownError:
             raise  # the refs may be committed: their features must stay
@@ -351,7 +297,7 @@ class Producer:
             return
         for ref in refs:
             committed = held.get(ref.sample_id)
-            if committed is None or committed[1] != _ref_json(ref):
+            if committed is None or committed[1] != ref_json(ref):
                 self.store.delete(ref)
 
     def _append_commits(self, payloads: dict[str, str]) -> dict[str, tuple[int, str]]:
@@ -388,75 +334,14 @@ class Producer:
         }
 
     def _check_sendable(self, refs: Iterable[SampleRef]) -> None:
-        """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).
-
-        So an emit that raises was not committed, and one that returns was.
-        """
-        if self.stream is not None:
-            for ref in refs:
-                self.stream.check(ref)
+        """Before a commit: the stream would refuse none of ``refs`` (see RefOutbox.check)."""
+        if self._outbox is not None:
+            self._outbox.check(refs)
 
     def _send(self, refs: Sequence[SampleRef]) -> None:
-        """Push committed refs to the stream, after those it did not take before.
-
-        Committed is committed: a ref the stream does not take (its window stayed
-        full for the sender's timeout) is kept and sent again before the next refs,
-        and while an emit waits at the backpressure gate; one still unsent when the
-        producer closes stays pending in the ledger, and consumers lease it from
-        there once the stream has ended (or at their next resume). Raising here
-        would make the caller believe the commit failed, and retry into a None.
-        """
-        if self.stream is None:
-            return
-        self._unsent.extend(refs)
-        left = self._send_unsent(timeout=None)
-        if left:  # the episode's warning says it once (ProducerBlocking)
-            log.debug(
-                "stream backpressure: %d committed refs of run %r not sent yet; they are "
-                "sent again before the next ones (and stay pending in the ledger)",
-                left,
-                self.run_id,
-            )
-
-    def _send_waiting(self) -> None:
-        """While an emit waits at the gate: send what the stream's window takes now."""
-        if self._unsent:
-            self._send_unsent(timeout=0)
-
-    def _send_unsent(self, *, timeout: float | None) -> int:
-        """Send the refs not sent yet, oldest first, each within ``timeout`` (None: the
-        sender's); how many are left when the stream's window stays full."""
-        unsent, credit = self._unsent, self._credit
-        assert credit is not None
-        while unsent:
-            ref = unsent[0]
-            try:
-                self._send_one(ref, timeout, credit)
-            except BackpressureError:
-                return len(unsent)
-            except DataflowError as exc:  # check() let through a ref send() refuses
-                log.warning(
-                    "stream refused committed ref %r of run %r; it stays pending in the "
-                    "ledger (%s: %s)",
-                    ref.sample_id,
-                    self.run_id,
-                    type(exc).__name__,
-                    exc,
-                )
-            unsent.popleft()
-        credit.end("goes on: its stream takes refs again")
-        return 0
-
-    def _send_one(self, ref: SampleRef, timeout: float | None, credit: ProducerBlocking) -> None:
-        """Send ``ref``; a wait for credit (a window with room needs none) is a blocked episode."""
-        assert self.stream is not None
-        try:
-            self.stream.send(ref, timeout=0)
-        except BackpressureError:
-            if timeout == 0:
-                raise
-            with credit.waiting():
-                self.stream.send(ref, timeout=timeout)
+        """Push committed refs to the stream, if any (see RefOutbox.send)."""
+        if self._outbox is not None:
+            self._outbox.send(refs)
 
     def _settle_duplicate(self, ours: SampleRef, revision: int, committed: SampleRef) -> None:
         """Another producer committed this id first; keep whichever features are live.
@@ -530,7 +415,7 @@ class Producer:
             self.producer_id,
             ref.sample_id,
             epoch=self.epoch,
-            payload=ref.to_json(),
+            payload=ref_json(ref),
             revision=revision,
         )
 
@@ -593,8 +478,9 @@ class Producer:
                     )
                 self._closed = True
             finally:
-                for blocking in (self._credit, None if self._gate is None else self._gate.blocking):
-                    if blocking is not None:
-                        blocking.end("closes")
+                if self._outbox is not None:
+                    self._outbox.credit.end("closes")
+                if self._gate is not None:
+                    self._gate.blocking.end("closes")
                 if self.metrics is not None:
                     self.metrics.close()

@@ -11,6 +11,7 @@ leaves the old fold as it was.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -35,8 +36,9 @@ class RunView:
 
     ``snapshots=False`` never reads a snapshot (what a snapshot is checked
     against); ``upto_seq`` stops the fold at that seq. ``on_rows`` is called
-    with each chunk of rows before it is folded, for readers that keep
-    counts of their own alongside the fold (the backlog, the status fold).
+    with each chunk of rows before it is folded, and ``after_rows`` once it
+    is folded, for readers that keep counts of their own alongside the fold
+    (the backlog, the status fold).
     """
 
     def __init__(
@@ -47,12 +49,14 @@ class RunView:
         upto_seq: int | None = None,
         snapshots: bool = True,
         on_rows: Callable[[list[Row]], object] | None = None,
+        after_rows: Callable[[list[Row]], object] | None = None,
     ) -> None:
         self.ledger = ledger
         self.run_id = run_id
         self.upto_seq = upto_seq
         self.snapshots = snapshots
         self.on_rows = on_rows
+        self.after_rows = after_rows
         self.state = RunState(run_id, ref_source=ledger)
         #: The seq of the snapshot the fold started from (0: the start of the log);
         #: -1 until the first catch-up.
@@ -72,10 +76,12 @@ class RunView:
         if self.stale:
             return self.refold()
         if not self.started:
-            self.snapshot_seq = 0
             if self.state.head_seq == 0 and self.snapshots:
+                # Started only once read: a snapshot that cannot be read is tried again.
                 self.state = newest_state(self.ledger, self.run_id, upto_seq=self.upto_seq)
                 self.snapshot_seq = self.state.head_seq
+            else:
+                self.snapshot_seq = 0
         self.apply(self._tail(self.state))
         return self.state
 
@@ -137,18 +143,15 @@ class RunView:
         return self.ledger.rows(self.run_id, after_seq=state.head_seq, upto_seq=self.upto_seq)
 
     def _fold(self, state: RunState, rows: Iterable[Row]) -> RunState:
-        if self.on_rows is None:
+        if self.on_rows is None and self.after_rows is None:
             return state.apply_rows(rows)
-        chunk: list[Row] = []
-        for row in rows:
-            chunk.append(row)
-            if len(chunk) >= _CHUNK:
+        rows = iter(rows)
+        while chunk := list(itertools.islice(rows, _CHUNK)):
+            if self.on_rows is not None:
                 self.on_rows(chunk)
-                state.apply_rows(chunk)
-                chunk = []
-        if chunk:
-            self.on_rows(chunk)
             state.apply_rows(chunk)
+            if self.after_rows is not None:
+                self.after_rows(chunk)
         return state
 
 

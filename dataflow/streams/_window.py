@@ -7,6 +7,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from dataflow.model._checks import check_count, check_seconds
 from dataflow.model._errors import InvalidArgumentError, ProducerLostError, StreamIdleError
 from dataflow.model._refs import SampleRef
 from dataflow.streams._wire import BAD_FRAME_KINDS
@@ -46,17 +47,14 @@ class ReceiverStats:
 
 
 def check_timeout(name: str, value: object, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise InvalidArgumentError(
-            f"{name} must be a non-negative number of seconds, got {value!r}"
-        )
-
-
-def check_count(name: str, value: object, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+    """Refuse a ``value`` of ``name`` that is not a number of seconds >= 0 (inf waits forever)."""
+    check_seconds(
+        name,
+        value,
+        finite=False,
+        allow_none=allow_none,
+        expected="a non-negative number of seconds",
+    )
 
 
 class Window:

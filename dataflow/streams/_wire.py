@@ -8,12 +8,12 @@ the wire's own limits (``check_limits``). docs/streams.md describes every field.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from dataclasses import dataclass
 
 from dataflow.model._errors import BadFrameError, DataflowError, InvalidRefError, TensorInRefError
+from dataflow.model._ref_codec import ref_json
 from dataflow.model._refs import (
     _REF_FIELDS,
     FeatureSpec,
@@ -214,40 +214,24 @@ def _check_spec(name: str, spec: FeatureSpec) -> None:
 
 
 # Encoding and decoding refs is most of a stream's CPU time, so both avoid the
-# generic paths: SampleRef.to_json sorts keys and rebuilds every spec, and
+# generic paths: SampleRef.to_json sorts keys and rebuilds every spec (the
+# body is its bytes all the same, from the one fast encoder, ref_json), and
 # SampleRef.__post_init__ re-checks, for tensors and by a JSON round trip,
 # metadata that json.loads has just built (and so is plain JSON by
 # construction). The fast paths check the same rules; a test compares them
 # with SampleRef.to_json/from_dict, and they fall back to the generic paths
 # if SampleRef ever grows another field.
 _FAST = tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
-_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-_dump_str = json.encoder.encode_basestring_ascii  # what _dumps does for a str, minus the checks
-
-
-@functools.lru_cache(maxsize=4096)
-def _spec_json(name: str, spec: FeatureSpec) -> str:
-    _check_spec(name, spec)  # raises, and so is not cached, beyond the limits
-    return f"{_dumps(name)}:{_dumps(spec.to_dict())}"
 
 
 def _fast_ref_json(ref: SampleRef) -> str:
-    if not _FAST or type(ref.generation) is not int or type(ref.store) is not str:
+    if type(ref.generation) is not int or type(ref.store) is not str:
         raise TypeError("no fast path")
     if len(ref.specs) > MAX_FEATURES or len(ref.store) > MAX_STORE_CHARS:
         raise ValueError("beyond the limits")
     if ref.generation > MAX_INT:
         raise ValueError("beyond the limits")
-    specs = []
-    for name, spec in ref.specs.items():
-        if type(name) is not str or type(spec) is not FeatureSpec:
-            raise TypeError("not plain data")
-        specs.append(_spec_json(name, spec))
-    return (
-        f'{{"sample_id":{_dump_str(ref.sample_id)},"store":{_dump_str(ref.store)},'
-        f'"generation":{ref.generation},"specs":{{{",".join(specs)}}},'
-        f'"metadata":{_dumps(ref.metadata)}}}'
-    )
+    return ref_json(ref, _check_spec)
 
 
 def encode_ref(receiver: str, line: int, body: bytes) -> bytes:

@@ -1,0 +1,103 @@
+"""A producer's committed refs on their way into its stream.
+
+Committed is committed: a ref the stream does not take (its window stayed
+full for the sender's timeout) is kept and sent again before the next refs,
+and while an emit waits at the backpressure gate; one still unsent when the
+producer closes stays pending in the ledger, and consumers lease it from
+there once the stream has ended (or at their next resume).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable, Sequence
+
+from dataflow.interfaces._stream import RefSender
+from dataflow.live._backpressure import ProducerBlocking
+from dataflow.model._errors import BackpressureError, DataflowError
+from dataflow.model._refs import SampleRef
+
+log = logging.getLogger("dataflow")
+_NO_CREDIT = (
+    "its stream's consumers grant no credit (every window is full, or no consumer is "
+    "reachable): the trainers are not receiving, committed refs wait to be sent, and "
+    "each emit waits the sender's timeout"
+)
+
+
+class RefOutbox:
+    """Sends a producer's committed refs to its stream, keeping those it does not take.
+
+    A wait for the stream's credit is an episode of ``credit`` (a
+    :class:`ProducerBlocking` of cause ``"credit"``), logged and counted.
+    """
+
+    def __init__(self, stream: RefSender, run_id: str, producer_id: str) -> None:
+        self.stream = stream
+        self.run_id = run_id
+        #: Committed refs the stream did not take yet (its window stayed full), oldest first.
+        self.unsent: collections.deque[SampleRef] = collections.deque()
+        self.credit = ProducerBlocking(run_id, producer_id, "credit", _NO_CREDIT)
+
+    def check(self, refs: Iterable[SampleRef]) -> None:
+        """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).
+
+        So an emit that raises was not committed, and one that returns was.
+        """
+        for ref in refs:
+            self.stream.check(ref)
+
+    def send(self, refs: Sequence[SampleRef]) -> None:
+        """Push committed refs to the stream, after those it did not take before.
+
+        Never raises for a ref the stream does not take: that would make the
+        caller believe the commit failed, and retry into a None.
+        """
+        self.unsent.extend(refs)
+        left = self._send_unsent(timeout=None)
+        if left:  # the episode's warning says it once (ProducerBlocking)
+            log.debug(
+                "stream backpressure: %d committed refs of run %r not sent yet; they are "
+                "sent again before the next ones (and stay pending in the ledger)",
+                left,
+                self.run_id,
+            )
+
+    def send_waiting(self) -> None:
+        """While an emit waits at the gate: send what the stream's window takes now."""
+        if self.unsent:
+            self._send_unsent(timeout=0)
+
+    def _send_unsent(self, *, timeout: float | None) -> int:
+        """Send the refs not sent yet, oldest first, each within ``timeout`` (None: the
+        sender's); how many are left when the stream's window stays full."""
+        unsent = self.unsent
+        while unsent:
+            ref = unsent[0]
+            try:
+                self._send_one(ref, timeout)
+            except BackpressureError:
+                return len(unsent)
+            except DataflowError as exc:  # check() let through a ref send() refuses
+                log.warning(
+                    "stream refused committed ref %r of run %r; it stays pending in the "
+                    "ledger (%s: %s)",
+                    ref.sample_id,
+                    self.run_id,
+                    type(exc).__name__,
+                    exc,
+                )
+            unsent.popleft()
+        self.credit.end("goes on: its stream takes refs again")
+        return 0
+
+    def _send_one(self, ref: SampleRef, timeout: float | None) -> None:
+        """Send ``ref``; a wait for credit (a window with room needs none) is a blocked episode."""
+        try:
+            self.stream.send(ref, timeout=0)
+        except BackpressureError:
+            if timeout == 0:
+                raise
+            with self.credit.waiting():
+                self.stream.send(ref, timeout=timeout)
