@@ -239,4 +239,4 @@ def test_commits_agree_with_a_model_of_first_commits(ledger, batches):
 @settings(max_examples=300, deadline=None)
 def test_the_commit_payload_is_the_refs_own_json(ref, store, bare):
     ref = dataclasses.replace(ref, store=store, metadata={} if bare else ref.metadata)
-    assert _producer.ref_json(ref) == ref.to_json()
+    assert _producer._ref_json(ref) == ref.to_json()

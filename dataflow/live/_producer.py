@@ -29,6 +29,7 @@ from dataflow.model._errors import (
 )
 from dataflow.model._events import Kind, dump_payload
 from dataflow.model._ref_codec import ref_json
+from dataflow.model._ref_codec import ref_json as _ref_json  # noqa: F401 (the name tests pin)
 from dataflow.model._refs import SampleRef, ref_from_ledger, validate_sample_id
 from dataflow.recorder._ledger import Ledger, NewEvent, check_id
 
