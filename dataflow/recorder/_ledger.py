@@ -42,7 +42,7 @@ from dataflow.model._errors import (
     SchemaVersionError,
     StaleEpochError,
 )
-from dataflow.model._events import Event, Kind, load_payload
+from dataflow.model._events import Event, Kind, check_payload, load_payload
 from dataflow.recorder._db import (
     DEFAULT_URL,
     backend_for,
@@ -232,6 +232,9 @@ class NewEvent:
     step: int | None = None
     payload: str | None = None
     revision: int | None = None
+
+    def __post_init__(self) -> None:
+        check_payload(self.kind, self.payload)  # InvalidArgumentError: not the kind's type
 
 
 def _newest_commits(
