@@ -11,7 +11,11 @@ from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan
 
 
 class EventHandlers:
-    """One ``_on_<kind>`` method per event kind (a base of RunState; see ``HANDLERS``)."""
+    """One ``_on_<kind>`` method per event kind (a base of RunState; see ``HANDLERS``).
+
+    Each takes one row's fields; a payload that is not its kind's type raises ValueError,
+    which ``RunState.apply_rows`` records as a violation with the row's seq.
+    """
 
     __slots__ = ()
 

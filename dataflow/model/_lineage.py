@@ -164,6 +164,7 @@ def seeded_order(sample_ids: Iterable[str], seed: int) -> list[str]:
 class LineageQueries:
     """The lineage reads of a :class:`~dataflow.model._fold.RunState` (a base of it): the
     current branch's settings, which checkpoints it can resume, and trained sets at a cut.
+    It works on the attributes ``RunState.__init__`` declares (``_epochs``: number -> branch).
     """
 
     __slots__ = ()

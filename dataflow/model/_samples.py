@@ -33,7 +33,10 @@ class _Refs(Mapping[str, SampleRef]):
 
 
 class SampleQueues:
-    """Refs by id, each rank's queue of pending ids, and the moves between the queues."""
+    """Refs by id, each rank's queue of pending ids, and the moves between the queues.
+
+    A base of RunState, working on the attributes ``RunState.__init__`` declares.
+    """
 
     __slots__ = ()
 
