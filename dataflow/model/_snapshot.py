@@ -19,13 +19,11 @@ import struct
 import zlib
 from array import array
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dataflow.model._errors import ArgumentTypeError
-from dataflow.model._fold import Checkpoint, ReconcilePlan, RunState, _Acks, _Epoch
-
-if TYPE_CHECKING:
-    from dataflow.recorder._ledger import Ledger
+from dataflow.model._fold import RefSource, RunState
+from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan, _Acks
 
 #: The layout of a snapshot body and the fold it was taken with. Bump it whenever
 #: RunState's fields or the meaning of an event change: older snapshots are then
@@ -87,7 +85,7 @@ def encode(state: RunState) -> bytes:
     return b"".join(parts)
 
 
-def decode(run_id: str, body: bytes, *, ref_source: Ledger | None) -> RunState:
+def decode(run_id: str, body: bytes, *, ref_source: RefSource | None) -> RunState:
     """The RunState a snapshot body holds; ValueError/KeyError/TypeError if it is damaged."""
     view = memoryview(body)
     if bytes(view[: len(_MAGIC)]) != _MAGIC:
@@ -181,7 +179,7 @@ def _plan_row(plan: ReconcilePlan, many: Any, sorted_many: Any) -> dict[str, Any
     }
 
 
-def _epoch_row(node: _Epoch, many: Any, put: Any) -> dict[str, Any]:
+def _epoch_row(node: LineageBranch, many: Any, put: Any) -> dict[str, Any]:
     return {
         "number": node.number,
         "parent": node.parent,
@@ -275,7 +273,7 @@ def _load(data: dict[str, Any], columns: _Columns, state: RunState) -> RunState:
         acks.data_epochs = array("l", columns.get(row["ack_data_epochs"]))
         if not len(acks.sids) == len(acks.steps) == len(acks.data_epochs):
             raise ValueError("a snapshot's acks have columns of different lengths")
-        node = _Epoch(
+        node = LineageBranch(
             number=row["number"],
             parent=row["parent"],
             cut_step=row["cut_step"],

@@ -21,7 +21,7 @@ from dataflow.model._errors import (
     SchemaVersionError,
     StaleEpochError,
 )
-from dataflow.model._events import Kind
+from dataflow.model._events import Kind, check_payload
 from dataflow.recorder._reads import CHUNK, newest_commits, released_revision
 from dataflow.recorder._schema import events, producers
 from dataflow.recorder._schema import runs as runs_table
@@ -39,6 +39,9 @@ class NewEvent:
     step: int | None = None
     payload: str | None = None
     revision: int | None = None
+
+    def __post_init__(self) -> None:
+        check_payload(self.kind, self.payload)  # InvalidArgumentError: not the kind's type
 
 
 def refuse_unseen_commits(conn: Connection, run_id: str, sample_ids: Sequence[str]) -> None:

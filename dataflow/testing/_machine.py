@@ -456,7 +456,7 @@ class LedgerMachine(RuleBasedStateMachine):
             assert state.pending_count(rank) == len(list(state.pending_for(rank)))
         for consumer in self.consumers:
             consumer._catch_up()
-            assert consumer.state.snapshot() == state.snapshot(), "live state != replay"
+            assert consumer.state.observable() == state.observable(), "live state != replay"
         assert set(state.committed) == set(self.emitted), "a committed sample was lost"
         assert state.producers_done == self.producer_closed, "producers_done differs from model"
         assert set(state.dead) == self.dead
