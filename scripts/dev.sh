@@ -60,7 +60,7 @@ if [ "$job" = test ]; then
   have_lib libnuma.so.1 || missing+=(libnuma1)
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
   workers="${DATAFLOW_TEST_WORKERS:-4}"
-  exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup "$@"
+  exec .venv/bin/python -m pytest -n "$workers" "$@"
 else
   "${pip[@]}" -e ".[plot]"   # plot: matplotlib, for the demo's timeline.png
   exec .venv/bin/dataflow demo "$@"

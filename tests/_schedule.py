@@ -3,8 +3,10 @@
 Three rules, all inert in a plain ``pytest`` run without ``-n``:
 
 - A module whose tests share a module-scoped fixture (a server, a network namespace,
-  processes) runs on one worker (``xdist_group``, with ``--dist loadgroup``), so the
-  fixture is set up once, not once per worker that happens to run one of its tests.
+  processes) runs on one worker (``GROUPED_MODULES``, by the scheduler of
+  :func:`make_scheduler`), so the fixture is set up once, not once per worker that runs
+  one of its tests. (xdist's own ``--dist loadgroup`` does nothing under pytest 9: it
+  renames ``item._nodeid``, which pytest 9 no longer reads.)
 - A test marked ``alone`` (a wall-clock bound, a heartbeat timeout) runs while no other
   test of the run does: workers take a shared lock around each test, an ``alone`` test
   an exclusive one (a turnstile first, so that the exclusive lock is not starved).
@@ -47,6 +49,37 @@ LONG_MODULES = (
 )
 
 
+# The modules that define a module- or session-scoped fixture their tests share
+# (checked at collection: :func:`arrange` names one missing here).
+GROUPED_MODULES = frozenset(
+    {
+        "test_cli_inspect.py",
+        "test_cli_subprocess.py",
+        "test_eval_distributed.py",
+        "test_faults_postgres_network.py",
+        "test_ledger_concurrency.py",
+        "test_mooncake_keeper.py",
+        "test_store_mooncake.py",
+        "test_training_master_weights.py",
+        "test_training_resize.py",
+        "test_training_resume_ranks.py",
+    }
+)
+
+# Left out of the quick tier besides the slow and long ones: state machines, a
+# process per sample, sub-second bounds that make the other workers wait.
+QUICK_LEAVES_OUT = frozenset(
+    {
+        "test_property_stores.py",
+        "test_mooncake_keeper.py",
+        "test_mooncake_crash_gc.py",
+        "test_shared_dir_crash_gc.py",
+        "test_faults_wal_deleted.py",
+        "test_cli_crash_time.py",
+    }
+)
+
+
 def worker() -> str | None:
     """This process's xdist worker id (``gw0``...), or None outside a distributed run."""
     return os.environ.get("PYTEST_XDIST_WORKER")
@@ -79,13 +112,32 @@ def _long_rank(item: pytest.Item) -> int:
 
 
 def arrange(items: list[pytest.Item]) -> None:
-    """Group the modules with module-scoped fixtures; hand out the long tests first."""
+    """Check ``GROUPED_MODULES``; under xdist, hand out the long tests first."""
+    ungrouped = sorted({i.path.name for i in items if _uses_module_fixture(i)} - GROUPED_MODULES)
+    if ungrouped:
+        raise pytest.UsageError(
+            f"{', '.join(ungrouped)}: a module-scoped fixture; add it to "
+            "GROUPED_MODULES in tests/_schedule.py (its tests then share one xdist worker)"
+        )
     if worker() is None:
         return  # one process: keep the files' order, so module fixtures are set up once
-    for item in items:
-        if _uses_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=_long_rank)  # stable: each module keeps its order
+
+
+def make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """xdist's load scheduling, with each of ``GROUPED_MODULES`` one unit of work."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None  # another --dist the user asked for
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:  # an xdist_group, should xdist's own marking work again
+                return nodeid.rsplit("@", 1)[-1]
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in GROUPED_MODULES else nodeid
+
+    return ModuleGroups(config, log)
 
 
 @contextlib.contextmanager
@@ -109,12 +161,15 @@ def turn(root: Path, *, alone: bool) -> Iterator[None]:
 
 
 def quick_tier(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
-    """``--quick``: (kept, left out). Leaves out the ``slow`` tests and the long modules;
-    the ledger tests on PostgreSQL, the Mooncake store's and the CLI's subprocess tests
-    keep a real PostgreSQL server, a real ``mooncake_master`` and real processes."""
+    """``--quick``: (kept, left out). Leaves out the ``slow`` and ``alone`` tests, the long
+    modules and ``QUICK_LEAVES_OUT``; the ledger tests on PostgreSQL, the Mooncake store's
+    tests and the subprocess tests (CLI, fencing) keep a real PostgreSQL server, a real
+    ``mooncake_master`` and real processes."""
     kept: list[pytest.Item] = []
     left_out: list[pytest.Item] = []
     for item in items:
-        long = item.get_closest_marker("slow") or item.path.name in LONG_MODULES
+        name = item.path.name
+        long = item.get_closest_marker("slow") or item.get_closest_marker("alone")
+        long = long or name in LONG_MODULES or name in QUICK_LEAVES_OUT
         (left_out if long else kept).append(item)
     return kept, left_out

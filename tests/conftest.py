@@ -48,7 +48,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group markers
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return _schedule.make_scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--quick"):
         kept, left_out = _schedule.quick_tier(items)
