@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Set everything up from a clean clone, then run the demo or the whole test suite.
 #
-#   bash scripts/dev.sh demo    # the main job: `dataflow demo`
-#   bash scripts/dev.sh test    # the whole test suite
+#   bash scripts/dev.sh demo            # the main job: `dataflow demo`
+#   bash scripts/dev.sh test            # the whole test suite (what CI runs)
+#   bash scripts/dev.sh test --quick    # the quick tier, for development (under 2 min)
+#
+# Extra arguments go to pytest (a file, -k, -x). The suite runs on 4 pytest-xdist
+# workers (it waits on processes, sockets and fsync more than it computes, so 4 beat
+# 2 on two cores); DATAFLOW_TEST_WORKERS=N sets another number, 0 runs it in-process.
+# --quick (a pytest option of tests/conftest.py) leaves out the slow tests and keeps a
+# real PostgreSQL server, a real mooncake_master and real processes.
 #
 # Creates .venv, installs torch first when none is importable (pip then takes
 # the CPU build instead of pulling the multi-GB CUDA one), then the package with
@@ -14,7 +21,10 @@ cd "$(dirname "$0")/.."
 job="${1:-}"
 case "$job" in
   demo|test) shift ;;
-  *) echo "usage: bash scripts/dev.sh demo|test [args...]" >&2; exit 2 ;;
+  *)
+    echo "usage: bash scripts/dev.sh demo [args...]" >&2
+    echo "       bash scripts/dev.sh test [--quick] [pytest args...]" >&2
+    exit 2 ;;
 esac
 
 python="${PYTHON:-python3}"
@@ -49,7 +59,8 @@ if [ "$job" = test ]; then
   have_lib libibverbs.so.1 || missing+=(libibverbs1)
   have_lib libnuma.so.1 || missing+=(libnuma1)
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
-  exec .venv/bin/python -m pytest "$@"
+  workers="${DATAFLOW_TEST_WORKERS:-4}"
+  exec .venv/bin/python -m pytest -n "$workers" "$@"
 else
   "${pip[@]}" -e ".[plot]"   # plot: matplotlib, for the demo's timeline.png
   exec .venv/bin/dataflow demo "$@"

@@ -21,6 +21,8 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tests._schedule import worker_index
+
 NOWHERE_MAC = "02:00:00:00:00:01"  # locally administered, owned by no interface
 
 
@@ -85,12 +87,15 @@ def veth_namespace(prefix: str, subnet: str) -> Iterator[Link]:
     """A fresh namespace ``PREFIX-XXXX`` linked to the host on a random /24 of ``subnet``.
 
     Interface names are the first three letters of the part of ``prefix`` after ``df-``
-    plus the same four hex digits (15 characters at most, as Linux requires).
+    plus the same four hex digits (15 characters at most, as Linux requires). Under
+    pytest-xdist the first hex digit and the /24 are the worker's own, so namespaces
+    made by workers running at once never share a name or a network.
     """
-    tag = f"{random.getrandbits(16):04x}"
+    index = worker_index() % 16
+    tag = f"{index:x}{random.getrandbits(12):03x}"
     short = prefix.removeprefix("df-")[:3]
-    networks = list(ipaddress.ip_network(subnet).subnets(new_prefix=24))
-    network = random.choice(networks[1:-1])
+    networks = list(ipaddress.ip_network(subnet).subnets(new_prefix=24))[1:-1]
+    network = random.choice([n for i, n in enumerate(networks) if i % 16 == index])
     host_address, namespace_address = (str(a) for a in list(network.hosts())[:2])
     namespace = f"{prefix}-{tag}"
     host_if, namespace_if = f"{short}{tag}h", f"{short}{tag}n"

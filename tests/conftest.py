@@ -5,6 +5,10 @@ PostgreSQL comes from ``DATAFLOW_TEST_POSTGRES_URL`` when set, else from a
 throw-away server started once per session; Mooncake from a real
 ``mooncake_master`` started once per session. Where that is impossible the
 tests skip, except under ``CI=true``, where they fail.
+
+Under pytest-xdist (``-n N``, as ``scripts/dev.sh test`` runs the suite) each worker
+starts its own servers, on free ports; ``tests/_schedule.py`` says how tests share
+the workers (module fixtures on one worker, ``alone`` tests with no other running).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataflow.testing._postgres import (
 )
 from stores import LocalFeatureStore
 from stores.mooncake_master import MooncakeMaster, find_master_binary
+from tests import _schedule
 
 
 def unavailable(reason: str) -> None:
@@ -32,6 +37,38 @@ def unavailable(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: every real component must be available)")
     pytest.skip(reason)  # only outside CI: under CI=true the line above failed
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the quick tier for development: leave out the slow tests (tests/_schedule.py "
+        "says which); a real PostgreSQL, mooncake_master and processes still run",
+    )
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return _schedule.make_scheduler(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--quick"):
+        kept, left_out = _schedule.quick_tier(items)
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = kept
+    _schedule.arrange(items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under xdist: an ``alone`` test (setup and teardown included) runs with no other."""
+    if _schedule.worker() is None:
+        return (yield)
+    root = item.config._tmp_path_factory.getbasetemp().parent  # shared by the workers
+    with _schedule.turn(root, alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 @pytest.fixture

@@ -289,6 +289,7 @@ def _postgres_pids() -> set[int]:
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.alone  # it looks for new postgres processes: no other test may start one
 def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None:
     # It only failed the trial it came in (chaos went on with the next), and one that came
     # outside a trial left the --start-postgres server running.

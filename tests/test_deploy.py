@@ -41,6 +41,7 @@ def test_the_page_has_every_step() -> None:
         assert command in script, command
 
 
+@pytest.mark.alone  # the page sleeps through an outage and waits 60 s for the ranks
 def test_the_deploy_walkthrough_runs_as_written(postgres_url, mooncake_installed, tmp_path):
     ports = {
         name: str(free_port())

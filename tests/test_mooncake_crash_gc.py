@@ -162,6 +162,7 @@ _CLOSER = """
 """
 
 
+@pytest.mark.alone  # close() within a second
 def test_close_returns_within_a_second_and_gc_frees_what_a_lease_held(mooncake_installed, tmp_path):
     # A lease long enough to see close() wait for it (Mooncake's default is 10 s).
     with MooncakeMaster(lease_ttl_ms=3000) as master:

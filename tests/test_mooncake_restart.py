@@ -191,6 +191,7 @@ def test_a_restarted_master_loses_payloads_that_are_regenerated_and_trained_once
     assert not any(e.kind == Kind.NACK for e in events)
 
 
+@pytest.mark.alone  # the restarted master takes the client back within its timeouts
 def test_a_store_outlives_its_master(master: MooncakeMaster) -> None:
     # While the master is down, calls wait connect_timeout and raise StoreUnavailableError
     # naming it; once a fresh one is up, the same handle serves again: what was put before

@@ -137,6 +137,7 @@ def test_objects_are_hard_pinned(cluster):
     assert cluster.anchor._client.config.with_hard_pin
 
 
+@pytest.mark.alone  # within a second
 def test_delete_right_after_get_does_not_stall(cluster):
     with cluster.store() as store:
         refs = [store.put(f"s{i}", {"x": torch.ones(256)}) for i in range(50)]
@@ -288,6 +289,7 @@ def test_get_returns_registered_memory_and_recycles_it(cluster):
         assert first == second
 
 
+@pytest.mark.alone  # within five seconds
 def test_unreachable_master_fails_fast_with_its_address(mooncake_installed):
     address = f"127.0.0.1:{free_port()}"
     start = time.perf_counter()

@@ -1,0 +1,175 @@
+"""How the suite shares a few cores between pytest-xdist workers (``-n``).
+
+Three rules, all inert in a plain ``pytest`` run without ``-n``:
+
+- A module whose tests share a module-scoped fixture (a server, a network namespace,
+  processes) runs on one worker (``GROUPED_MODULES``, by the scheduler of
+  :func:`make_scheduler`), so the fixture is set up once, not once per worker that runs
+  one of its tests. (xdist's own ``--dist loadgroup`` does nothing under pytest 9: it
+  renames ``item._nodeid``, which pytest 9 no longer reads.)
+- A test marked ``alone`` (a wall-clock bound, a heartbeat timeout) runs while no other
+  test of the run does: workers take a shared lock around each test, an ``alone`` test
+  an exclusive one (a turnstile first, so that the exclusive lock is not starved).
+- The long tests are handed out first (``LONG_MODULES``, then the ``slow`` marker), so
+  that no worker starts a long test while the others are running out of work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The modules whose tests take longest in all (from ``--durations=0``), longest first.
+LONG_MODULES = (
+    "test_property_ledger.py",
+    "test_training_checkpoint_ranks.py",
+    "test_chaos.py",
+    "test_docs.py",
+    "test_training_resume_ranks.py",
+    "test_ledger_rank_restart.py",
+    "test_training_e2e.py",
+    "test_benchmarks_runner.py",
+    "test_deploy.py",
+    "test_benchmarks_rows.py",
+    "test_gc.py",
+    "test_demo.py",
+    "test_training_step.py",
+    "test_training_agreement.py",
+    "test_store_shared_dir.py",
+    "test_mooncake_restart.py",
+    "test_streams_processes.py",
+    "test_cli.py",
+    "test_metrics.py",
+    "test_ledger_lineage.py",
+)
+
+
+# The modules that define a module- or session-scoped fixture their tests share
+# (checked at collection: :func:`arrange` names one missing here).
+GROUPED_MODULES = frozenset(
+    {
+        "test_cli_inspect.py",
+        "test_cli_subprocess.py",
+        "test_eval_distributed.py",
+        "test_faults_postgres_network.py",
+        "test_ledger_concurrency.py",
+        "test_mooncake_keeper.py",
+        "test_store_mooncake.py",
+        "test_training_master_weights.py",
+        "test_training_resize.py",
+        "test_training_resume_ranks.py",
+    }
+)
+
+# Left out of the quick tier besides the slow and long ones: state machines, a
+# process per sample, sub-second bounds that make the other workers wait.
+QUICK_LEAVES_OUT = frozenset(
+    {
+        "test_property_stores.py",
+        "test_mooncake_keeper.py",
+        "test_mooncake_crash_gc.py",
+        "test_shared_dir_crash_gc.py",
+        "test_faults_wal_deleted.py",
+        "test_cli_crash_time.py",
+    }
+)
+
+
+def worker() -> str | None:
+    """This process's xdist worker id (``gw0``...), or None outside a distributed run."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def worker_index() -> int:
+    """This worker's number (0 outside a distributed run)."""
+    name = worker()
+    return int(name.removeprefix("gw")) if name and name.removeprefix("gw").isdigit() else 0
+
+
+def _uses_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module- or session-scoped fixture defined in its own module."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    module_id = item.nodeid.split("::", 1)[0]
+    return any(
+        definition.scope in ("module", "session") and definition.baseid == module_id
+        for definitions in info.name2fixturedefs.values()
+        for definition in definitions
+    )
+
+
+def _long_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    if name in LONG_MODULES:
+        return LONG_MODULES.index(name)
+    return len(LONG_MODULES) + (0 if item.get_closest_marker("slow") else 1)
+
+
+def arrange(items: list[pytest.Item]) -> None:
+    """Check ``GROUPED_MODULES``; under xdist, hand out the long tests first."""
+    ungrouped = sorted({i.path.name for i in items if _uses_module_fixture(i)} - GROUPED_MODULES)
+    if ungrouped:
+        raise pytest.UsageError(
+            f"{', '.join(ungrouped)}: a module-scoped fixture; add it to "
+            "GROUPED_MODULES in tests/_schedule.py (its tests then share one xdist worker)"
+        )
+    if worker() is None:
+        return  # one process: keep the files' order, so module fixtures are set up once
+    items.sort(key=_long_rank)  # stable: each module keeps its order
+
+
+def make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """xdist's load scheduling, with each of ``GROUPED_MODULES`` one unit of work."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None  # another --dist the user asked for
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if "@" in nodeid:  # an xdist_group, should xdist's own marking work again
+                return nodeid.rsplit("@", 1)[-1]
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in GROUPED_MODULES else nodeid
+
+    return ModuleGroups(config, log)
+
+
+@contextlib.contextmanager
+def turn(root: Path, *, alone: bool) -> Iterator[None]:
+    """Hold the run's lock around one test: shared, or exclusive for an ``alone`` test."""
+    gate = os.open(root / "dataflow-tests.gate", os.O_RDWR | os.O_CREAT, 0o644)
+    room = os.open(root / "dataflow-tests.room", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)  # an alone test waiting here keeps new ones out
+        if alone:
+            fcntl.flock(room, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(room, fcntl.LOCK_SH)
+        yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        os.close(room)
+        os.close(gate)
+
+
+def quick_tier(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """``--quick``: (kept, left out). Leaves out the ``slow`` and ``alone`` tests, the long
+    modules and ``QUICK_LEAVES_OUT``; the ledger tests on PostgreSQL, the Mooncake store's
+    tests and the subprocess tests (CLI, fencing) keep a real PostgreSQL server, a real
+    ``mooncake_master`` and real processes."""
+    kept: list[pytest.Item] = []
+    left_out: list[pytest.Item] = []
+    for item in items:
+        name = item.path.name
+        long = item.get_closest_marker("slow") or item.get_closest_marker("alone")
+        long = long or name in LONG_MODULES or name in QUICK_LEAVES_OUT
+        (left_out if long else kept).append(item)
+    return kept, left_out
