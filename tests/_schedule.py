@@ -11,7 +11,8 @@ Three rules, all inert in a plain ``pytest`` run without ``-n``:
   test of the run does: workers take a shared lock around each test, an ``alone`` test
   an exclusive one (a turnstile first, so that the exclusive lock is not starved).
 - The long tests are handed out first (``LONG_MODULES``, then the ``slow`` marker), so
-  that no worker starts a long test while the others are running out of work.
+  that no worker starts a long test while the others are running out of work; the
+  ``alone`` tests last, when no long test is left to wait for.
 """
 
 from __future__ import annotations
@@ -104,11 +105,15 @@ def _uses_module_fixture(item: pytest.Item) -> bool:
     )
 
 
-def _long_rank(item: pytest.Item) -> int:
+def _long_rank(item: pytest.Item) -> tuple[bool, int]:
+    """Long tests first; ``alone`` tests last, once the long ones are done (an ``alone``
+    test waits for every running test to end, and keeps new ones out meanwhile: early on,
+    the other workers would sit idle until a long test ended)."""
+    alone = item.get_closest_marker("alone") is not None
     name = item.path.name
     if name in LONG_MODULES:
-        return LONG_MODULES.index(name)
-    return len(LONG_MODULES) + (0 if item.get_closest_marker("slow") else 1)
+        return alone, LONG_MODULES.index(name)
+    return alone, len(LONG_MODULES) + (0 if item.get_closest_marker("slow") else 1)
 
 
 def arrange(items: list[pytest.Item]) -> None:
