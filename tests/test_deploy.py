@@ -58,6 +58,11 @@ def test_the_deploy_walkthrough_runs_as_written(postgres_url, mooncake_installed
         DATAFLOW_LEDGER=postgres_url,
         RUN="walkthrough-test",
         SAMPLES="240",
+        # The kill waits for the first checkpoint: at step 2 of 8, while the producers
+        # (6 s of inference at 0.05 s a sample) are still at work, so the ranks cannot
+        # have finished by then however fast this machine is.
+        CHECKPOINT_EVERY="2",
+        PRODUCE_DELAY="0.05",
         PYTHONPATH=str(ROOT),
         PATH=os.pathsep.join(
             [str(Path(sys.executable).parent), str(find_master_binary().parent), os.environ["PATH"]]
