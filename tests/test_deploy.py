@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,14 +43,26 @@ def test_the_page_has_every_step() -> None:
 
 
 @pytest.mark.alone  # the page sleeps through an outage and waits 60 s for the ranks
+def _free_port_pair() -> int:
+    """A port whose successor is free too (both bound once, then released)."""
+    for _ in range(200):
+        port = free_port()
+        with socket.socket() as first, socket.socket() as second:
+            try:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 def test_the_deploy_walkthrough_runs_as_written(postgres_url, mooncake_installed, tmp_path):
     ports = {
         name: str(free_port())
         for name in ("MASTER_PORT", "RANK0_PORT", "RANK1_PORT", "MC_RPC", "MC_HTTP", "MC_ADMIN")
     }
-    metrics = free_port()
-    while free_port() == metrics + 1:  # both ranks' ports must be free; good enough
-        metrics = free_port()
+    metrics = _free_port_pair()  # rank r serves its metrics on METRICS_PORT + r
     env = dict(
         os.environ,
         **ports,
