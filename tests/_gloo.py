@@ -95,6 +95,13 @@ def forkserver_start(*preload: str) -> Callable[..., multiprocessing.Process]:
     return start_forked
 
 
+def _unless_gone_already(function: Any, path: str, exc_info: Any) -> None:
+    """rmtree's error handler: a file that vanished meanwhile is fine (a ledger that the
+    garbage collector closes during the rmtree deletes its own -wal and -shm files)."""
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
+
+
 def kept_aside(where: Path, args: dict[str, Any]) -> Callable[[], dict[str, Any]]:
     """Keep the run directory ``where`` aside; each call of the result puts an exact copy
     back at the same path (a ledger records absolute paths) and returns ``args``. For a
@@ -103,7 +110,7 @@ def kept_aside(where: Path, args: dict[str, Any]) -> Callable[[], dict[str, Any]
     shutil.copytree(where, pristine, symlinks=True)
 
     def fresh() -> dict[str, Any]:
-        shutil.rmtree(where)
+        shutil.rmtree(where, onerror=_unless_gone_already)
         shutil.copytree(pristine, where, symlinks=True)
         return dict(args)
 
