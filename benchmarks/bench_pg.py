@@ -1,7 +1,8 @@
 """The ledger on PostgreSQL under concurrent writers, beside raw psycopg ``executemany``.
 
-1, 4 and 8 writer processes commit batches of refs for a fixed time while one
-consumer process leases and acks what they commit, through:
+Writer processes commit batches of refs for a fixed time, with one consumer
+process leasing and acking what they commit alongside or with none (each
+:class:`Config`; :data:`CONFIGS` lists the rows and the targets of issue #37), through:
 
 * ours: ``Producer.commit`` (validation, the run's row lock, the dedup read,
   the append) and ``Consumer.lease`` / ``Consumer.ack``;
@@ -19,9 +20,13 @@ work directory, with ``fsync`` on and ``synchronous_commit=on`` (a ledger
 opened with ``durability="full"``). Events/s counts the writers'
 commit events over the wall time from a common start to the last writer's
 last batch; latency is one commit transaction, seen by its writer (ours:
-``Producer.commit``; raw: the ref JSON, then the transaction).
+``Producer.commit``; raw: the ref JSON, then the transaction). CPU per event:
+the writers' own process CPU, and the server's (the postmaster and every
+backend, from ``/proc``), over the commit events (and the consumer's events,
+where one runs) of the measurement.
 
-Run: ``python -m benchmarks.bench_pg [--quick] [--writers 1,4,8] [--seconds S] [--dir DIR]``.
+Run: ``python -m benchmarks.bench_pg [--quick] [--writers 1,4,8] [--seconds S] [--dir DIR]``;
+``--profile`` prints where one producer's CPU goes per commit event (cProfile).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +68,45 @@ WRITERS = (1, 4, 8)
 BATCH = 64  # refs per commit transaction
 LEASE_BATCH = 256
 SECONDS, QUICK_SECONDS = 6.0, 1.0
-TARGET = ">= 0.5"  # ours / raw events/s at the most writers
 ONE_RUN, OWN_RUNS = "one run", "own runs"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measurement: ``writers`` processes into one run (or each into its own), the
+    consumer process alongside or not; the targets on ours / raw, and which rows it gives.
+
+    ``target``: on the commit events/s; ``p99_target``: on the commit p99 latency;
+    ``lock``: also measure raw with the per-run row lock; ``cpu``: also report the
+    writers' and the server's CPU per event.
+    """
+
+    writers: int
+    mode: str = ONE_RUN
+    consumer: bool = True
+    target: str | None = None
+    p99_target: str | None = None
+    lock: bool = False
+    cpu: bool = False
+
+    @property
+    def label(self) -> str:
+        n = self.writers
+        alone = "" if self.consumer else ", no consumer"
+        return f"{n} writer{'s' if n > 1 else ''}, {self.mode}{alone}"
+
+
+#: The rows of ``python -m benchmarks`` and the targets of issue #37 on PostgreSQL.
+CONFIGS = (
+    Config(1),
+    Config(4, lock=True),
+    Config(4, OWN_RUNS),
+    Config(8, target=">= 0.8", p99_target="<= 2", lock=True, cpu=True),
+    Config(8, OWN_RUNS),
+    Config(1, consumer=False, target=">= 0.6", cpu=True),
+    Config(8, consumer=False, target=">= 0.5"),
+    Config(32, target=">= 0.7"),
+)
 OURS, RAW, RAW_LOCKED = "ours", "raw", "raw+lock"
 # Workers fork from a server that imported torch and dataflow once (bench_streams).
 _PROCESSES = mp.get_context("forkserver")
@@ -96,17 +138,19 @@ class Result:
     events: int = 0
     laps: list[float] = field(default_factory=list)
     ended: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU over the measurement
 
 
 @dataclass
 class Measured:
     contender: str
-    writers: int
-    mode: str
+    config: Config
     rate: float  # the writers' commit events per second
     p50_ms: float
     p99_ms: float
     consumer_events: int
+    writer_cpu_us: float  # the writers' CPU per commit event
+    server_cpu_us: float  # the server's CPU per event (commits and the consumer's)
 
 
 # -- the processes -------------------------------------------------------------------------------
@@ -127,6 +171,7 @@ def _worker(pipe: Any) -> None:
 def _loop(step: Step, start: float, stop: float) -> Result:
     time.sleep(max(0.0, start - time.monotonic()))
     result = Result()
+    cpu = time.process_time()
     while time.monotonic() < stop:
         events, seconds = step()
         if events:
@@ -135,6 +180,7 @@ def _loop(step: Step, start: float, stop: float) -> Result:
         else:
             time.sleep(0.001)  # a consumer with nothing committed yet
     result.ended = time.monotonic()
+    result.cpu_s = time.process_time() - cpu
     return result
 
 
@@ -278,7 +324,10 @@ class Workers:
             self.pipes.append(ours)
             self.procs.append(proc)
 
-    def run(self, tasks: list[Task], seconds: float) -> list[Result]:
+    def run(
+        self, tasks: list[Task], seconds: float, server_cpu: Callable[[], float] = lambda: 0.0
+    ) -> tuple[list[Result], float]:
+        """Each task's result, and the CPU seconds ``server_cpu`` grew by while they ran."""
         pipes = self.pipes[: len(tasks)]
         for pipe, task in zip(pipes, tasks, strict=True):
             pipe.send(task)
@@ -287,14 +336,16 @@ class Workers:
             if isinstance(answer, Exception):
                 raise RuntimeError(f"a benchmark process failed: {answer!r}") from answer
         start = time.monotonic() + 0.2
+        cpu = server_cpu()
         for pipe in pipes:
             pipe.send((start, start + seconds))
         results = [_recv(pipe) for pipe in pipes]
+        cpu = server_cpu() - cpu
         for result in results:
             if isinstance(result, Exception):
                 raise RuntimeError(f"a benchmark process failed: {result!r}") from result
             result.ended -= start
-        return results
+        return results, cpu
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -313,6 +364,32 @@ def _recv(pipe: Any) -> Any:
 
 def _reachable_by_others(path: Path) -> bool:
     return all(p.stat().st_mode & 0o001 for p in (path, *path.parents))
+
+
+def server_cpu_seconds(server: PostgresServer) -> float:
+    """The CPU the server has used so far: the postmaster, its exited children (which it
+    reaped) and its live ones (backends, WAL writer, checkpointer), from ``/proc``."""
+    assert server.directory is not None
+    pid = int((server.directory / "data" / "postmaster.pid").read_text().split()[0])
+    ticks = os.sysconf("SC_CLK_TCK")
+    fields = _stat(pid)
+    total = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    for child in Path("/proc").iterdir():
+        if not child.name.isdigit():
+            continue
+        # One that exited meanwhile is counted in the postmaster's cutime from now on.
+        with suppress(FileNotFoundError, ProcessLookupError):
+            fields = _stat(int(child.name))
+            # Its parent is the postmaster; a zombie's time is not yet in cutime, nor here.
+            if int(fields[1]) == pid and fields[0] != "Z":
+                total += sum(int(f) for f in fields[11:13])
+    return total / ticks
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name (which may hold spaces): field 3 onward."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()
 
 
 @contextmanager
@@ -360,71 +437,59 @@ def fresh_database(server_url: str) -> Iterator[str]:
 
 def measure(
     workers: Workers,
-    server_url: str,
+    server: PostgresServer,
     contender: str,
-    writers: int,
-    mode: str,
+    config: Config,
     seconds: float,
-    *,
-    consumer: bool = True,
 ) -> Measured:
-    run_ids = tuple("run" if mode == ONE_RUN else f"run-{w}" for w in range(writers))
-    with fresh_database(server_url) as url:
+    writers = config.writers
+    run_ids = tuple("run" if config.mode == ONE_RUN else f"run-{w}" for w in range(writers))
+    with fresh_database(server.url) as url:
         tasks = [Task(contender, url, run_ids, w) for w in range(writers)]
-        if consumer:
+        if config.consumer:
             tasks.append(Task(contender, url, run_ids, None))
-        results = workers.run(tasks, seconds)
+        results, server_s = workers.run(tasks, seconds, lambda: server_cpu_seconds(server))
     written = results[:writers]
-    consumed = results[writers].events if consumer else 0
+    consumed = results[writers].events if config.consumer else 0
     laps = sorted(lap for r in written for lap in r.laps)
     wall = max(r.ended for r in written)
+    commits = sum(r.events for r in written)
     return Measured(
         contender,
-        writers,
-        mode,
-        _report.per_second(sum(r.events for r in written), wall),
+        config,
+        _report.per_second(commits, wall),
         statistics.median(laps) * 1e3,
         laps[min(len(laps) - 1, int(0.99 * len(laps)))] * 1e3,
         consumed,
+        sum(r.cpu_s for r in written) / max(commits, 1) * 1e6,
+        server_s / max(commits + consumed, 1) * 1e6,
     )
 
 
-def bench(
-    workdir: Path, writers: tuple[int, ...], seconds: float, *, consumer: bool = True
-) -> tuple[list[Measured], str]:
+def bench(workdir: Path, configs: tuple[Config, ...], seconds: float) -> tuple[list[Measured], str]:
     """The measurements, and the file system the server's files were on."""
-    configs = [
-        (n, mode) for n in writers for mode in (ONE_RUN, OWN_RUNS) if n > 1 or mode == ONE_RUN
-    ]
     results = []
     with postgres(workdir) as server, ExitStack() as stack:
         assert server.directory is not None
         where = f"{filesystem(server.directory)} ({server.directory.parent})"
-        workers = Workers(max(writers) + 1)
+        workers = Workers(max(c.writers for c in configs) + 1)
         stack.callback(workers.close)
-        for k, (n, mode) in enumerate(configs):
-            contenders = [OURS, RAW] + ([RAW_LOCKED] if mode == ONE_RUN and n > 1 else [])
+        for k, config in enumerate(configs):
+            contenders = [OURS, RAW] + ([RAW_LOCKED] if config.lock else [])
             # Alternate the order, so that no contender always runs on a warmer server.
             for contender in contenders if k % 2 == 0 else contenders[::-1]:
-                results.append(
-                    measure(workers, server.url, contender, n, mode, seconds, consumer=consumer)
-                )
+                results.append(measure(workers, server, contender, config, seconds))
     return results, where
 
 
-def _label(n: int, mode: str) -> str:
-    return f"{n} writer{'s' if n > 1 else ''}, {mode}"
-
-
 def to_rows(results: list[Measured], *, note: str) -> list[Row]:
-    by = {(m.contender, m.writers, m.mode): m for m in results}
-    most = max(m.writers for m in results)
+    by = {(m.contender, m.config): m for m in results}
     out = []
     for m in results:
         if m.contender != OURS:
             continue
-        raw = by[RAW, m.writers, m.mode]
-        where = _label(m.writers, m.mode)
+        c, raw = m.config, by[RAW, m.config]
+        where = c.label
         consumers = (
             f"; consumer lease+ack events: ours {m.consumer_events:,}, raw {raw.consumer_events:,}"
             if m.consumer_events or raw.consumer_events
@@ -437,7 +502,7 @@ def to_rows(results: list[Measured], *, note: str) -> list[Row]:
                 "events/s",
                 f"raw psycopg executemany, {where}",
                 raw.rate,
-                target=TARGET if m.writers == most else None,
+                target=c.target,
                 note=note + consumers,
             ),
             row(
@@ -454,10 +519,11 @@ def to_rows(results: list[Measured], *, note: str) -> list[Row]:
                 "ms",
                 f"raw psycopg executemany p99, {where}",
                 raw.p99_ms,
+                target=c.p99_target,
                 note=note,
             ),
         ]
-        locked = by.get((RAW_LOCKED, m.writers, m.mode))
+        locked = by.get((RAW_LOCKED, c))
         if locked is not None:
             out.append(
                 row(
@@ -469,31 +535,65 @@ def to_rows(results: list[Measured], *, note: str) -> list[Row]:
                     note=note + f"; ours / raw+lock {m.rate / locked.rate:.2f}x",
                 )
             )
+        if c.cpu:
+            out += [
+                row(
+                    f"pg writer CPU per commit event, {where}",
+                    m.writer_cpu_us,
+                    "us",
+                    f"raw psycopg writer CPU per row, {where}",
+                    raw.writer_cpu_us,
+                    note=note,
+                ),
+                row(
+                    f"pg server CPU per event, {where}",
+                    m.server_cpu_us,
+                    "us",
+                    f"server CPU per raw row, {where}",
+                    raw.server_cpu_us,
+                    note=note + consumers,
+                ),
+            ]
     return out
+
+
+def configs_for(writers: tuple[int, ...], *, consumer: bool = True) -> tuple[Config, ...]:
+    """``writers`` counts into one run and (above 1) into their own runs, with the targets
+    and extra rows :data:`CONFIGS` gives the same measurement."""
+    known = {(c.writers, c.mode, c.consumer): c for c in CONFIGS}
+    out = []
+    for n in writers:
+        for mode in (ONE_RUN, OWN_RUNS) if n > 1 else (ONE_RUN,):
+            plain = Config(n, mode, consumer, lock=consumer and mode == ONE_RUN and n > 1)
+            out.append(known.get((n, mode, consumer), plain))
+    return tuple(out)
 
 
 def rows(
     workdir: Path,
     *,
     quick: bool,
-    writers: tuple[int, ...] = WRITERS,
+    writers: tuple[int, ...] | None = None,
     seconds: float | None = None,
     consumer: bool = True,
+    configs: tuple[Config, ...] | None = None,
 ) -> list[Row]:
-    """Our commit rate and latency on PostgreSQL against raw executemany, per writer count.
+    """Our commit rate, latency and CPU on PostgreSQL against raw executemany.
 
-    ``consumer=False`` leaves the consumer process out: the writers alone.
+    ``configs`` (default :data:`CONFIGS`) says what to measure; ``writers`` instead
+    measures those writer counts (:func:`configs_for`), ``consumer=False`` without the
+    consumer process.
     """
+    if configs is None:
+        configs = CONFIGS if writers is None else configs_for(writers, consumer=consumer)
     seconds = (QUICK_SECONDS if quick else SECONDS) if seconds is None else seconds
     before = _report.load()
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench_pg_") as tmp:
         os.chmod(tmp, 0o755)  # see postgres()
-        results, fs = bench(Path(tmp), writers, seconds, consumer=consumer)
-    consuming = (
-        f"one consumer process leasing {LEASE_BATCH} and acking" if consumer else "no consumer"
-    )
+        results, fs = bench(Path(tmp), configs, seconds)
     note = (
-        f"{BATCH} refs per commit, {seconds:g} s per contender, {consuming}; PostgreSQL "
+        f"{BATCH} refs per commit, {seconds:g} s per contender, a consumer process (where "
+        f"one runs) leasing {LEASE_BATCH} and acking; PostgreSQL "
         f"fsync on, synchronous_commit on, files on {fs}; "
         f"load average {before:.1f} at the start, {_report.load():.1f} at the end"
     )
@@ -505,12 +605,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
         prog="python -m benchmarks.bench_pg", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="short runs: a check, not a result")
-    parser.add_argument("--writers", default=",".join(map(str, WRITERS)), help="1,4,8")
+    parser.add_argument("--writers", help="these writer counts (1,4,8), not the issue's rows")
     parser.add_argument("--seconds", type=float, help="per contender and writer count")
     parser.add_argument("--dir", type=Path, default=Path.cwd(), help="where the server's files go")
-    parser.add_argument("--no-consumer", action="store_true", help="the writers alone")
+    parser.add_argument("--no-consumer", action="store_true", help="with --writers: no consumer")
+    parser.add_argument(
+        "--profile", action="store_true", help="where one producer's CPU goes per commit event"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    writers = tuple(int(n) for n in args.writers.split(","))
+    if args.profile:
+        from benchmarks import _pg_profile
+
+        print(_pg_profile.report(args.dir, seconds=args.seconds or 10.0))
+        return []
+    writers = None if args.writers is None else tuple(int(n) for n in args.writers.split(","))
     result = rows(
         args.dir,
         quick=args.quick,
