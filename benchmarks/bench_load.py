@@ -45,6 +45,7 @@ import psycopg
 
 from benchmarks import _report, bench_pg
 from benchmarks._rows import Row, row
+from benchmarks._runner import LOAD_SECONDS_ENV, tiny
 from benchmarks.bench_ledger import bench_ref
 from dataflow import Consumer, Ledger, Producer, replay
 from stores import LocalFeatureStore
@@ -56,7 +57,6 @@ LEASE_BATCH = 256
 MAX_BACKLOG = 64 * 1024
 DRAIN_S = 120.0
 RUN_ID = "load"
-SECONDS_ENV = "DATAFLOW_BENCH_LOAD_SECONDS"
 _PROCESSES = mp.get_context("forkserver")
 _PROCESSES.set_forkserver_preload(["psycopg", "dataflow", "stores", "benchmarks.bench_load"])
 _WAIT = 600.0
@@ -116,13 +116,14 @@ def _keep(samples: list[tuple[float, int]], sample: tuple[float, int]) -> None:
         del samples[1::2]
 
 
-def _producer(url: str, index: int, start: float, stop: float, shared: Any, pipe: Any) -> None:
+def _producer(url: str, index: int, shared: Any, pipe: Any) -> None:
     committed, acked = shared
     report = Report()
     with Ledger.open(url, create=False) as ledger, LocalFeatureStore() as store:
         producer = Producer(ledger, store, run_id=RUN_ID, producer_id=f"producer-{index}")
         ledger.head_seq(RUN_ID)  # connect before the clock starts
         pipe.send("ready")
+        start, stop = pipe.recv()
         time.sleep(max(0.0, start - time.monotonic()))
         n = 0
         while time.monotonic() < stop:
@@ -141,9 +142,7 @@ def _producer(url: str, index: int, start: float, stop: float, shared: Any, pipe
     pipe.send(report)
 
 
-def _consumer(
-    url: str, rank: int, world: int, start: float, stop: float, shared: Any, pipe: Any
-) -> None:
+def _consumer(url: str, rank: int, world: int, shared: Any, pipe: Any) -> None:
     _, acked = shared
     report = Report()
     with (
@@ -158,6 +157,7 @@ def _consumer(
             warnings.simplefilter("ignore", UserWarning)  # "no events yet": by design
             consumer.resume()
         pipe.send("ready")
+        start, stop = pipe.recv()
         time.sleep(max(0.0, start - time.monotonic()))
         step, next_sample, deadline = 0, start, stop + DRAIN_S
         while time.monotonic() < deadline:
@@ -230,15 +230,13 @@ def load(
 
 def _load(tmp: Path, url: str, seconds: float, producers: int, consumers: int) -> LoadResult:
     shared = (_PROCESSES.Value("q", 0), _PROCESSES.Value("q", 0))
-    start = time.monotonic() + 30.0  # every process up and resumed by then (checked)
-    stop = start + seconds
     procs, pipes = [], []
     try:
         roles = [(_consumer, (rank, consumers)) for rank in range(consumers)]
         roles += [(_producer, (index,)) for index in range(producers)]
         for target, who in roles:
             ours, theirs = _PROCESSES.Pipe()
-            args = (url, *who, start, stop, shared, theirs)
+            args = (url, *who, shared, theirs)
             procs.append(_PROCESSES.Process(target=target, args=args, daemon=True))
             pipes.append(ours)
         for proc in procs:
@@ -251,8 +249,9 @@ def _load(tmp: Path, url: str, seconds: float, producers: int, consumers: int) -
             pipe.send("resume")
         for pipe in pipes[1:]:
             _ready(pipe)
-        if time.monotonic() > start:
-            raise RuntimeError("the load's processes took over 30 s to start; nothing measured")
+        start = time.monotonic() + 0.2
+        for pipe in pipes:
+            pipe.send((start, start + seconds))
         reports = [_recv(pipe) for pipe in pipes]
         for proc in procs:
             proc.join(30)
@@ -352,9 +351,7 @@ def to_rows(result: LoadResult, *, note: str) -> list[Row]:
 
 def seconds_for(*, quick: bool) -> float:
     """``--load-seconds`` of the runner (its environment variable), else by size."""
-    from benchmarks._runner import tiny
-
-    given = os.environ.get(SECONDS_ENV)
+    given = os.environ.get(LOAD_SECONDS_ENV)
     if given:
         return float(given)
     if tiny():

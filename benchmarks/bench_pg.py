@@ -42,7 +42,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,10 +324,7 @@ class Workers:
             self.pipes.append(ours)
             self.procs.append(proc)
 
-    def run(
-        self, tasks: list[Task], seconds: float, server_cpu: Callable[[], float] = lambda: 0.0
-    ) -> tuple[list[Result], float]:
-        """Each task's result, and the CPU seconds ``server_cpu`` grew by while they ran."""
+    def run(self, tasks: list[Task], seconds: float) -> list[Result]:
         pipes = self.pipes[: len(tasks)]
         for pipe, task in zip(pipes, tasks, strict=True):
             pipe.send(task)
@@ -336,16 +333,14 @@ class Workers:
             if isinstance(answer, Exception):
                 raise RuntimeError(f"a benchmark process failed: {answer!r}") from answer
         start = time.monotonic() + 0.2
-        cpu = server_cpu()
         for pipe in pipes:
             pipe.send((start, start + seconds))
         results = [_recv(pipe) for pipe in pipes]
-        cpu = server_cpu() - cpu
         for result in results:
             if isinstance(result, Exception):
                 raise RuntimeError(f"a benchmark process failed: {result!r}") from result
             result.ended -= start
-        return results, cpu
+        return results
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -368,27 +363,36 @@ def _reachable_by_others(path: Path) -> bool:
 
 def server_cpu_seconds(server: PostgresServer) -> float:
     """The CPU the server has used so far: the postmaster, its exited children (which it
-    reaped) and its live ones (backends, WAL writer, checkpointer), from ``/proc``."""
+    reaped) and its live ones (backends, WAL writer, checkpointer), from ``/proc``.
+
+    Exact once the backends that exited have been reaped: it waits (up to a second) until
+    none is a zombie, whose time is neither among the live nor yet in the postmaster's.
+    """
     assert server.directory is not None
     pid = int((server.directory / "data" / "postmaster.pid").read_text().split()[0])
-    ticks = os.sysconf("SC_CLK_TCK")
-    fields = _stat(pid)
-    total = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
-    for child in Path("/proc").iterdir():
-        if not child.name.isdigit():
-            continue
-        # One that exited meanwhile is counted in the postmaster's cutime from now on.
-        with suppress(FileNotFoundError, ProcessLookupError):
-            fields = _stat(int(child.name))
-            # Its parent is the postmaster; a zombie's time is not yet in cutime, nor here.
-            if int(fields[1]) == pid and fields[0] != "Z":
-                total += sum(int(f) for f in fields[11:13])
-    return total / ticks
+    deadline = time.monotonic() + 1.0
+    while True:
+        children = [f for f in map(_stat, _pids()) if f and int(f[1]) == pid]
+        if all(f[0] != "Z" for f in children) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    # utime stime cutime cstime of the postmaster, utime stime of each child
+    ticks = sum(int(f) for f in _stat(pid)[11:15])
+    ticks += sum(int(f) for fields in children for f in fields[11:13])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
 
 def _stat(pid: int) -> list[str]:
-    """``/proc/PID/stat`` after the command name (which may hold spaces): field 3 onward."""
-    text = Path(f"/proc/{pid}/stat").read_text()
+    """``/proc/PID/stat`` after the command name (which may hold spaces): field 3 onward;
+    empty for a process gone meanwhile."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
     return text[text.rindex(")") + 2 :].split()
 
 
@@ -448,7 +452,11 @@ def measure(
         tasks = [Task(contender, url, run_ids, w) for w in range(writers)]
         if config.consumer:
             tasks.append(Task(contender, url, run_ids, None))
-        results, server_s = workers.run(tasks, seconds, lambda: server_cpu_seconds(server))
+        # From the empty schema to the database dropped, once its backends are gone: the
+        # processes' connections and the drop count too (milliseconds, against seconds).
+        server_s = server_cpu_seconds(server)
+        results = workers.run(tasks, seconds)
+    server_s = server_cpu_seconds(server) - server_s
     written = results[:writers]
     consumed = results[writers].events if config.consumer else 0
     laps = sorted(lap for r in written for lap in r.laps)
