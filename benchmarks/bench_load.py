@@ -373,7 +373,8 @@ def rows(
     result = load(workdir, seconds=seconds, producers=producers, consumers=consumers)
     note = (
         f"{seconds:g} s of producing, {BATCH} refs per commit, leases of up to {LEASE_BATCH}, "
-        f"drained in {result.drained_s:.1f} s; {result.commits:,} samples, {result.rows:,} "
+        f"the last rank drained {result.drained_s:.1f} s after the start (events/s and rows/s "
+        f"over that time); {result.commits:,} samples, {result.rows:,} "
         f"ledger rows; PostgreSQL fsync on; load average {before:.1f} at the start, "
         f"{_report.load():.1f} at the end"
     )
