@@ -21,9 +21,10 @@ opened with ``durability="full"``). Events/s counts the writers'
 commit events over the wall time from a common start to the last writer's
 last batch; latency is one commit transaction, seen by its writer (ours:
 ``Producer.commit``; raw: the ref JSON, then the transaction). CPU per event:
-the writers' own process CPU, and the server's (the postmaster and every
-backend, from ``/proc``), over the commit events (and the consumer's events,
-where one runs) of the measurement.
+the writers' own process CPU over their commit events, and the server's (the
+postmaster, every backend, the WAL writer and the checkpointer, from ``/proc``,
+from the empty schema to the dropped database) over every event written (the
+commits, and the consumer's leases and acks where one runs).
 
 Run: ``python -m benchmarks.bench_pg [--quick] [--writers 1,4,8] [--seconds S] [--dir DIR]``;
 ``--profile`` prints where one producer's CPU goes per commit event (cProfile).
