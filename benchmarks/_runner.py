@@ -37,7 +37,12 @@ REGISTRY: dict[str, str] = {
     "restart": "benchmarks.bench_restart",
     "e2e": "benchmarks.bench_e2e",
     "memory": "benchmarks.bench_memory",
+    "demo": "benchmarks.bench_demo",
+    "load": "benchmarks.bench_load",
 }
+
+#: Run only when named in ``--only`` (not by default): minutes of load, not a row of the table.
+OPT_IN = frozenset({"load"})
 
 #: The section of docs/benchmarks.md that ``--write-docs`` rewrites.
 SECTION = "Results"
@@ -45,6 +50,9 @@ SECTION = "Results"
 #: Set (to "1") by the hidden ``--tiny``: the runner's own tests shrink the modules that
 #: read it below their ``--quick`` sizes.
 TINY_ENV = "DATAFLOW_BENCH_TINY"
+
+#: Set by ``--load-seconds``: how long the load run (``--only load``) produces.
+LOAD_SECONDS_ENV = "DATAFLOW_BENCH_LOAD_SECONDS"
 
 HEADERS = ("metric", "ours", "reference", "reference figure", "ratio", "target", "met")
 
@@ -190,6 +198,9 @@ def parser(registry: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument(
         "--write-docs", action="store_true", help=f"rewrite the {SECTION} section of {_report.DOCS}"
     )
+    p.add_argument(
+        "--load-seconds", type=float, metavar="S", help="how long --only load runs (default 60)"
+    )
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -198,7 +209,8 @@ def main(argv: Sequence[str] | None = None, *, registry: Mapping[str, str] = REG
     """The command line; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(registry).parse_args(argv)
-    names = list(registry) if args.only is None else list(dict.fromkeys(args.only))
+    default = [n for n in registry if n not in OPT_IN]
+    names = default if args.only is None else list(dict.fromkeys(args.only))
     unknown = [n for n in names if n not in registry]
     if unknown:
         print(
@@ -209,6 +221,8 @@ def main(argv: Sequence[str] | None = None, *, registry: Mapping[str, str] = REG
         return 2
     if args.tiny:
         os.environ[TINY_ENV] = "1"
+    if args.load_seconds is not None:
+        os.environ[LOAD_SECONDS_ENV] = str(args.load_seconds)
     quick = args.quick or args.tiny
     base = Path(args.dir or tempfile.gettempdir()).resolve()
     if _tmpfs(base):

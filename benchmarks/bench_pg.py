@@ -1,7 +1,8 @@
 """The ledger on PostgreSQL under concurrent writers, beside raw psycopg ``executemany``.
 
-1, 4 and 8 writer processes commit batches of refs for a fixed time while one
-consumer process leases and acks what they commit, through:
+Writer processes commit batches of refs for a fixed time, with one consumer
+process leasing and acking what they commit alongside or with none (each
+:class:`Config`; :data:`CONFIGS` lists the rows and the targets of issue #37), through:
 
 * ours: ``Producer.commit`` (validation, the run's row lock, the dedup read,
   the append) and ``Consumer.lease`` / ``Consumer.ack``;
@@ -19,9 +20,14 @@ work directory, with ``fsync`` on and ``synchronous_commit=on`` (a ledger
 opened with ``durability="full"``). Events/s counts the writers'
 commit events over the wall time from a common start to the last writer's
 last batch; latency is one commit transaction, seen by its writer (ours:
-``Producer.commit``; raw: the ref JSON, then the transaction).
+``Producer.commit``; raw: the ref JSON, then the transaction). CPU per event:
+the writers' own process CPU over their commit events, and the server's (the
+postmaster, every backend, the WAL writer and the checkpointer, from ``/proc``,
+from the empty schema to the dropped database) over every event written (the
+commits, and the consumer's leases and acks where one runs).
 
-Run: ``python -m benchmarks.bench_pg [--quick] [--writers 1,4,8] [--seconds S] [--dir DIR]``.
+Run: ``python -m benchmarks.bench_pg [--quick] [--writers 1,4,8] [--seconds S] [--dir DIR]``;
+``--profile`` prints where one producer's CPU goes per commit event (cProfile).
 """
 
 from __future__ import annotations
@@ -63,8 +69,45 @@ WRITERS = (1, 4, 8)
 BATCH = 64  # refs per commit transaction
 LEASE_BATCH = 256
 SECONDS, QUICK_SECONDS = 6.0, 1.0
-TARGET = ">= 0.5"  # ours / raw events/s at the most writers
 ONE_RUN, OWN_RUNS = "one run", "own runs"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measurement: ``writers`` processes into one run (or each into its own), the
+    consumer process alongside or not; the targets on ours / raw, and which rows it gives.
+
+    ``target``: on the commit events/s; ``p99_target``: on the commit p99 latency;
+    ``lock``: also measure raw with the per-run row lock; ``cpu``: also report the
+    writers' and the server's CPU per event.
+    """
+
+    writers: int
+    mode: str = ONE_RUN
+    consumer: bool = True
+    target: str | None = None
+    p99_target: str | None = None
+    lock: bool = False
+    cpu: bool = False
+
+    @property
+    def label(self) -> str:
+        n = self.writers
+        alone = "" if self.consumer else ", no consumer"
+        return f"{n} writer{'s' if n > 1 else ''}, {self.mode}{alone}"
+
+
+#: The rows of ``python -m benchmarks`` and the targets of issue #37 on PostgreSQL.
+CONFIGS = (
+    Config(1),
+    Config(4, lock=True),
+    Config(4, OWN_RUNS),
+    Config(8, target=">= 0.8", p99_target="<= 2", lock=True, cpu=True),
+    Config(8, OWN_RUNS),
+    Config(1, consumer=False, target=">= 0.6", cpu=True),
+    Config(8, consumer=False, target=">= 0.5"),
+    Config(32, target=">= 0.7"),
+)
 OURS, RAW, RAW_LOCKED = "ours", "raw", "raw+lock"
 # Workers fork from a server that imported torch and dataflow once (bench_streams).
 _PROCESSES = mp.get_context("forkserver")
@@ -96,17 +139,19 @@ class Result:
     events: int = 0
     laps: list[float] = field(default_factory=list)
     ended: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU over the measurement
 
 
 @dataclass
 class Measured:
     contender: str
-    writers: int
-    mode: str
+    config: Config
     rate: float  # the writers' commit events per second
     p50_ms: float
     p99_ms: float
     consumer_events: int
+    writer_cpu_us: float  # the writers' CPU per commit event
+    server_cpu_us: float  # the server's CPU per event (commits and the consumer's)
 
 
 # -- the processes -------------------------------------------------------------------------------
@@ -127,6 +172,7 @@ def _worker(pipe: Any) -> None:
 def _loop(step: Step, start: float, stop: float) -> Result:
     time.sleep(max(0.0, start - time.monotonic()))
     result = Result()
+    cpu = time.process_time()
     while time.monotonic() < stop:
         events, seconds = step()
         if events:
@@ -135,6 +181,7 @@ def _loop(step: Step, start: float, stop: float) -> Result:
         else:
             time.sleep(0.001)  # a consumer with nothing committed yet
     result.ended = time.monotonic()
+    result.cpu_s = time.process_time() - cpu
     return result
 
 
@@ -315,6 +362,41 @@ def _reachable_by_others(path: Path) -> bool:
     return all(p.stat().st_mode & 0o001 for p in (path, *path.parents))
 
 
+def server_cpu_seconds(server: PostgresServer) -> float:
+    """The CPU the server has used so far: the postmaster, its exited children (which it
+    reaped) and its live ones (backends, WAL writer, checkpointer), from ``/proc``.
+
+    Exact once the backends that exited have been reaped: it waits (up to a second) until
+    none is a zombie, whose time is neither among the live nor yet in the postmaster's.
+    """
+    assert server.directory is not None
+    pid = int((server.directory / "data" / "postmaster.pid").read_text().split()[0])
+    deadline = time.monotonic() + 1.0
+    while True:
+        children = [f for f in map(_stat, _pids()) if f and int(f[1]) == pid]
+        if all(f[0] != "Z" for f in children) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    # utime stime cutime cstime of the postmaster, utime stime of each child
+    ticks = sum(int(f) for f in _stat(pid)[11:15])
+    ticks += sum(int(f) for fields in children for f in fields[11:13])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/PID/stat`` after the command name (which may hold spaces): field 3 onward;
+    empty for a process gone meanwhile."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return text[text.rindex(")") + 2 :].split()
+
+
 @contextmanager
 def postgres(workdir: Path) -> Iterator[PostgresServer]:
     """A throw-away server with fsync on, its files in ``workdir`` where it can reach them."""
@@ -360,71 +442,63 @@ def fresh_database(server_url: str) -> Iterator[str]:
 
 def measure(
     workers: Workers,
-    server_url: str,
+    server: PostgresServer,
     contender: str,
-    writers: int,
-    mode: str,
+    config: Config,
     seconds: float,
-    *,
-    consumer: bool = True,
 ) -> Measured:
-    run_ids = tuple("run" if mode == ONE_RUN else f"run-{w}" for w in range(writers))
-    with fresh_database(server_url) as url:
+    writers = config.writers
+    run_ids = tuple("run" if config.mode == ONE_RUN else f"run-{w}" for w in range(writers))
+    with fresh_database(server.url) as url:
         tasks = [Task(contender, url, run_ids, w) for w in range(writers)]
-        if consumer:
+        if config.consumer:
             tasks.append(Task(contender, url, run_ids, None))
+        # From the empty schema to the database dropped, once its backends are gone: the
+        # processes' connections and the drop count too (milliseconds, against seconds).
+        server_s = server_cpu_seconds(server)
         results = workers.run(tasks, seconds)
+    server_s = server_cpu_seconds(server) - server_s
     written = results[:writers]
-    consumed = results[writers].events if consumer else 0
+    consumed = results[writers].events if config.consumer else 0
     laps = sorted(lap for r in written for lap in r.laps)
     wall = max(r.ended for r in written)
+    commits = sum(r.events for r in written)
     return Measured(
         contender,
-        writers,
-        mode,
-        _report.per_second(sum(r.events for r in written), wall),
+        config,
+        _report.per_second(commits, wall),
         statistics.median(laps) * 1e3,
         laps[min(len(laps) - 1, int(0.99 * len(laps)))] * 1e3,
         consumed,
+        sum(r.cpu_s for r in written) / max(commits, 1) * 1e6,
+        server_s / max(commits + consumed, 1) * 1e6,
     )
 
 
-def bench(
-    workdir: Path, writers: tuple[int, ...], seconds: float, *, consumer: bool = True
-) -> tuple[list[Measured], str]:
+def bench(workdir: Path, configs: tuple[Config, ...], seconds: float) -> tuple[list[Measured], str]:
     """The measurements, and the file system the server's files were on."""
-    configs = [
-        (n, mode) for n in writers for mode in (ONE_RUN, OWN_RUNS) if n > 1 or mode == ONE_RUN
-    ]
     results = []
     with postgres(workdir) as server, ExitStack() as stack:
         assert server.directory is not None
         where = f"{filesystem(server.directory)} ({server.directory.parent})"
-        workers = Workers(max(writers) + 1)
+        workers = Workers(max(c.writers for c in configs) + 1)
         stack.callback(workers.close)
-        for k, (n, mode) in enumerate(configs):
-            contenders = [OURS, RAW] + ([RAW_LOCKED] if mode == ONE_RUN and n > 1 else [])
+        for k, config in enumerate(configs):
+            contenders = [OURS, RAW] + ([RAW_LOCKED] if config.lock else [])
             # Alternate the order, so that no contender always runs on a warmer server.
             for contender in contenders if k % 2 == 0 else contenders[::-1]:
-                results.append(
-                    measure(workers, server.url, contender, n, mode, seconds, consumer=consumer)
-                )
+                results.append(measure(workers, server, contender, config, seconds))
     return results, where
 
 
-def _label(n: int, mode: str) -> str:
-    return f"{n} writer{'s' if n > 1 else ''}, {mode}"
-
-
 def to_rows(results: list[Measured], *, note: str) -> list[Row]:
-    by = {(m.contender, m.writers, m.mode): m for m in results}
-    most = max(m.writers for m in results)
+    by = {(m.contender, m.config): m for m in results}
     out = []
     for m in results:
         if m.contender != OURS:
             continue
-        raw = by[RAW, m.writers, m.mode]
-        where = _label(m.writers, m.mode)
+        c, raw = m.config, by[RAW, m.config]
+        where = c.label
         consumers = (
             f"; consumer lease+ack events: ours {m.consumer_events:,}, raw {raw.consumer_events:,}"
             if m.consumer_events or raw.consumer_events
@@ -437,7 +511,7 @@ def to_rows(results: list[Measured], *, note: str) -> list[Row]:
                 "events/s",
                 f"raw psycopg executemany, {where}",
                 raw.rate,
-                target=TARGET if m.writers == most else None,
+                target=c.target,
                 note=note + consumers,
             ),
             row(
@@ -454,10 +528,11 @@ def to_rows(results: list[Measured], *, note: str) -> list[Row]:
                 "ms",
                 f"raw psycopg executemany p99, {where}",
                 raw.p99_ms,
+                target=c.p99_target,
                 note=note,
             ),
         ]
-        locked = by.get((RAW_LOCKED, m.writers, m.mode))
+        locked = by.get((RAW_LOCKED, c))
         if locked is not None:
             out.append(
                 row(
@@ -469,31 +544,65 @@ def to_rows(results: list[Measured], *, note: str) -> list[Row]:
                     note=note + f"; ours / raw+lock {m.rate / locked.rate:.2f}x",
                 )
             )
+        if c.cpu:
+            out += [
+                row(
+                    f"pg writer CPU per commit event, {where}",
+                    m.writer_cpu_us,
+                    "us",
+                    f"raw psycopg writer CPU per row, {where}",
+                    raw.writer_cpu_us,
+                    note=note,
+                ),
+                row(
+                    f"pg server CPU per event, {where}",
+                    m.server_cpu_us,
+                    "us",
+                    f"server CPU per raw row, {where}",
+                    raw.server_cpu_us,
+                    note=note + consumers,
+                ),
+            ]
     return out
+
+
+def configs_for(writers: tuple[int, ...], *, consumer: bool = True) -> tuple[Config, ...]:
+    """``writers`` counts into one run and (above 1) into their own runs, with the targets
+    and extra rows :data:`CONFIGS` gives the same measurement."""
+    known = {(c.writers, c.mode, c.consumer): c for c in CONFIGS}
+    out = []
+    for n in writers:
+        for mode in (ONE_RUN, OWN_RUNS) if n > 1 else (ONE_RUN,):
+            plain = Config(n, mode, consumer, lock=consumer and mode == ONE_RUN and n > 1)
+            out.append(known.get((n, mode, consumer), plain))
+    return tuple(out)
 
 
 def rows(
     workdir: Path,
     *,
     quick: bool,
-    writers: tuple[int, ...] = WRITERS,
+    writers: tuple[int, ...] | None = None,
     seconds: float | None = None,
     consumer: bool = True,
+    configs: tuple[Config, ...] | None = None,
 ) -> list[Row]:
-    """Our commit rate and latency on PostgreSQL against raw executemany, per writer count.
+    """Our commit rate, latency and CPU on PostgreSQL against raw executemany.
 
-    ``consumer=False`` leaves the consumer process out: the writers alone.
+    ``configs`` (default :data:`CONFIGS`) says what to measure; ``writers`` instead
+    measures those writer counts (:func:`configs_for`), ``consumer=False`` without the
+    consumer process.
     """
+    if configs is None:
+        configs = CONFIGS if writers is None else configs_for(writers, consumer=consumer)
     seconds = (QUICK_SECONDS if quick else SECONDS) if seconds is None else seconds
     before = _report.load()
     with tempfile.TemporaryDirectory(dir=workdir, prefix="bench_pg_") as tmp:
         os.chmod(tmp, 0o755)  # see postgres()
-        results, fs = bench(Path(tmp), writers, seconds, consumer=consumer)
-    consuming = (
-        f"one consumer process leasing {LEASE_BATCH} and acking" if consumer else "no consumer"
-    )
+        results, fs = bench(Path(tmp), configs, seconds)
     note = (
-        f"{BATCH} refs per commit, {seconds:g} s per contender, {consuming}; PostgreSQL "
+        f"{BATCH} refs per commit, {seconds:g} s per contender, a consumer process (where "
+        f"one runs) leasing {LEASE_BATCH} and acking; PostgreSQL "
         f"fsync on, synchronous_commit on, files on {fs}; "
         f"load average {before:.1f} at the start, {_report.load():.1f} at the end"
     )
@@ -505,12 +614,20 @@ def main(argv: list[str] | None = None) -> list[Row]:
         prog="python -m benchmarks.bench_pg", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--quick", action="store_true", help="short runs: a check, not a result")
-    parser.add_argument("--writers", default=",".join(map(str, WRITERS)), help="1,4,8")
+    parser.add_argument("--writers", help="these writer counts (1,4,8), not the issue's rows")
     parser.add_argument("--seconds", type=float, help="per contender and writer count")
     parser.add_argument("--dir", type=Path, default=Path.cwd(), help="where the server's files go")
-    parser.add_argument("--no-consumer", action="store_true", help="the writers alone")
+    parser.add_argument("--no-consumer", action="store_true", help="with --writers: no consumer")
+    parser.add_argument(
+        "--profile", action="store_true", help="where one producer's CPU goes per commit event"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    writers = tuple(int(n) for n in args.writers.split(","))
+    if args.profile:
+        from benchmarks import _pg_profile
+
+        print(_pg_profile.report(args.dir, seconds=args.seconds or 10.0))
+        return []
+    writers = None if args.writers is None else tuple(int(n) for n in args.writers.split(","))
     result = rows(
         args.dir,
         quick=args.quick,

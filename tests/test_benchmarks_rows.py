@@ -46,10 +46,11 @@ def test_pg_rows(workdir):
         unavailable(str(exc))
     rows = bench_pg.rows(workdir, quick=True, writers=(1, 2), seconds=0.3)
     expected: dict[str, tuple[str, str | None]] = {}
+    # Targets only where issue #37 sets them (bench_pg.CONFIGS): none at 1 and 2 writers.
     for where, target in (
         ("1 writer, one run", None),
-        ("2 writers, one run", ">= 0.5"),
-        ("2 writers, own runs", ">= 0.5"),
+        ("2 writers, one run", None),
+        ("2 writers, own runs", None),
     ):
         expected[f"pg ledger commit, {where}"] = ("events/s", target)
         expected[f"pg ledger commit p50 latency, {where}"] = ("ms", None)
