@@ -14,9 +14,9 @@ them.
 
 One module per group of commands holds their parsers and handlers: ``_replay_cmd``,
 ``_status_cmd``, ``_diff_cmd``, ``_log_cmds`` (runs, events, export), ``_gc_cmd`` and
-``_pipeline_cmds`` (demo, chaos, mooncake-keeper); ``_arguments`` has the option types and errors, ``_ledger``
-opens the ledger a command reads. A new command is an ``add_...(sub)`` there, called from
-:func:`build_parser`.
+``_pipeline_cmds`` (demo, chaos, mooncake-keeper); ``_arguments`` has the option types and
+errors, ``_ledger`` opens the ledger a command reads. A new command is an ``add_...(sub)``
+there, called from :func:`build_parser`.
 """
 
 from __future__ import annotations

@@ -153,9 +153,32 @@ def print_run_report(report: dict[str, Any], plot: str | None = None) -> None:
                 f"{'outage':>15}: {o['seconds']:.3f} s from {crash} to the first lease after "
                 f"its resume (seq {o['first_lease_seq']}, {o['first_lease_time']})"
             )
+    for r in report.get("resumes", ()):
+        say(f"{'restart':>15}: {resume_line(r)}")
     if plot:
         say(f"{'plot':>15}: {plot}")
     print_verdict(report["violations"])
+
+
+def resume_line(r: dict[str, Any]) -> str:
+    """One restart and its cost, as ``replay`` prints it."""
+    ckpt = r["checkpoint"]
+    origin = (
+        "from scratch"
+        if ckpt is None
+        else f"from the checkpoint at step {ckpt['step']} (seq {ckpt['seq']})"
+    )
+    wait = (
+        "no lease since"
+        if r["seconds"] is None
+        else f"{r['seconds']:.3f} s from the last event of epoch {r['previous_epoch']} to the "
+        "first lease"
+    )
+    return (
+        f"epoch {r['epoch']} {origin} (seq {r['seq']}, {r['time']}): kept {r['kept']}, "
+        f"requeued {r['requeued']}, regenerated {r['regenerated']}, redone "
+        f"{r['redone_sample_steps']} sample-steps; {wait}"
+    )
 
 
 def _rate(value: float | None) -> str:
@@ -278,9 +301,11 @@ def print_diff(d: dict[str, Any]) -> None:
     def verdict(same: bool) -> str:
         return "same" if same else "DIFFERENT"
 
-    committed = f"{verdict(d['same_committed'])}"
+    committed = verdict(d["same_committed"])
     if not d["same_committed"]:
-        committed += f" ({d['committed_only_in_a']} only in A, {d['committed_only_in_b']} only in B)"
+        committed += (
+            f" ({d['committed_only_in_a']} only in A, {d['committed_only_in_b']} only in B)"
+        )
     say(f"{'committed':>15}: {committed}")
     say(
         f"{'trained':>15}: {verdict(d['same_trained'])} (A {d['trained_a']}, B {d['trained_b']};"
