@@ -26,7 +26,7 @@ keeps every epoch's acks. ``replay`` reports it (``resumes``), and
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -229,3 +229,70 @@ def _lost_work(state: RunState, restart: _Restart, ckpt: Checkpoint | None) -> _
     requeued = sum(1 for sid in plan.requeued if sid in abandoned)
     regenerated = sum(1 for sid in plan.regenerate if sid in abandoned)
     return _Work(len(plan.trained), requeued, regenerated, redone)
+
+
+def restart_families(run_id: str, costs: list[ResumeCost] | None) -> Iterator[Any]:
+    """The Prometheus families of a run's restarts (without values when ``costs`` is None):
+    counters summed over the restarts, gauges of the newest one."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    read = costs is not None
+    costs = costs or []
+    waits = [c.seconds for c in costs if c.seconds is not None]
+    counters = (
+        (
+            "resumes",
+            "Restarts of the run: resumes that fenced off an earlier epoch",
+            len(costs),
+        ),
+        (
+            "resume_requeued_samples",
+            "Samples restarts made pending again (leased or trained after the checkpoint "
+            "in the abandoned branch)",
+            sum(c.requeued for c in costs),
+        ),
+        (
+            "resume_regenerated_samples",
+            "Samples restarts sent to be regenerated (their features had been released)",
+            sum(c.regenerated for c in costs),
+        ),
+        (
+            "resume_redone_sample_steps",
+            "Sample-steps restarts threw away (trained after the checkpoint in the "
+            "abandoned branch): work done again",
+            sum(c.redone for c in costs),
+        ),
+        (
+            "resume_seconds",
+            "Seconds from the last event before each restart to the first lease after it",
+            sum(waits),
+        ),
+    )
+    for name, doc, value in counters:
+        family = CounterMetricFamily(f"dataflow_{name}", doc, labels=["run"])
+        if read:
+            family.add_metric([run_id], value)
+        yield family
+    last = costs[-1] if costs else None
+    gauges = (
+        (
+            "last_resume_kept_samples",
+            "Samples the newest restart kept trained (its checkpoint's trained set)",
+            None if last is None else last.kept,
+        ),
+        (
+            "last_resume_checkpoint_step",
+            "The step of the checkpoint the newest restart went back to (-1: from scratch)",
+            None if last is None else -1 if last.checkpoint_step is None else last.checkpoint_step,
+        ),
+        (
+            "last_resume_seconds",
+            "Seconds from the last event before the newest restart to the first lease after it",
+            None if last is None else last.seconds,
+        ),
+    )
+    for name, doc, gauge in gauges:
+        family = GaugeMetricFamily(f"dataflow_{name}", doc, labels=["run"])
+        if gauge is not None:
+            family.add_metric([run_id], gauge)
+        yield family
