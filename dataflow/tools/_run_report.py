@@ -6,7 +6,6 @@ import bisect
 import os
 from typing import Any
 
-from dataflow.live._restarts import restart_costs
 from dataflow.model._fold import Checkpoint, RunState
 from dataflow.tools._run_fold import Outage, Point, Resume, RunFold
 from dataflow.tools._time_travel import lineage
@@ -146,7 +145,7 @@ def resume_rows(fold: RunFold) -> list[dict[str, Any]]:
     """Each restart of the run with its cost (``live/_restarts.py``), as ``replay --json``
     lists it under ``resumes``; times as ISO text beside the unix seconds."""
     rows = []
-    for cost in restart_costs(fold.ledger, fold.state):
+    for cost in fold.restarts.costs(fold.state):
         row = cost.as_dict()
         row["time"] = iso_time(cost.ts)
         row["last_event_time"] = iso_time(cost.last_event_ts)
