@@ -54,9 +54,12 @@ def final_lineage(ledger: Ledger, run_id: str) -> FinalLineage:
     acks: dict[int, list[tuple[int, str, str]]] = {}  # epoch -> (step, actor, sample id)
     ranks: dict[tuple[int, str], int] = {}  # (epoch, consumer id) -> its rank
     batch: list[Row] = []
+    current = 0  # the consumer epoch: the fold refuses a write of any other (fencing)
     for row in view.tail():
         kind, epoch, actor = row[1], row[4], row[6]
-        if kind == Kind.ACK and isinstance(row[5], int):
+        if kind == Kind.RESUME and isinstance(epoch, int) and epoch > current:
+            current = epoch
+        elif kind == Kind.ACK and epoch == current and isinstance(row[5], int):
             acks.setdefault(epoch, []).append((row[5], actor, row[2]))
         batch.append(row)
         if kind == Kind.LEASE and (epoch, actor) not in ranks:
