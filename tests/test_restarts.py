@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from dataflow import Consumer, Kind, Ledger, Producer, RunMetrics, replay
 from dataflow.cli import main
+from dataflow.tools import restart_costs
 from stores import LocalFeatureStore
 
 RUN = "run"
@@ -233,3 +236,85 @@ def test_a_run_never_restarted_has_no_resumes(
         metrics.close()
     assert f'dataflow_resumes_total{{run="{RUN}"}} 0.0' in scraped
     assert "dataflow_last_resume_kept_samples{" not in scraped
+
+
+# -- property: each restart's cost against a model of the lineage --------------------------
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("train"), st.integers(1, 3)),
+        st.tuples(st.just("lease"), st.integers(1, 2)),
+        st.tuples(st.just("checkpoint"), st.just(0)),
+        st.tuples(st.just("restart"), st.integers(-1, 4)),  # -1: scratch, else a checkpoint
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS)
+def test_restart_costs_match_a_model_of_the_lineage(tmp_path_factory, ops) -> None:
+    # One rank, nothing ever released (release_policy="never": nothing to regenerate). The
+    # model keeps the lineage's trainings as (sample, step) in order, and each checkpoint's
+    # copy of them; a restart abandons what the crashed lineage holds beyond its checkpoint.
+    workdir = tmp_path_factory.mktemp("prop")
+    with Ledger.open(f"sqlite:///{workdir}/l.db") as led, LocalFeatureStore() as store:
+        Producer(led, store, run_id=RUN).emit_many(
+            (f"s{i:02d}", {"x": torch.ones(1)}) for i in range(40)
+        )
+        n = 0
+
+        def consumer() -> Consumer:
+            nonlocal n
+            n += 1
+            return Consumer(led, store, run_id=RUN, consumer_id=f"c{n}", release_policy="never")
+
+        rank = consumer()
+        rank.resume()
+        lineage: list[tuple[str, int]] = []
+        leased: set[str] = set()
+        saved: list[tuple[int, list[tuple[str, int]]]] = []  # step, lineage at it
+        step = 0
+        expected = []
+        for op, arg in ops:
+            if op == "train":
+                refs = rank.lease(arg)
+                if refs:
+                    step += 1
+                    rank.ack(refs, step=step)
+                    lineage += [(r.sample_id, step) for r in refs]
+            elif op == "lease":
+                leased |= {r.sample_id for r in rank.lease(arg)}
+            elif op == "checkpoint" and step > max([-1] + [s for s, _ in saved]):
+                path = workdir / f"ckpt-{rank.consumer_id}-{step}"
+                path.mkdir()
+                rank.record_checkpoint(step, str(path))
+                saved.append((step, list(lineage)))
+            elif op == "restart":
+                back = saved[arg] if 0 <= arg < len(saved) else None
+                kept = [] if back is None else back[1]
+                abandoned = [t for t in lineage if t not in set(kept)]
+                kept_ids = {sid for sid, _ in kept}
+                expected.append(
+                    (
+                        None if back is None else back[0],
+                        len(kept_ids),
+                        len(({s for s, _ in abandoned} | leased) - kept_ids),
+                        len(abandoned),
+                    )
+                )
+                rank = consumer()
+                target = None
+                if back is not None:
+                    target = next(c for c in replay(led, RUN).checkpoints if c.step == back[0])
+                rank.resume(target)
+                lineage, leased = list(kept), set()
+                step = 0 if back is None else back[0]
+                saved = [s for s in saved if s[0] <= step] if back is not None else []
+        state = replay(led, RUN)
+        assert state.verify() == []
+        costs = restart_costs(led, state)
+        got = [(c.checkpoint_step, c.kept, c.requeued, c.redone) for c in costs]
+        assert got == expected
+        assert all(c.regenerated == 0 for c in costs)
