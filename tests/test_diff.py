@@ -16,7 +16,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from dataflow import Consumer, Kind, Ledger, Producer, RunMetrics, replay
+from dataflow import Consumer, InvalidArgumentError, Kind, Ledger, Producer, RunMetrics, replay
 from dataflow.cli import main
 from dataflow.tools import diff_runs
 from stores import LocalFeatureStore
@@ -249,6 +249,8 @@ def test_runs_in_two_ledger_files(
     # The library call says the same.
     with Ledger.open(first, create=False) as a, Ledger.open(second, create=False) as b:
         diff = diff_runs(a, "run", "other", other_ledger=b)
+        with pytest.raises(InvalidArgumentError, match="run 'nope' has no events"):
+            diff_runs(a, "run", "nope")
     assert (diff.identical, diff.first_divergence_step, diff.trained_b) == (False, 1, 6)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dataflow.live._view import Row, RunView
-from dataflow.model._errors import ArgumentTypeError
+from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
 from dataflow.model._events import Kind
 from dataflow.recorder._ledger import Ledger
 from dataflow.tools._time_travel import lineage
@@ -47,9 +47,17 @@ class FinalLineage:
 
 
 def final_lineage(ledger: Ledger, run_id: str) -> FinalLineage:
-    """Fold ``run_id`` from its first event and return its final lineage's trainings."""
+    """Fold ``run_id`` from its first event and return its final lineage's trainings.
+
+    InvalidArgumentError when the ledger holds no event of ``run_id``.
+    """
     if not isinstance(ledger, Ledger):
         raise ArgumentTypeError(f"final_lineage needs a Ledger, got {type(ledger).__name__}")
+    if ledger.head_seq(run_id) == 0:
+        raise InvalidArgumentError(
+            f"run {run_id!r} has no events in {ledger.safe_url}: nothing to compare "
+            f"(known runs: {', '.join(map(repr, ledger.runs()[:20])) or 'none'})"
+        )
     view = RunView(ledger, run_id, snapshots=False)
     acks: dict[int, list[tuple[int, str, str]]] = {}  # epoch -> (step, actor, sample id)
     ranks: dict[tuple[int, str], int] = {}  # (epoch, consumer id) -> its rank
