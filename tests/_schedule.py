@@ -39,6 +39,7 @@ LONG_MODULES = (
     "test_benchmarks_rows.py",
     "test_gc.py",
     "test_demo.py",
+    "test_diff.py",
     "test_training_step.py",
     "test_training_agreement.py",
     "test_store_shared_dir.py",
@@ -56,6 +57,7 @@ GROUPED_MODULES = frozenset(
     {
         "test_cli_inspect.py",
         "test_cli_subprocess.py",
+        "test_diff.py",
         "test_eval_distributed.py",
         "test_faults_postgres_network.py",
         "test_ledger_concurrency.py",

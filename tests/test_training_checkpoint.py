@@ -293,7 +293,8 @@ def test_latest_is_the_newest_save(tmp_path: Path) -> None:
     assert manager.latest() is None and manager.best() is None and manager.saved() == []
     for step in (1, 5, 3):  # 3 after 5: a resume from an older checkpoint
         manager.save(step, {"step": step})
-    assert [c.step for c in manager.saved()] == [1, 5, 3]
+    # Going back is a rewind: the later step 5 is removed (issue 40, "rewind cleanup").
+    assert [c.step for c in manager.saved()] == [1, 3]
     assert manager.latest().step == 3
     assert manager.load() == {"step": 3}
 

@@ -6,7 +6,9 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 from dataflow import Consumer
 from training._layout import TMP_PREFIX, TRASH_PREFIX, parse_dir_name
@@ -18,18 +20,55 @@ class _Retention:
     """Removing checkpoints: retention, rewind and the sweep after a resume (a part of the
     manager)."""
 
-    def _retain(self, just_written: Path, step: int) -> None:
-        saved = self.saved()
-        doomed: dict[Path, str] = {}
+    #: The checkpoint directories the newest save removed, each with why (``retention``
+    #: or ``rewind``); empty before the first save. See :attr:`removed_by_last_save`.
+    _removed_by_last_save: Mapping[Path, str] = MappingProxyType({})
+
+    @property
+    def removed_by_last_save(self) -> dict[Path, str]:
+        """The checkpoint directories the newest save removed (rank 0), each with why:
+        ``"retention"`` (``keep_latest_k``) or ``"rewind"`` (a later step of a lineage the
+        run went back from, whether its files were intact or not)."""
+        return dict(self._removed_by_last_save)
+
+    def _rewound(self, just_written: Path, step: int) -> dict[Path, str]:
+        """Every directory of the run that the save of ``step`` rewinds, intact or not.
+
+        With a consumer: the checkpoints of abandoned lineages (named with their epoch)
+        at ``step`` and later; one saved without a ledger belongs to no lineage, so
+        retention alone decides. Without one: every checkpoint at a later step (saving
+        an earlier step than a saved one is going back). Directories are read by name,
+        not by manifest, so one whose files are corrupt goes too: it is no checkpoint
+        anyone can resume from, and left behind it would pass for the newest.
+        """
         consumer = self.consumer
-        if consumer is not None:
-            lineage = {Path(c.path).name for c in consumer.state.lineage_checkpoints()}
-            for c in saved:
-                # Only checkpoints of some lineage (named with their epoch) are rewound:
-                # one saved without a ledger belongs to none, so retention alone decides.
-                abandoned = c.epoch is not None and c.path.name not in lineage
-                if c.step >= step and c.path != just_written and abandoned:
-                    doomed[c.path] = "rewind"
+        lineage = (
+            None
+            if consumer is None
+            else {Path(c.path).name for c in consumer.state.lineage_checkpoints()}
+        )
+        doomed: dict[Path, str] = {}
+        try:
+            entries = sorted(self.run_dir.iterdir())
+        except OSError:
+            return doomed
+        for path in entries:
+            parsed = parse_dir_name(path.name)
+            if parsed is None or path == just_written or not path.is_dir():
+                continue
+            at, epoch = parsed
+            if lineage is None:
+                later = epoch is None and at > step
+            else:
+                later = epoch is not None and path.name not in lineage and at >= step
+            if later:
+                doomed[path] = "rewind"
+        return doomed
+
+    def _retain(self, just_written: Path, step: int) -> None:
+        self._removed_by_last_save = MappingProxyType({})
+        saved = self.saved()
+        doomed = self._rewound(just_written, step)
         k = self.config.keep_latest_k
         if k:
             survivors = [c for c in saved if c.path not in doomed]
@@ -41,6 +80,12 @@ class _Retention:
         if not doomed:
             return
         self._remove(doomed)
+        self._removed_by_last_save = MappingProxyType(dict(doomed))
+        log.info(
+            "the save of step %d removed %s",
+            step,
+            ", ".join(f"{p.name} ({why})" for p, why in doomed.items()),
+        )
         best_path = self._best.path
         if best_path is None or best_path in doomed:
             self._best.set(self._best_of([c for c in saved if c.path not in doomed]))

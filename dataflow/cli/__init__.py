@@ -5,7 +5,7 @@ Errors are one line on stderr, with a hint: exit status 2 for a usage error
 reach), 1 for a failure (no ledger at the URL, an unknown run, checkpoint or
 sample, a file that cannot be written, a run that fails verification ...).
 ``dataflow --debug ...`` adds the traceback. The inspecting commands (``runs``,
-``replay``, ``status``, ``events``, ``export``, ``gc``) open the ledger without
+``replay``, ``status``, ``diff``, ``events``, ``export``, ``gc``) open the ledger without
 creating anything: a mistyped path is reported, never turned into a new, empty
 ledger. Without ``--ledger`` they read ``$DATAFLOW_LEDGER``, else
 ``./dataflow.db``. What they compute and print lives in :mod:`dataflow.tools` (the read
@@ -13,10 +13,10 @@ side); heavy packages (pyarrow, matplotlib, tqdm) are imported by the commands t
 them.
 
 One module per group of commands holds their parsers and handlers: ``_replay_cmd``,
-``_status_cmd``, ``_log_cmds`` (runs, events, export), ``_gc_cmd`` and ``_pipeline_cmds``
-(demo, chaos, mooncake-keeper); ``_arguments`` has the option types and errors, ``_ledger``
-opens the ledger a command reads. A new command is an ``add_...(sub)`` there, called from
-:func:`build_parser`.
+``_status_cmd``, ``_diff_cmd``, ``_log_cmds`` (runs, events, export), ``_gc_cmd`` and
+``_pipeline_cmds`` (demo, chaos, mooncake-keeper); ``_arguments`` has the option types and
+errors, ``_ledger`` opens the ledger a command reads. A new command is an ``add_...(sub)``
+there, called from :func:`build_parser`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Sequence
 
 from dataflow.cli._arguments import LEDGER_ENV, Failure, Parser, Usage
+from dataflow.cli._diff_cmd import add_diff
 from dataflow.cli._gc_cmd import add_gc
 from dataflow.cli._log_cmds import add_log_commands
 from dataflow.cli._pipeline_cmds import add_pipeline_commands
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_replay(sub)
     add_status(sub)
+    add_diff(sub)
     add_log_commands(sub)
     add_gc(sub)
     add_pipeline_commands(sub)

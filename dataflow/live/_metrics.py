@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.interfaces._store import FeatureStore
 from dataflow.live._backpressure import Backlog, producer_blockings
+from dataflow.live._restarts import RestartTracker, restart_families
 from dataflow.live._scrape import (
     IDLE_TIMEOUT_S,
     MAX_CONNECTIONS,
@@ -106,7 +107,16 @@ class RunMetrics:
     * for the run's producers in this process, labels ``producer`` and ``cause``
       (``credit``: the stream's windows are full; ``high_mark``: the backlog is at
       the :class:`Watermarks`' high mark): ``dataflow_producer_blocked`` (1 while
-      blocked) and ``dataflow_producer_blocked_seconds_total`` (seconds waited).
+      blocked) and ``dataflow_producer_blocked_seconds_total`` (seconds waited);
+    * the run's restarts (resumes that fenced off an earlier epoch) and their cost
+      (``live/_restarts.py``): counters ``dataflow_resumes_total``,
+      ``dataflow_resume_requeued_samples_total``,
+      ``dataflow_resume_regenerated_samples_total``,
+      ``dataflow_resume_redone_sample_steps_total`` (work lost) and
+      ``dataflow_resume_seconds_total`` (from the last event before each restart to the
+      first lease after it); gauges of the newest restart:
+      ``dataflow_last_resume_kept_samples``, ``dataflow_last_resume_checkpoint_step`` and
+      ``dataflow_last_resume_seconds``.
 
     ``registry``: a ``prometheus_client.CollectorRegistry`` to register with
     (None: none; :func:`serve_metrics` registers it). One run per registry:
@@ -137,6 +147,7 @@ class RunMetrics:
         self.run_id = run_id
         self.store = store
         self._backlog = Backlog(ledger, run_id)
+        self._restarts = RestartTracker()
         self._lock = threading.Lock()
         self._append = prometheus.Histogram(
             "dataflow_append_seconds",
@@ -222,6 +233,7 @@ class RunMetrics:
         if self.store is not None:
             yield from self._store_families(read)
         yield from self._blocked_families(read)
+        yield from self._restart_families(read)
         yield from self._append.collect() if read else self._append.describe()
 
     def _store_families(self, read: bool) -> Iterator[Any]:
@@ -270,6 +282,15 @@ class RunMetrics:
                 seconds.add_metric(list(key), waited)
         yield blocked
         yield seconds
+
+    def _restart_families(self, read: bool) -> Iterator[Any]:
+        """The run's restarts and their cost (``live/_restarts.py``)."""
+        costs = None
+        if read:
+            state = self._backlog.state
+            self._restarts.update(self.ledger, self.run_id, upto_seq=state.head_seq)
+            costs = self._restarts.costs(state)
+        return restart_families(self.run_id, costs)
 
 
 class MetricsServer:

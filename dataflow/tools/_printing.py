@@ -153,9 +153,32 @@ def print_run_report(report: dict[str, Any], plot: str | None = None) -> None:
                 f"{'outage':>15}: {o['seconds']:.3f} s from {crash} to the first lease after "
                 f"its resume (seq {o['first_lease_seq']}, {o['first_lease_time']})"
             )
+    for r in report.get("resumes", ()):
+        say(f"{'restart':>15}: {resume_line(r)}")
     if plot:
         say(f"{'plot':>15}: {plot}")
     print_verdict(report["violations"])
+
+
+def resume_line(r: dict[str, Any]) -> str:
+    """One restart and its cost, as ``replay`` prints it."""
+    ckpt = r["checkpoint"]
+    origin = (
+        "from scratch"
+        if ckpt is None
+        else f"from the checkpoint at step {ckpt['step']} (seq {ckpt['seq']})"
+    )
+    wait = (
+        "no lease since"
+        if r["seconds"] is None
+        else f"{r['seconds']:.3f} s from the last event of epoch {r['previous_epoch']} to the "
+        "first lease"
+    )
+    return (
+        f"epoch {r['epoch']} {origin} (seq {r['seq']}, {r['time']}): kept {r['kept']}, "
+        f"requeued {r['requeued']}, regenerated {r['regenerated']}, redone "
+        f"{r['redone_sample_steps']} sample-steps; {wait}"
+    )
 
 
 def _rate(value: float | None) -> str:
@@ -265,3 +288,40 @@ def print_resume_plan(plan: dict[str, Any]) -> None:
         say(f"{name:>15}: {count:<6} {ids}".rstrip())
     if len(per_rank) > 1:
         say(f"{'per rank':>15}: " + ", ".join(f"{r}: {n}" for r, n in enumerate(per_rank)))
+
+
+# -- diff -------------------------------------------------------------------------------
+
+
+def print_diff(d: dict[str, Any]) -> None:
+    """What ``dataflow diff`` prints of a comparison (``RunDiff.as_dict``)."""
+    a, b = repr(d["run_a"]), repr(d["run_b"])
+    say(f"comparing the final lineages of run {a} (A) and run {b} (B)")
+
+    def verdict(same: bool) -> str:
+        return "same" if same else "DIFFERENT"
+
+    committed = verdict(d["same_committed"])
+    if not d["same_committed"]:
+        committed += (
+            f" ({d['committed_only_in_a']} only in A, {d['committed_only_in_b']} only in B)"
+        )
+    say(f"{'committed':>15}: {committed}")
+    say(
+        f"{'trained':>15}: {verdict(d['same_trained'])} (A {d['trained_a']}, B {d['trained_b']};"
+        f" {d['only_in_a']} only in A, {d['only_in_b']} only in B)"
+    )
+    if d["only_in_a"]:
+        say(f"{'only in A':>15}: {_ids(d['only_in_a_samples'])}")
+    if d["only_in_b"]:
+        say(f"{'only in B':>15}: {_ids(d['only_in_b_samples'])}")
+    div = d["divergence"]
+    if div is None:
+        say(f"{'order':>15}: same (step, rank, sample)")
+    else:
+        say(f"{'order':>15}: DIFFERENT from step {div['step']}")
+        for name in ("a", "b"):
+            pairs = [f"rank {rank}: {sid}" for rank, sid in div[name]]
+            say(f"{'at step ' + str(div['step']) + ' ' + name.upper():>15}: {_ids(pairs) or '-'}")
+    identical = d["same_trained"] and d["same_order"]
+    say(f"{'verdict':>15}: " + ("identical" if identical else "the runs differ"))

@@ -9,6 +9,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dataflow.live._restarts import RestartTracker
 from dataflow.live._view import Row, RunView
 from dataflow.model._errors import InvalidArgumentError
 from dataflow.model._events import Kind
@@ -113,6 +114,8 @@ class RunFold:
         self.first_ts: float | None = None
         self.last_ts: float | None = None
         self._stride = 1
+        #: Each restart's cost, followed in the same pass (``live/_restarts.py``).
+        self.restarts = RestartTracker()
         self._commits = 0
         self._acks = 0
 
@@ -172,6 +175,7 @@ class RunFold:
     def _flush(self, batch: list[Row]) -> None:
         if not batch:
             return
+        self.restarts.observe(batch)
         self.view.apply(batch)
         self._point()
 
@@ -209,6 +213,7 @@ class RunFold:
                 )
             )
             self.outages.append(Outage(state.epoch, crash_seq, crash_ts))
+        self.restarts.observe((row,))
         self.view.apply((row,))
         plan = state.plans.get(epoch)
         if state.epoch == epoch and plan is not None:

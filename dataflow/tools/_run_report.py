@@ -137,7 +137,22 @@ def run_report(fold: RunFold) -> dict[str, Any]:
             for m in fold.markers
         ],
         "outages": [outage_row(o) for o in fold.outages],
+        "resumes": resume_rows(fold),
     }
+
+
+def resume_rows(fold: RunFold) -> list[dict[str, Any]]:
+    """Each restart of the run with its cost (``live/_restarts.py``), as ``replay --json``
+    lists it under ``resumes``; times as ISO text beside the unix seconds."""
+    rows = []
+    for cost in fold.restarts.costs(fold.state):
+        row = cost.as_dict()
+        row["time"] = iso_time(cost.ts)
+        row["last_event_time"] = iso_time(cost.last_event_ts)
+        lease_ts = cost.first_lease_ts
+        row["first_lease_time"] = None if lease_ts is None else iso_time(lease_ts)
+        rows.append(row)
+    return rows
 
 
 def outage_row(outage: Outage) -> dict[str, Any]:
