@@ -54,6 +54,10 @@ class RefOutbox:
     def send(self, refs: Sequence[SampleRef]) -> None:
         """Push committed refs to the stream, after those it did not take before.
 
+        A sender that batches (one overriding ``RefSender.send_many``) gets them all
+        in one ``send_many``; what its window does not take is sent ref by ref,
+        waiting for credit as long as the sender's timeout.
+
         Never raises for a ref the stream does not take: that would make the
         caller believe the commit failed, and retry into a None.
         """

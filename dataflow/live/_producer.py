@@ -162,7 +162,10 @@ class Producer:
     ) -> list[SampleRef | None]:
         """Emit ``(sample_id, tensors)`` or ``(sample_id, tensors, metadata)`` items.
 
-        One ledger transaction for all; None for ids already committed. An id given
+        The batch costs one store ``put_many`` (the shared directory store fsyncs
+        each of its directories once for it), one ledger transaction and one
+        ``send_many`` to the stream; the commit follows the put, which returns once
+        the features are durable. None for ids already committed. An id given
         twice is committed as its last item (None for the earlier ones), as ``commit``
         does.
         ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
