@@ -17,8 +17,8 @@ fsyncs each that a batch renamed into: about 57 for 64 samples); per batch, the
 commit rows (sample id, the ref JSON as payload) inserted by one ``sqlite3``
 ``executemany`` into a table of the ledger's shape and indexes (the unique commit
 index included) in a file of the same PRAGMAs; and the ref's JSON bytes pushed over
-a raw ZeroMQ PUSH socket to a PULL in a child process. The two run in alternating rounds, so that a
-drift in the machine's load hits both.
+a raw ZeroMQ PUSH socket to a PULL in a child process. The two run in alternating
+rounds, so that a drift in the machine's load hits both.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ def _receiver_main(pipe: Any) -> None:
         pipe.send(receiver.endpoint)
         while refs := receiver.receive(BATCH):
             receiver.credit(len(refs))
-    pipe.send("done")
 
 
 def _pull_main(pipe: Any) -> None:
@@ -158,7 +157,7 @@ def measure(workdir: Path, *, batches: int, rounds: int = 4) -> dict[str, Any]:
         if not parent.poll(WAIT_S):
             raise TimeoutError(f"{target.__name__} never started")
         ends.append((process, parent, parent.recv()))
-    (receiver, _receiver_pipe, stream_endpoint), (puller, _, pull_endpoint) = ends
+    (receiver, _, stream_endpoint), (puller, _, pull_endpoint) = ends
     torch.set_num_threads(1)
     tensor = torch.randn(FEATURE_BYTES // 4)
     # About what the store writes: a header padded to 64 bytes, then the tensor.
