@@ -26,25 +26,30 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import torch
 import zmq
 
 from benchmarks._rows import Row, row
 from benchmarks._runner import tiny
 from benchmarks.bench_ledger import _INSERT, _raw_connect, _raw_schema
+from benchmarks.bench_pg import _INSERT as _PG_INSERT
+from benchmarks.bench_pg import _conninfo, fresh_database, postgres
 from dataflow import Kind, Ledger, Producer
 from dataflow.streams import ReceiverConfig, SenderConfig, ZmqRefReceiver, ZmqRefSender
+from dataflow.testing import PostgresServer
 from stores import SharedDirFeatureStore
 
 BATCH = 64
 FEATURE_BYTES = 16 << 10
 TARGET = "<= 1.3"
 WAIT_S = 120.0
-ROW = "producer data-plane CPU per sample: emit_many of 64 (shared dir, SQLite, ZeroMQ)"
+ROW = "producer data-plane CPU per sample: emit_many of 64 (shared dir, {ledger}, ZeroMQ)"
 
 
 def batches_per_round(*, quick: bool) -> int:
@@ -72,10 +77,10 @@ def _pull_main(pipe: Any) -> None:
 
 # -- the two contenders ------------------------------------------------------------------------
 class _Ours:
-    """Producer.emit_many into a shared-dir store, a SQLite ledger and a ZeroMQ stream."""
+    """Producer.emit_many into a shared-dir store, a ledger and a ZeroMQ stream."""
 
-    def __init__(self, workdir: Path, endpoint: str) -> None:
-        self.ledger = Ledger.open(f"sqlite:///{workdir / 'ledger.db'}")
+    def __init__(self, workdir: Path, endpoint: str, ledger_url: str) -> None:
+        self.ledger = Ledger.open(ledger_url)
         self.store = SharedDirFeatureStore(workdir / "features")
         self.sender = ZmqRefSender(SenderConfig(endpoints=(endpoint,), send_timeout=WAIT_S))
         self.producer = Producer(
@@ -99,13 +104,12 @@ class _Ours:
 class _Raw:
     """The same bytes as plainly as they can go: files, one executemany, raw PUSH."""
 
-    def __init__(self, workdir: Path, endpoint: str) -> None:
+    def __init__(self, workdir: Path, endpoint: str, rows: _RawRows) -> None:
         self.tmp = workdir / "raw" / "tmp"
         self.samples = workdir / "raw" / "samples"
         self.tmp.mkdir(parents=True)
         self.samples.mkdir()
-        self.conn = _raw_connect(workdir / "raw.db")
-        _raw_schema(self.conn)
+        self.rows = rows
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.connect(endpoint)
@@ -130,9 +134,7 @@ class _Raw:
             ("bench", Kind.COMMIT, sid, 0, 1, None, "p", payload, now)
             for sid, payload in zip(ids, payloads, strict=True)
         ]
-        self.conn.execute("BEGIN IMMEDIATE")
-        self.conn.executemany(_INSERT, rows)
-        self.conn.execute("COMMIT")
+        self.rows.insert(rows)
         for payload in payloads:
             self.push.send(payload.encode())
 
@@ -140,13 +142,46 @@ class _Raw:
         self.push.send(b"")
         self.push.close(linger=-1)
         self.ctx.term()
+        return self.rows.close()
+
+
+class _RawRows:
+    """One executemany of a batch's commit rows in one transaction: SQLite's stdlib driver
+    with a ``durability="full"`` ledger's PRAGMAs, or psycopg with synchronous commits."""
+
+    def __init__(self, workdir: Path, postgres_url: str | None) -> None:
+        self.postgres = postgres_url is not None
+        if postgres_url is None:
+            self.conn: Any = _raw_connect(workdir / "raw.db")
+            _raw_schema(self.conn)
+        else:
+            self.conn = psycopg.connect(
+                _conninfo(postgres_url), autocommit=True, options="-c synchronous_commit=on"
+            )
+
+    def insert(self, rows: list[tuple[Any, ...]]) -> None:
+        if self.postgres:
+            with self.conn.transaction(), self.conn.cursor() as cur:
+                cur.executemany(_PG_INSERT, rows)
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.executemany(_INSERT, rows)
+        self.conn.execute("COMMIT")
+
+    def close(self) -> int:
         count = self.conn.execute("SELECT count(*) FROM dataflow_events").fetchone()[0]
         self.conn.close()
         return count
 
 
-def measure(workdir: Path, *, batches: int, rounds: int = 4) -> dict[str, Any]:
-    """CPU seconds per sample of ours and of the raw limit, over ``rounds`` alternations."""
+def measure(
+    workdir: Path, *, batches: int, rounds: int = 4, postgres: tuple[str, str] | None = None
+) -> dict[str, Any]:
+    """CPU seconds per sample of ours and of the raw limit, over ``rounds`` alternations.
+
+    ``postgres``: the URLs of two databases of one server, ours and the raw side's
+    (None: SQLite files under ``workdir``).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     ends = []
@@ -162,7 +197,12 @@ def measure(workdir: Path, *, batches: int, rounds: int = 4) -> dict[str, Any]:
     tensor = torch.randn(FEATURE_BYTES // 4)
     # About what the store writes: a header padded to 64 bytes, then the tensor.
     data = bytes(512) + tensor.numpy().tobytes()
-    ours, raw = _Ours(workdir, stream_endpoint), _Raw(workdir, pull_endpoint)
+    ours = _Ours(
+        workdir,
+        stream_endpoint,
+        f"sqlite:///{workdir / 'ledger.db'}" if postgres is None else postgres[0],
+    )
+    raw = _Raw(workdir, pull_endpoint, _RawRows(workdir, None if postgres is None else postgres[1]))
     cpu = {"ours": 0.0, "raw": 0.0}
     per_round: list[float] = []
     try:
@@ -200,22 +240,23 @@ def measure(workdir: Path, *, batches: int, rounds: int = 4) -> dict[str, Any]:
     }
 
 
-def to_rows(got: dict[str, Any]) -> list[Row]:
+def to_rows(got: dict[str, Any], *, ledger: str = "SQLite") -> list[Row]:
     rounds = ", ".join(f"{r:.2f}" for r in got["rounds"])
+    executemany = "sqlite3" if ledger == "SQLite" else "psycopg"
     note = (
         f"{got['samples']:,} samples of {FEATURE_BYTES >> 10} KiB each side, in batches of "
         f"{BATCH}; CPU time of the producer process (user + system) per sample, the "
         "features made beforehand. Raw: write + fsync + rename per file into one "
-        "directory, one fsync of it per batch, one sqlite3 executemany "
-        "of the commit rows into the ledger's table and indexes, a raw ZeroMQ PUSH of each "
-        f"ref's JSON. Ratio per round (ours, then raw): {rounds}"
+        f"directory, one fsync of it per batch, one {executemany} executemany of the commit "
+        "rows into the ledger's table and indexes, a raw ZeroMQ PUSH of each ref's JSON. "
+        f"Ratio per round (ours, then raw): {rounds}"
     )
     return [
         row(
-            ROW,
+            ROW.format(ledger=ledger),
             1e6 * got["ours"],
             "µs CPU/sample",
-            "raw files + sqlite3 executemany + zmq PUSH, same bytes",
+            f"raw files + {executemany} executemany + zmq PUSH, same bytes",
             1e6 * got["raw"],
             target=TARGET,
             note=note,
@@ -223,8 +264,27 @@ def to_rows(got: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _postgres_rows(workdir: Path, batches: int) -> list[Row]:
+    """The row with a PostgreSQL ledger (fsync on), on a throw-away server."""
+    with tempfile.TemporaryDirectory(dir=workdir, prefix="pg_") as tmp:
+        os.chmod(tmp, 0o755)  # as bench_pg: the server may run as another user
+        with (
+            postgres(Path(tmp)) as server,
+            fresh_database(server.url) as ours,
+            fresh_database(server.url) as raw,
+        ):
+            got = measure(workdir / "postgres", batches=batches, postgres=(ours, raw))
+    return to_rows(got, ledger="PostgreSQL")
+
+
 def rows(workdir: Path, *, quick: bool) -> list[Row]:
-    return to_rows(measure(workdir / "producer", batches=batches_per_round(quick=quick)))
+    batches = batches_per_round(quick=quick)
+    got = to_rows(measure(workdir / "sqlite", batches=batches))
+    try:
+        PostgresServer()  # finds the server's binaries, starts nothing
+    except RuntimeError:
+        return got  # no PostgreSQL here: its row is left out
+    return got + _postgres_rows(workdir, batches)
 
 
 if __name__ == "__main__":
