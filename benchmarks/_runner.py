@@ -37,6 +37,7 @@ REGISTRY: dict[str, str] = {
     "restart": "benchmarks.bench_restart",
     "e2e": "benchmarks.bench_e2e",
     "memory": "benchmarks.bench_memory",
+    "producer": "benchmarks.bench_producer",
     "demo": "benchmarks.bench_demo",
     "load": "benchmarks.bench_load",
 }

@@ -107,6 +107,35 @@ class SharedDirFeatureStore(FeatureStore):
     def _put(
         self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> SampleRef:
+        ref, folder = self._put_unsynced(sample_id, tensors, metadata)
+        fsync_path(folder, directory=True)
+        return ref
+
+    def _put_many(
+        self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
+    ) -> list[SampleRef]:
+        # Each file is fsynced before its rename, as in a put; the renames are made
+        # durable together, one fsync per bucket directory the batch touched, before
+        # this returns (so before a producer commits any of the refs). A crash before
+        # then may lose some of the renames: nothing is committed yet, and a lost
+        # rename leaves at most a temporary file for `dataflow gc`.
+        folders: dict[str, None] = {}
+
+        def put_each() -> Iterator[list[SampleRef]]:
+            for item in items:
+                ref, folder = self._put_unsynced(*item)
+                folders[folder] = None
+                yield [ref]
+            for folder in folders:
+                fsync_path(folder, directory=True)
+            yield []
+
+        return self._all_or_none(put_each())
+
+    def _put_unsynced(
+        self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
+    ) -> tuple[SampleRef, str]:
+        """A put but for the fsync of its directory: its ref, and that directory."""
         dense = {name: _tensors.dense(t) for name, t in tensors.items()}
         specs = {name: FeatureSpec.of(t) for name, t in dense.items()}
         path = self._file(sample_id)
@@ -121,7 +150,7 @@ class SharedDirFeatureStore(FeatureStore):
                 "previous generation, if any, is intact: free space there (`dataflow gc` "
                 "deletes released samples) and put it again"
             ) from exc
-        return SampleRef(sample_id, self.uri, generation, specs, metadata)
+        return SampleRef(sample_id, self.uri, generation, specs, metadata), os.path.dirname(path)
 
     def _put_file(
         self,
@@ -130,7 +159,10 @@ class SharedDirFeatureStore(FeatureStore):
         dense: dict[str, torch.Tensor],
         specs: dict[str, FeatureSpec],
     ) -> int:
-        """Write a new generation of ``sample_id`` and rename it over ``path``; its generation."""
+        """Write a new generation of ``sample_id`` and rename it over ``path``; its generation.
+
+        The caller fsyncs the directory of ``path`` (once for a batch of puts).
+        """
         fd, tmp, header = self._write_tmp(sample_id, dense, specs)
         try:
             with self._dir.locked(sample_id):
@@ -145,7 +177,6 @@ class SharedDirFeatureStore(FeatureStore):
             raise
         finally:
             os.close(fd)
-        fsync_path(os.path.dirname(path), directory=True)
         return generation
 
     def _rename_into_place(self, tmp: str, path: str, sample_id: str) -> None:

@@ -11,8 +11,11 @@ Subclass :class:`FeatureStoreContract` in a test module and supply the store::
 A store that keeps bytes at rest (files, a remote store) also implements
 :meth:`FeatureStoreContract.rewrite_stored_bytes`, so that the suite checks
 that bytes changed behind its back raise CorruptFeatureError; without it those
-tests skip. Every built-in store runs it (``tests/test_store_*.py``). The class
-name has no ``Test`` prefix, so pytest collects it only through a subclass.
+tests skip. Likewise :meth:`FeatureStoreContract.failing_puts` (make the store's
+puts fail after a few, as a broken disk would) lets the suite check that a
+``put_many`` failing midway keeps none of its generations. Every built-in store
+runs it (``tests/test_store_*.py``). The class name has no ``Test`` prefix, so
+pytest collects it only through a subclass.
 """
 
 from __future__ import annotations

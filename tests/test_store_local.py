@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import itertools
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,19 @@ class TestLocalFeatureStore(FeatureStoreContract):
 
     def make_store(self, tmp_path):
         return LocalFeatureStore()
+
+    @contextlib.contextmanager
+    def failing_puts(self, store, after):
+        puts, put = itertools.count(), store._put
+
+        def failing_put(*args):
+            if next(puts) == after:
+                raise StoreFullError("the store is full (failing_puts)")
+            return put(*args)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(store, "_put", failing_put)
+            yield
 
 
 def test_get_returns_the_stored_tensor_without_a_copy():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
 import json
 import os
 import shutil
@@ -23,6 +26,19 @@ from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_sa
 class TestSharedDirFeatureStore(FeatureStoreContract):
     def make_store(self, tmp_path):
         return SharedDirFeatureStore(tmp_path / "store")
+
+    @contextlib.contextmanager
+    def failing_puts(self, store, after):
+        renames, rename = itertools.count(), os.rename
+
+        def failing_rename(src, dst):
+            if next(renames) == after:
+                raise OSError(errno.EIO, "Input/output error (failing_puts)")
+            rename(src, dst)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(os, "rename", failing_rename)
+            yield
 
     def rewrite_stored_bytes(self, store, ref, name, change):
         path, tensor = store.path_for(ref.sample_id), store.get(ref, names=[name])[name]

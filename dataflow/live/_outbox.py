@@ -39,6 +39,9 @@ class RefOutbox:
         #: Committed refs the stream did not take yet (its window stayed full), oldest first.
         self.unsent: collections.deque[SampleRef] = collections.deque()
         self.credit = ProducerBlocking(run_id, producer_id, "credit", _NO_CREDIT)
+        # The default send_many sends one by one: the loop below does the same, and
+        # knows how many went when the window fills.
+        self._batches = type(stream).send_many is not RefSender.send_many
 
     def check(self, refs: Iterable[SampleRef]) -> None:
         """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).
@@ -50,6 +53,10 @@ class RefOutbox:
 
     def send(self, refs: Sequence[SampleRef]) -> None:
         """Push committed refs to the stream, after those it did not take before.
+
+        A sender that batches (one overriding ``RefSender.send_many``) gets them all
+        in one ``send_many``; what its window does not take is sent ref by ref,
+        waiting for credit as long as the sender's timeout.
 
         Never raises for a ref the stream does not take: that would make the
         caller believe the commit failed, and retry into a None.
@@ -73,6 +80,8 @@ class RefOutbox:
         """Send the refs not sent yet, oldest first, each within ``timeout`` (None: the
         sender's); how many are left when the stream's window stays full."""
         unsent = self.unsent
+        if len(unsent) > 1 and self._batches:
+            self._send_batch()
         while unsent:
             ref = unsent[0]
             try:
@@ -91,6 +100,25 @@ class RefOutbox:
             unsent.popleft()
         self.credit.end("goes on: its stream takes refs again")
         return 0
+
+    def _send_batch(self) -> None:
+        """Send every unsent ref in as few frames as the window takes now, without waiting.
+
+        What it does not take stays unsent, for the loop of single sends (which waits
+        for credit and skips a ref the stream refuses). A sender's ``send_many`` that
+        raises says how many refs it sent first in the error's ``sent``; without it
+        none count as sent, and those sent go out again: a consumer drops a ref it
+        already has (it leases a sample once).
+        """
+        batch = list(self.unsent)
+        try:
+            self.stream.send_many(batch, timeout=0)
+        except DataflowError as exc:
+            sent = getattr(exc, "sent", 0)
+            for _ in range(sent if isinstance(sent, int) and 0 < sent <= len(batch) else 0):
+                self.unsent.popleft()
+            return
+        self.unsent.clear()
 
     def _send_one(self, ref: SampleRef, timeout: float | None) -> None:
         """Send ``ref``; a wait for credit (a window with room needs none) is a blocked episode."""

@@ -162,7 +162,10 @@ class Producer:
     ) -> list[SampleRef | None]:
         """Emit ``(sample_id, tensors)`` or ``(sample_id, tensors, metadata)`` items.
 
-        One ledger transaction for all; None for ids already committed. An id given
+        The batch costs one store ``put_many`` (the shared directory store fsyncs
+        each of its directories once for it), one ledger transaction and one
+        ``send_many`` to the stream; the commit follows the put, which returns once
+        the features are durable. None for ids already committed. An id given
         twice is committed as its last item (None for the earlier ones), as ``commit``
         does.
         ``block`` and ``timeout``: as for :meth:`emit`, the new ids counted together.
@@ -181,7 +184,7 @@ class Producer:
                     f"emit_many takes (sample_id, tensors[, metadata]) items, got {item!r:.100}"
                 )
             validate_sample_id(item[0])
-            items.append(tuple(item))
+            items.append(item if type(item) is tuple else tuple(item))
         known = self.ledger.commits(self.run_id, [item[0] for item in items])
         if self._gate is not None:
             # An id given twice is stored once (the last put wins): it counts once.
@@ -192,18 +195,12 @@ class Producer:
                 # opens: the backlog it waits on drains only once consumers receive them.
                 idle = None if self._outbox is None else self._outbox.send_waiting
                 self._gate.wait(len(fresh), added, block=block, timeout=timeout, idle=idle)
-        refs: list[SampleRef] = []
-        positions: list[int] = []  # of the items put, in ``items``
-        try:
-            for position, (sample_id, tensors, *meta) in enumerate(items):
-                if sample_id not in known:
-                    metadata = meta[0] if meta else None
-                    refs.append(self.store.put(sample_id, tensors, metadata=metadata))
-                    positions.append(position)
-        except BaseException:
-            for ref in refs:
-                self.store.delete(ref)
-            raise
+        positions = [position for position, item in enumerate(items) if item[0] not in known]
+        # One put_many: a store that batches does (the shared directory fsyncs each of
+        # its directories once for the batch, Mooncake makes a few round trips). It
+        # returns once every file is durable, so the commit below never names features
+        # a crash could lose; when it raises, it has kept none of what it put.
+        refs = self.store.put_many([items[position] for position in positions])
         # As commit answers: an id given twice is committed as its last item, None for
         # the earlier ones.
         results: list[SampleRef | None] = [None] * len(items)

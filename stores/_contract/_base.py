@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,16 @@ class StoreSuite:
         live tensors in process memory.
         """
         pytest.skip(f"{type(self).__name__} keeps no bytes at rest (no rewrite_stored_bytes)")
+
+    def failing_puts(self, store: FeatureStore, after: int) -> AbstractContextManager[None]:
+        """A context in which ``store`` stores ``after`` sample generations and then
+        fails at the next one (with an OSError or a DataflowError), as a disk or a
+        server that breaks in the middle of a batch.
+
+        A store implements it with what fails there (a rename, a write, a round trip);
+        the default skips the tests that need it.
+        """
+        pytest.skip(f"{type(self).__name__} cannot make its puts fail (no failing_puts)")
 
     @pytest.fixture
     def store(self, tmp_path: Path) -> Iterator[FeatureStore]:

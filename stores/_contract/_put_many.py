@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dataflow import (
+    DataflowError,
     InvalidRefError,
     StaleRefError,
 )
@@ -62,3 +63,19 @@ class PutManySuite(StoreSuite):
         assert [o for o in store.scan() if o.sample_id == good] == []
         with pytest.raises(InvalidRefError):
             store.put_many("abc")  # type: ignore[arg-type]
+
+    def test_a_put_many_that_fails_midway_keeps_none_of_its_generations(
+        self, store: FeatureStore
+    ) -> None:
+        ids = [fresh_id("broken") for _ in range(5)]
+        samples = [
+            (sid, {"x": sample_tensor((4,), torch.float32, seed=seed)})
+            for seed, sid in enumerate(ids)
+        ]
+        before = store.stats()
+        with self.failing_puts(store, after=3), pytest.raises((OSError, DataflowError)):
+            store.put_many(samples)
+        assert self._listed(store, set(ids)) == {}
+        assert store.stats() == before
+        refs = store.put_many(samples)  # the store works on
+        assert_same_tensors(store.get(refs[4]), samples[4][1])
