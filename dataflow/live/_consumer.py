@@ -10,6 +10,7 @@ is put together from one module per concern:
 - :mod:`dataflow.live._consumer_leases`: what a lease takes, from the fold or the stream;
 - :mod:`dataflow.live._consumer_acks`: acks, nacks and lost reports;
 - :mod:`dataflow.live._consumer_checkpoints`: recording and removing checkpoints;
+- :mod:`dataflow.live._consumer_exclude`: excluding samples from the run, including them again;
 - here: construction, the wait of a lease, ack_and_lease, data epochs, close.
 """
 
@@ -27,6 +28,7 @@ from dataflow.live._args import _check_roles_args, check_timeout
 from dataflow.live._consumer_acks import _Acks
 from dataflow.live._consumer_args import _check_int, _check_producers
 from dataflow.live._consumer_checkpoints import _CheckpointRecords
+from dataflow.live._consumer_exclude import _Exclusions
 from dataflow.live._consumer_resume import _Resuming
 from dataflow.live._consumer_writes import _POLL_S, _locked
 from dataflow.live._metrics import MetricsServer, serve_run_metrics
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 NO_PRODUCER_WARNING_S = 30.0
 
 
-class Consumer(_Resuming, _Acks, _CheckpointRecords):
+class Consumer(_Resuming, _Acks, _CheckpointRecords, _Exclusions):
     """A trainer rank's side of a run: resume, lease, ack, nack, record checkpoints.
 
     Call :meth:`resume` first: it starts a new fencing epoch (the generation of
