@@ -136,7 +136,7 @@ def test_include_of_a_sample_that_is_not_excluded_is_refused_and_writes_nothing(
     started, ledger, run_id
 ) -> None:
     head = ledger.head_seq(run_id)
-    with pytest.raises(UnknownSampleError, match="'s3'.*not excluded"):
+    with pytest.raises(UnknownSampleError, match=r"'s3'.*not excluded"):
         started.include(["s3"], reason="undo")
     assert ledger.head_seq(run_id) == head
 
