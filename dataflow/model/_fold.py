@@ -104,6 +104,9 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         #: seq of a checkpoint whose files were removed -> why (retention, rewind).
         self.removed_checkpoints: dict[int, str] = {}
         self.producers: set[str] = set()
+        #: producer id -> the ids of its first commits, in commit order: its k-th sample is
+        #: the k-th (what fixes a seeded streaming run's order, live/_seeded_stream.py).
+        self.producer_commits: dict[str, list[str]] = {}
         self.closed: set[str] = set()
         #: producer id -> the producer epoch holding it (its newest CLAIM); an id never
         #: claimed (written before producer epochs) writes with epoch 0.

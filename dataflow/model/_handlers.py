@@ -58,6 +58,7 @@ class EventHandlers:
         self._json[sid] = payload
         if first:
             self._first_seqs.append(seq)
+            self.producer_commits.setdefault(actor, []).append(sid)
             self._enqueue(sid, self._round_robin_owner(), requeued=False)
             return
         # A regeneration: the features are back. A lost sample goes back to the rank that

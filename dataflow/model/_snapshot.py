@@ -142,6 +142,7 @@ def _dump(state: RunState, columns: _Columns | None = None) -> dict[str, Any]:
         "checkpoints": [_checkpoint_row(c) for c in state.checkpoints],
         "removed_checkpoints": list(state.removed_checkpoints.items()),
         "producers": sorted(state.producers),
+        "producer_commits": [[p, many(ids)] for p, ids in state.producer_commits.items()],
         "closed": sorted(state.closed),
         "unstreamed": sorted(state.unstreamed),
         "producer_epochs": state.producer_epochs,
@@ -240,6 +241,7 @@ def _load(data: dict[str, Any], columns: _Columns, state: RunState) -> RunState:
     state.checkpoints = [Checkpoint(*row) for row in data["checkpoints"]]
     state.removed_checkpoints = {seq: reason for seq, reason in data["removed_checkpoints"]}
     state.producers = set(data["producers"])
+    state.producer_commits = {str(p): many(ids) for p, ids in data["producer_commits"]}
     state.closed = set(data["closed"])
     state.unstreamed = set(data["unstreamed"])
     state.producer_epochs = {str(p): int(e) for p, e in data["producer_epochs"].items()}
