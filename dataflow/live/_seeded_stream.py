@@ -170,6 +170,7 @@ class _SeededStream(_FencedWrites):
     def _ready_to_lease(self, max_refs: int) -> list[str]:
         if self._slots is None:
             return super()._ready_to_lease(max_refs)  # type: ignore[misc]
+        self._drain_stream()  # a lease ahead (ack_and_lease) never reads the stream
         take, ended, _ = self._walk_slots(max_refs)
         # All or nothing until the end: batches line up whatever the producers' timing.
         return take if ended or len(take) >= max_refs else []
