@@ -206,8 +206,8 @@ class _SeededStream(_FencedWrites):
         state = self.state
         if not self.producers <= state.closed:
             return False
-        _, ended, todo = self._walk_slots(None)
-        return ended and todo == 0
+        take, ended, _ = self._walk_slots(1)  # stops at the first slot still to train
+        return ended and not take
 
     @property
     @_locked
