@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dataflow import Consumer, Ledger, Producer, replay
+from dataflow.cli import main
 from stores import LocalFeatureStore
 from tests._cli import run_cli
 
@@ -89,14 +90,21 @@ def test_the_rewind_and_skip_line_excludes_what_the_abandoned_steps_trained(
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(
-    recorded: str, args: list[str], code: int, message: str
+    recorded: str, args: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """In process (``dataflow.cli.main``): the same parser and handlers, without a process
+    start per case."""
     ledger = Ledger.open(recorded)
     head = ledger.head_seq("r")
     command, *rest = args
-    done = run_cli(command, "--ledger", recorded, "--run", "r", *rest)
-    assert done.returncode == code, done.stderr
-    assert re.search(message, done.stderr), done.stderr
+    try:
+        done = main([command, "--ledger", recorded, "--run", "r", *rest])
+    except SystemExit as exc:  # a usage error, from the parser
+        done = exc.code
+    stderr = capsys.readouterr().err
+    assert done == code, stderr
+    assert re.search(message, stderr), stderr
+    assert len(stderr.strip().splitlines()) == 1
     assert ledger.head_seq("r") == head
     ledger.close()
 

@@ -327,3 +327,30 @@ def test_postgres_too(ledger_url) -> None:
         write_exclusions(led, "pg", ["a"], reason="bad")
         assert replay(led, "pg").excluded == {"a": "bad"}
     led.close()
+
+
+def test_export_writes_the_exclusions(started, ledger, run_id, tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from dataflow.tools._export import export_parquet
+
+    started.exclude(["s1"], reason="bad labels")
+    export_parquet(ledger, run_id, tmp_path / "e.parquet", samples_path=tmp_path / "s.parquet")
+    rows = {r["sample_id"]: r for r in pq.read_table(tmp_path / "s.parquet").to_pylist()}
+    assert rows["s1"]["state"] == "excluded" and rows["s1"]["excluded"] == "bad labels"
+    assert rows["s0"]["state"] == "pending" and rows["s0"]["excluded"] is None
+    events = pq.read_table(tmp_path / "e.parquet").to_pylist()
+    assert [e["kind"] for e in events].count("exclude") == 1
+
+
+def test_in_a_seeded_order_an_included_sample_goes_back_to_its_place(
+    ledger, run_id, emit, producer, make_consumer
+) -> None:
+    emit(*(f"s{i}" for i in range(6)))
+    producer.close()
+    consumer = make_consumer(order_seed=3)
+    consumer.resume(None)
+    order = consumer.state.pending
+    consumer.exclude([order[1]], reason="suspect")
+    consumer.include([order[1]], reason="fine")
+    assert [r.sample_id for r in consumer.lease(6)] == order
