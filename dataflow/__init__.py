@@ -42,6 +42,7 @@ from dataflow.model._errors import (
     StreamIdleError,
     TensorInRefError,
     UnknownCheckpointError,
+    UnknownSampleError,
     UnknownStoreError,
 )
 from dataflow.model._events import Event, Kind
@@ -103,6 +104,7 @@ __all__ = [
     "StreamIdleError",
     "TensorInRefError",
     "UnknownCheckpointError",
+    "UnknownSampleError",
     "UnknownStoreError",
     "Watermarks",
     "assert_no_tensors",

@@ -34,6 +34,7 @@ LONG_MODULES = (
     "test_training_resume_ranks.py",
     "test_ledger_rank_restart.py",
     "test_training_e2e.py",
+    "test_seeded_stream_processes.py",
     "test_benchmarks_runner.py",
     "test_deploy.py",
     "test_benchmarks_rows.py",

@@ -39,6 +39,8 @@ MISTYPED: dict[str, tuple[dict[str, Any], str]] = {
     Kind.CHECKPOINT_REMOVED: ({"checkpoint_seq": "3", "reason": "gone"}, "checkpoint_seq"),
     Kind.LOST: ({"revision": 0, "reason": 5}, "reason"),
     Kind.CLAIM: ({"host": "h", "pid": "12", "store": "mem://s"}, "pid"),
+    Kind.EXCLUDE: ({"samples": ["a"], "reason": 3}, "reason"),
+    Kind.INCLUDE: ({"samples": "a", "reason": "r"}, "samples"),
 }
 
 

@@ -13,7 +13,8 @@ side); heavy packages (pyarrow, matplotlib, tqdm) are imported by the commands t
 them.
 
 One module per group of commands holds their parsers and handlers: ``_replay_cmd``,
-``_status_cmd``, ``_diff_cmd``, ``_log_cmds`` (runs, events, export), ``_gc_cmd`` and
+``_status_cmd``, ``_diff_cmd``, ``_log_cmds`` (runs, events, export), ``_gc_cmd``,
+``_exclude_cmds`` (exclude, include: the only commands that append to the ledger) and
 ``_pipeline_cmds`` (demo, chaos, mooncake-keeper); ``_arguments`` has the option types and
 errors, ``_ledger`` opens the ledger a command reads. A new command is an ``add_...(sub)``
 there, called from :func:`build_parser`.
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 
 from dataflow.cli._arguments import LEDGER_ENV, Failure, Parser, Usage
 from dataflow.cli._diff_cmd import add_diff
+from dataflow.cli._exclude_cmds import add_exclusion_commands
 from dataflow.cli._gc_cmd import add_gc
 from dataflow.cli._log_cmds import add_log_commands
 from dataflow.cli._pipeline_cmds import add_pipeline_commands
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_diff(sub)
     add_log_commands(sub)
     add_gc(sub)
+    add_exclusion_commands(sub)
     add_pipeline_commands(sub)
     return parser
 

@@ -165,4 +165,19 @@ def _replay_plan(ledger: Any, args: argparse.Namespace, upto: int | None) -> int
         print(json.dumps(plan, indent=2))
     else:
         print_resume_plan(plan)
+        _print_trained_after(args, plan)
     return 0
+
+
+def _print_trained_after(args: argparse.Namespace, plan: dict[str, Any]) -> None:
+    """The samples the abandoned steps trained, and the line that excludes them."""
+    ckpt, ids = plan["checkpoint"], plan["trained_after"]
+    if ckpt is None or not ids:
+        return
+    shown = ", ".join(ids[:10]) + (f" ... ({len(ids)} in all)" if len(ids) > 10 else "")
+    say(f"{'trained after':>15}: {len(ids):<6} {shown}")
+    ledger = " --ledger URL" if args.ledger is not None else ""
+    say(
+        f"to skip them: dataflow exclude{ledger} --run {args.run} --trained-after "
+        f'{ckpt["step"]} --reason "..." (before the resume)'
+    )

@@ -226,6 +226,8 @@ class Backlog:
                     self._sized(r[2], r[3] or 0, r[7])
         if chunk_kinds[Kind.RESUME] or chunk_kinds[Kind.DATA_EPOCH]:
             self._recount_due = True  # every sample may have moved
+        if chunk_kinds[Kind.EXCLUDE] or chunk_kinds[Kind.INCLUDE]:
+            self._recount_due = True  # their rows name a batch of samples in the payload
         if not self._recount_due:
             for sid in {r[2] for r in chunk if r[2] is not None}:
                 self._settle(sid)

@@ -10,6 +10,7 @@ is put together from one module per concern:
 - :mod:`dataflow.live._consumer_leases`: what a lease takes, from the fold or the stream;
 - :mod:`dataflow.live._consumer_acks`: acks, nacks and lost reports;
 - :mod:`dataflow.live._consumer_checkpoints`: recording and removing checkpoints;
+- :mod:`dataflow.live._consumer_exclude`: excluding samples from the run, including them again;
 - here: construction, the wait of a lease, ack_and_lease, data epochs, close.
 """
 
@@ -27,9 +28,11 @@ from dataflow.live._args import _check_roles_args, check_timeout
 from dataflow.live._consumer_acks import _Acks
 from dataflow.live._consumer_args import _check_int, _check_producers
 from dataflow.live._consumer_checkpoints import _CheckpointRecords
+from dataflow.live._consumer_exclude import _Exclusions
 from dataflow.live._consumer_resume import _Resuming
 from dataflow.live._consumer_writes import _POLL_S, _locked
 from dataflow.live._metrics import MetricsServer, serve_run_metrics
+from dataflow.live._seeded_stream import _SeededStream
 from dataflow.live._view import RunView
 from dataflow.model._errors import (
     ArgumentTypeError,
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
 NO_PRODUCER_WARNING_S = 30.0
 
 
-class Consumer(_Resuming, _Acks, _CheckpointRecords):
+class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions):
     """A trainer rank's side of a run: resume, lease, ack, nack, record checkpoints.
 
     Call :meth:`resume` first: it starts a new fencing epoch (the generation of
@@ -69,6 +72,13 @@ class Consumer(_Resuming, _Acks, _CheckpointRecords):
     caller must make rank 0 resume before the others and record a checkpoint
     only after every rank's acks up to that step have returned. A rank whose process
     restarted alone calls :meth:`rejoin` instead of :meth:`resume`.
+
+    ``order_seed``: lease in a reproducible order. Without a stream: the committed
+    dataset, sorted by a keyed hash, once every producer closed. With a ``stream``: each
+    named producer's own sequence of samples (its k-th commit), round robin over
+    ``producers`` (required then: every producer of the run), the seed shuffling each
+    round; a rank waits for the producer whose turn it is, and a lease takes
+    ``max_refs`` or nothing until the producers closed (``live/_seeded_stream.py``).
 
     ``producers``: the ids of the producers this run waits for. The rank is not
     drained (and a seeded order does not start) before each of them has closed,
@@ -120,11 +130,6 @@ class Consumer(_Resuming, _Acks, _CheckpointRecords):
             raise ArgumentTypeError(f"stream must be a RefReceiver, got {type(stream).__name__}")
         if order_seed is not None:
             _check_int("order_seed", order_seed)
-            if stream is not None:
-                raise InvalidArgumentError(
-                    "order_seed orders a committed dataset; a streaming consumer takes refs "
-                    "in arrival order: pass one or the other"
-                )
         self.order_seed = order_seed
         self.ledger = ledger
         self.store = store
@@ -141,6 +146,7 @@ class Consumer(_Resuming, _Acks, _CheckpointRecords):
         self._before_checkpoint = []
         self._from_stream = set()
         self._marked_closed = set()
+        self._start_slots()  # order_seed with a stream: the producers' own sequences
         #: The run's Prometheus metrics endpoint (``metrics_port``, on ``metrics_host``,
         #: default 127.0.0.1); None when not serving. ``metrics.close()`` stops it.
         self.metrics: MetricsServer | None = serve_run_metrics(

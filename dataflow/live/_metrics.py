@@ -93,6 +93,9 @@ class RunMetrics:
       ``rate(dataflow_events_total[1m])`` gives them per second;
     * ``dataflow_dead_samples_total``: samples that died (a nack that was not
       retryable, or at their last attempt);
+    * ``dataflow_excluded_samples_total``: exclusions of samples (``Consumer.exclude``,
+      ``dataflow exclude``), each counted once, those an include undid too, and the gauge
+      ``dataflow_excluded_refs``: the samples excluded now;
     * gauges ``dataflow_pending_refs`` (waiting for a lease),
       ``dataflow_inflight_refs`` and ``dataflow_inflight_bytes`` (leased, not
       yet acked), ``dataflow_lag_refs`` (committed, not yet trained, not dead:
@@ -203,6 +206,7 @@ class RunMetrics:
         if read:
             dead.add_metric([run], len(state.dead))
         yield dead
+        yield from _excluded_families(run, state if read else None)
         leased = list(state.leased) if read else []
         pending = backlog.refs - len(leased)
         gauges = (
@@ -291,6 +295,25 @@ class RunMetrics:
             self._restarts.update(self.ledger, self.run_id, upto_seq=state.head_seq)
             costs = self._restarts.costs(state)
         return restart_families(self.run_id, costs)
+
+
+def _excluded_families(run: str, state: Any) -> Iterator[Any]:
+    """The exclusions of the run (``state``: the fold; None: the families without values)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    total = CounterMetricFamily(
+        "dataflow_excluded_samples",
+        "Exclusions of samples from the run (an include does not take one back)",
+        labels=["run"],
+    )
+    now = GaugeMetricFamily(
+        "dataflow_excluded_refs", "Samples excluded from the run now", labels=["run"]
+    )
+    if state is not None:
+        total.add_metric([run], state.excluded_total)
+        now.add_metric([run], len(state.excluded))
+    yield total
+    yield now
 
 
 class MetricsServer:

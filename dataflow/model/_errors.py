@@ -18,7 +18,9 @@ keeps working around a store lookup::
     │   ├── CorruptLedgerError                 an event that cannot be read, or names another sample
     │   ├── SchemaVersionError
     │   ├── LedgerStateError (ValueError)      a write the run's state forbids
-    │   │   └── UnknownCheckpointError (LookupError)
+    │   │   ├── UnknownCheckpointError (LookupError)
+    │   │   └── UnknownSampleError (LookupError)  an exclude or include named an
+    │   │                                      uncommitted sample (or, include, one not excluded)
     │   ├── StaleEpochError                    a fenced-off (zombie) consumer wrote
     │   ├── ReadOnlyLedgerError                a write through a ledger opened read_only=True,
     │   │                                      or one on a read-only file system opened to write
@@ -126,6 +128,10 @@ class LedgerStateError(LedgerError, ValueError):
 
 class UnknownCheckpointError(LedgerStateError, LookupError):
     """A resume named a checkpoint that the run's ledger does not record."""
+
+
+class UnknownSampleError(LedgerStateError, LookupError):
+    """An exclude named a sample the run never committed, or an include one not excluded."""
 
 
 class StaleEpochError(LedgerError):

@@ -39,10 +39,20 @@ class Kind:
     #: host, pid, store): its predecessor with that id is fenced, and a closed producer
     #: is open again. Commits and closes carry the producer's epoch in their epoch.
     CLAIM = "claim"
+    #: Samples taken out of the run, with a reason (payload: samples, reason): never leased
+    #: again, whatever checkpoint a later resume starts from. Not a lineage event: an
+    #: exclusion is a decision about the data, which a rewind does not undo. Written with
+    #: the run's current consumer epoch (the fold checks it, as for FENCED kinds, but an
+    #: exclusion before the first resume, at epoch 0, holds too).
+    EXCLUDE = "exclude"
+    #: Excluded samples put back into the run (payload: samples, reason): only an INCLUDE
+    #: undoes an EXCLUDE.
+    INCLUDE = "include"
 
     ALL = frozenset(
         {COMMIT, CLOSE, RESUME, LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH}
         | {CHECKPOINT_REMOVED, LOST, CLAIM}
+        | {EXCLUDE, INCLUDE}
     )
     #: Kinds written by consumers, and so fenced by their (the run's consumer) epoch.
     #: COMMIT and CLOSE are fenced by their producer's epoch instead (see CLAIM).
@@ -237,6 +247,20 @@ class ClaimPayload(_Payload):
     store: str | None = None
 
 
+#: Most characters of an exclusion's reason (a line or two for the operator, not a file).
+MAX_REASON_CHARS = 1000
+#: Most sample ids one EXCLUDE or INCLUDE row names; a larger batch takes several rows.
+MAX_EXCLUDE_BATCH = 10_000
+_SampleIdText = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class ExcludePayload(_Payload):
+    """EXCLUDE and INCLUDE: the samples (one row names a batch of them) and why."""
+
+    samples: Annotated[list[_SampleIdText], Meta(min_length=1, max_length=MAX_EXCLUDE_BATCH)]
+    reason: Annotated[str, Meta(min_length=1, max_length=MAX_REASON_CHARS)]
+
+
 #: The payload type of each kind.
 PAYLOAD_TYPES: dict[str, type[msgspec.Struct]] = {
     Kind.COMMIT: CommitPayload,
@@ -251,10 +275,15 @@ PAYLOAD_TYPES: dict[str, type[msgspec.Struct]] = {
     Kind.CHECKPOINT_REMOVED: CheckpointRemovedPayload,
     Kind.LOST: LostPayload,
     Kind.CLAIM: ClaimPayload,
+    Kind.EXCLUDE: ExcludePayload,
+    Kind.INCLUDE: ExcludePayload,
 }
+#: Kinds (besides COMMIT) whose rows must carry a payload: it names their samples (the
+#: fold reports one without as a violation; every writer gives one).
+_REQUIRED = frozenset({Kind.EXCLUDE, Kind.INCLUDE})
 _DECODERS = {kind: msgspec.json.Decoder(t) for kind, t in PAYLOAD_TYPES.items()}
 #: What a kind's payload is when its row has none.
-_EMPTY = {kind: t() for kind, t in PAYLOAD_TYPES.items() if kind != Kind.COMMIT}
+_EMPTY = {kind: t() for kind, t in PAYLOAD_TYPES.items() if kind not in (Kind.COMMIT, *_REQUIRED)}
 
 
 def read_payload(kind: str, text: str | None) -> Any:
@@ -264,6 +293,8 @@ def read_payload(kind: str, text: str | None) -> Any:
     row), and (as :func:`load_payload`) for one too long or nested too deep.
     """
     if not text:
+        if kind in _REQUIRED:
+            raise ValueError(f"a {kind} event needs a payload naming its samples")
         return _EMPTY[kind]
     _check_bounds(text)
     try:

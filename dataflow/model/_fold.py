@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from dataflow.model._events import Kind
+from dataflow.model._exclusions import ExclusionHandlers
 from dataflow.model._handlers import HANDLERS, EventHandlers
 from dataflow.model._lineage import (
     RELEASE_POLICIES,
@@ -53,7 +54,7 @@ class RefSource(Protocol):
         ...
 
 
-class RunState(EventHandlers, SampleQueues, LineageQueries):
+class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
     """The state of one run after folding its log up to ``head_seq``.
 
     Attributes (all derived): ``committed`` (id -> SampleRef, commit order),
@@ -62,7 +63,9 @@ class RunState(EventHandlers, SampleQueues, LineageQueries):
     epoch), ``released`` (ids whose features were freed), ``dead`` (id ->
     reason), ``lost`` (id -> reason: features found missing or corrupt on a load, waiting
     for regeneration; never counted as a failed attempt), ``regenerate`` (ids to train
-    again whose features are gone: released, or lost),
+    again whose features are gone: released, or lost), ``excluded`` (id -> reason: taken
+    out of the run by ``Consumer.exclude``; never leased again, whatever the lineage;
+    ``excluded_total`` counts every exclusion, those an inclusion undid too),
     ``checkpoints``, ``removed_checkpoints`` (seq -> reason), ``epoch``,
     ``data_epoch``, ``head_seq``.
 
@@ -94,10 +97,16 @@ class RunState(EventHandlers, SampleQueues, LineageQueries):
         self.lost: dict[str, str] = {}
         self.attempts: dict[str, int] = {}
         self.regenerate: dict[str, None] = {}
+        #: id -> why it was excluded; outside the lineage (see model/_exclusions.py).
+        self.excluded: dict[str, str] = {}
+        self.excluded_total = 0
         self.checkpoints: list[Checkpoint] = []
         #: seq of a checkpoint whose files were removed -> why (retention, rewind).
         self.removed_checkpoints: dict[int, str] = {}
         self.producers: set[str] = set()
+        #: producer id -> the ids of its first commits, in commit order: its k-th sample is
+        #: the k-th (what fixes a seeded streaming run's order, live/_seeded_stream.py).
+        self.producer_commits: dict[str, list[str]] = {}
         self.closed: set[str] = set()
         #: producer id -> the producer epoch holding it (its newest CLAIM); an id never
         #: claimed (written before producer epochs) writes with epoch 0.
@@ -151,6 +160,7 @@ class RunState(EventHandlers, SampleQueues, LineageQueries):
             "dead": dict(self.dead),
             "lost": dict(self.lost),
             "regenerate": list(self.regenerate),
+            "excluded": dict(self.excluded),
             "checkpoints": list(self.checkpoints),
             "removed_checkpoints": dict(self.removed_checkpoints),
             "closed": sorted(self.closed),
@@ -213,12 +223,13 @@ class RunState(EventHandlers, SampleQueues, LineageQueries):
     def verify(self) -> list[str]:
         """Every broken invariant of the run, as sentences; [] when the log is clean.
 
-        Checks: each committed, non-dead sample is in exactly one of pending,
-        leased, trained or regenerate; no sample was trained twice in a data
-        epoch of the lineage; acks and nacks came from the consumer holding
-        the lease; no write came from a fenced-off epoch; releases respected
-        the release policy; with the ledger it came from, no event has a seq
-        the fold cannot read (below 1).
+        Checks: each committed, non-dead, non-excluded sample is in exactly one of
+        pending, leased, trained or regenerate (an excluded one in at most one of leased
+        or trained: its lease ends, and what the lineage trained stays trained); no
+        sample was trained twice in a data epoch of the lineage; acks and nacks came
+        from the consumer holding the lease; no write came from a fenced-off epoch;
+        releases respected the release policy; with the ledger it came from, no event
+        has a seq the fold cannot read (below 1).
         """
         problems = list(self.violations)
         places: dict[str, list[str]] = {}
@@ -235,6 +246,9 @@ class RunState(EventHandlers, SampleQueues, LineageQueries):
             if sid in self.dead:
                 if where and where != ["trained"]:
                     problems.append(f"{sid!r} is dead but also {where}")
+            elif sid in self.excluded:
+                if where not in ([], ["trained"], ["leased"]):
+                    problems.append(f"{sid!r} is excluded but also {where}")
             elif len(where) != 1:
                 problems.append(
                     f"{sid!r} is committed but in {where or 'no state'} "

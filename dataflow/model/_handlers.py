@@ -7,6 +7,7 @@ not that type raises ValueError, which the fold records as a violation with its 
 from __future__ import annotations
 
 from dataflow.model._events import UNSET, Kind, read_payload
+from dataflow.model._exclusions import ExclusionHandlers
 from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan
 
 
@@ -57,6 +58,7 @@ class EventHandlers:
         self._json[sid] = payload
         if first:
             self._first_seqs.append(seq)
+            self.producer_commits.setdefault(actor, []).append(sid)
             self._enqueue(sid, self._round_robin_owner(), requeued=False)
             return
         # A regeneration: the features are back. A lost sample goes back to the rank that
@@ -301,6 +303,8 @@ class EventHandlers:
             self._enqueue(sid, self._retry_rank(None, rank), requeued=True)
             return
         self.lost[sid] = p.reason or "lost"
+        if sid in self.excluded:
+            return  # not regenerated: it is not to be trained
         if rank is not None:
             self._lost_rank[sid] = rank
         self.regenerate[sid] = None
@@ -422,4 +426,6 @@ HANDLERS = {
     Kind.CHECKPOINT_REMOVED: EventHandlers._on_checkpoint_removed,
     Kind.LOST: EventHandlers._on_lost,
     Kind.CLAIM: EventHandlers._on_claim,
+    Kind.EXCLUDE: ExclusionHandlers._on_exclude,
+    Kind.INCLUDE: ExclusionHandlers._on_include,
 }

@@ -266,7 +266,7 @@ class LineageQueries:
         for sid in undone:  # in place: a copy would cost a dict entry per trained sample
             del trained[sid]
         untrained.update(*self._pending.values(), self.leased, self.lost, self.regenerate)
-        untrained.update(self.dead)
+        untrained.update(self.dead, self.excluded)
         return trained, untrained
 
     def _trained_in(self, chain: list[Link], data_epoch: int) -> dict[str, int]:

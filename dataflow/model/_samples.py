@@ -85,6 +85,8 @@ class SampleQueues:
         return [sid for sid, s in self._unreleased_acks.items() if s <= step]
 
     def _enqueue(self, sample_id: str, owner: int, *, requeued: bool) -> None:
+        if sample_id in self.excluded:
+            return  # a nack or a lost report of an excluded sample: it is not leased again
         self._pending.setdefault(owner, {})[sample_id] = None
         self._queue_pos[sample_id] = self._next_pos
         self._next_pos += 1
@@ -184,7 +186,7 @@ class SampleQueues:
         queued: list[str] = []
         seeded = self.order_seed is not None
         for index, sid in picked:
-            if sid in self.dead or sid in self.trained:
+            if sid in self.dead or sid in self.trained or sid in self.excluded:
                 continue
             if sid in self.released or sid in self.lost:
                 self.regenerate[sid] = None

@@ -28,7 +28,7 @@ from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan, _A
 #: The layout of a snapshot body and the fold it was taken with. Bump it whenever
 #: RunState's fields or the meaning of an event change: older snapshots are then
 #: skipped (a full replay), never misread.
-FORMAT = 3
+FORMAT = 4
 
 
 _INT64 = range(-(2**63), 2**63)
@@ -137,9 +137,12 @@ def _dump(state: RunState, columns: _Columns | None = None) -> dict[str, Any]:
         "lost": pairs(state.lost),
         "attempts": pairs(state.attempts),
         "regenerate": many(state.regenerate),
+        "excluded": pairs(state.excluded),
+        "excluded_total": state.excluded_total,
         "checkpoints": [_checkpoint_row(c) for c in state.checkpoints],
         "removed_checkpoints": list(state.removed_checkpoints.items()),
         "producers": sorted(state.producers),
+        "producer_commits": [[p, many(ids)] for p, ids in state.producer_commits.items()],
         "closed": sorted(state.closed),
         "unstreamed": sorted(state.unstreamed),
         "producer_epochs": state.producer_epochs,
@@ -233,9 +236,12 @@ def _load(data: dict[str, Any], columns: _Columns, state: RunState) -> RunState:
     state.lost = mapping(data["lost"])
     state.attempts = mapping(data["attempts"])
     state.regenerate = dict.fromkeys(many(data["regenerate"]))
+    state.excluded = mapping(data["excluded"])
+    state.excluded_total = int(data["excluded_total"])
     state.checkpoints = [Checkpoint(*row) for row in data["checkpoints"]]
     state.removed_checkpoints = {seq: reason for seq, reason in data["removed_checkpoints"]}
     state.producers = set(data["producers"])
+    state.producer_commits = {str(p): many(ids) for p, ids in data["producer_commits"]}
     state.closed = set(data["closed"])
     state.unstreamed = set(data["unstreamed"])
     state.producer_epochs = {str(p): int(e) for p, e in data["producer_epochs"].items()}

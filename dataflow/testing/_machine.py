@@ -14,6 +14,7 @@ not by dataflow, is checked against the ledger after every step:
   set after a resume is exactly the checkpoint's;
 * features are released only when the release policy allows;
 * writes from a fenced-off (stale) epoch are rejected and change nothing;
+* an excluded sample is never leased again, whatever checkpoint a resume starts from;
 * reconcile is deterministic and idempotent.
 """
 
@@ -41,6 +42,7 @@ from hypothesis.stateful import (
 
 from dataflow.interfaces._store import FeatureStore
 from dataflow.live._consumer import Consumer
+from dataflow.live._exclusions import write_exclusions
 from dataflow.live._producer import Producer
 from dataflow.live._replay import replay
 from dataflow.model import _snapshot
@@ -110,6 +112,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.step = 0
         self.writes_since_resume = 0
         self.last_resume: tuple[Checkpoint | None, Any] | None = None
+        self.excluded: set[str] = set()  # never leased again, whatever the lineage
 
     # -- set-up ----------------------------------------------------------------
     @initialize(
@@ -269,7 +272,7 @@ class LedgerMachine(RuleBasedStateMachine):
         )
         requeued = [sid for p in plans for sid in p.requeued]
         assert len(requeued) == len(set(requeued)), "a sample was requeued to two ranks"
-        expected = set(self.emitted) - self.dead - set(self.trained)
+        expected = set(self.emitted) - self.dead - set(self.trained) - self.excluded
         assert set(requeued) | set(plan.regenerate) == expected, "reconcile lost or invented work"
         self.last_resume = (resolved, target)
         self.writes_since_resume = 0
@@ -300,6 +303,7 @@ class LedgerMachine(RuleBasedStateMachine):
         refs = self.consumers[rank].lease(count)
         for ref in refs:
             assert ref.sample_id not in {r.sample_id for rs in self.leased.values() for r in rs}
+            assert ref.sample_id not in self.excluded, f"excluded {ref.sample_id!r} was leased"
             features = self.store.get(ref)  # a leased sample's features must be there
             self._check_features(ref, features)
         self.leased[rank].extend(refs)
@@ -386,6 +390,19 @@ class LedgerMachine(RuleBasedStateMachine):
         self.consumers[rank].lost([ref], reason="features gone")
         self.writes_since_resume += 1
 
+    @precondition(lambda self: bool(self.emitted))
+    @rule(picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=3), how=st.integers(0, 2))
+    def exclude(self, picks: list[int], how: int) -> None:  # by rank 0, the CLI's way, include
+        include = how == 2 and bool(self.excluded)
+        pool = sorted(self.excluded if include else self.emitted)
+        chosen = sorted({pool[p % len(pool)] for p in picks})
+        if how == 0 and self.consumers:
+            self.consumers[0].exclude(chosen, reason="machine")
+        else:
+            write_exclusions(self.ledger, self.run_id, chosen, reason="machine", include=include)
+        self.excluded = self.excluded - set(chosen) if include else self.excluded | set(chosen)
+        self.writes_since_resume += 1
+
     @precondition(lambda self: bool(self.consumers))
     @rule()
     def checkpoint(self) -> None:
@@ -462,7 +479,8 @@ class LedgerMachine(RuleBasedStateMachine):
         assert set(state.dead) == self.dead
         # A lost sample trained in this data epoch of the lineage (a resume to a checkpoint
         # from before the loss) needs its features again only in the next data epoch.
-        lost_untrained = set(state.lost) - set(state.trained)
+        lost_untrained = set(state.lost) - set(state.trained) - self.excluded
+        assert set(state.excluded) == self.excluded, "exclusions differ from the model"
         assert lost_untrained <= set(state.regenerate), "a lost sample is not to regenerate"
         if self.consumers:
             assert state.trained == self.trained, "trained set differs from the lineage model"

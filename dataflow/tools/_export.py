@@ -37,7 +37,8 @@ SCHEMA = pa.schema(
 )
 #: One row per committed sample, in commit order. ``state``: one of
 #: dataflow.tools._samples.SAMPLE_STATES; ``commit_seq`` and ``producer``: the commit of its
-#: newest ``revision``; ``reason``: why it is dead or lost.
+#: newest ``revision``; ``reason``: why it is dead or lost; ``excluded``: why it was excluded
+#: (null: it is not).
 SAMPLES_SCHEMA = pa.schema(
     [
         ("sample_id", pa.string()),
@@ -50,6 +51,7 @@ SAMPLES_SCHEMA = pa.schema(
         ("reason", pa.string()),
         ("commit_seq", pa.int64()),
         ("producer", pa.string()),
+        ("excluded", pa.string()),
     ]
 )
 _BATCH = 50_000

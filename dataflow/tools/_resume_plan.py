@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from dataflow.live._replay import replay
 from dataflow.model._errors import ArgumentTypeError, UnknownCheckpointError
 from dataflow.model._events import Kind, dump_payload
+from dataflow.model._exclusions import trained_after
 from dataflow.model._fold import RunState
 from dataflow.tools._run_report import on_disk
 
@@ -49,6 +50,8 @@ def plan_resume(
             + " (check --plan-resume; `latest` or `none` also work)"
         )
     trained_before, leased_before = dict(state.trained), dict(state.leased)
+    # What the abandoned steps trained, by step: the samples to exclude when they went wrong.
+    abandoned = trained_after(state, ckpt.step) if ckpt is not None else list(state.trained)
     epoch = state.epoch + 1
     node = state._epochs.get(state.epoch)  # the settings of the epoch a resume replaces
     payload: dict[str, Any] = {
@@ -73,7 +76,8 @@ def plan_resume(
     )
     state.apply_rows((row,))
     plan = state.plans[epoch]
-    untrained = [s for s in trained_before if s not in plan.trained]
+    # An excluded sample the resume drops from the trained set is not trained again.
+    untrained = [s for s in trained_before if s not in plan.trained and s not in state.excluded]
     return {
         "run_id": run_id,
         "head_seq": row[0] - 1,
@@ -92,6 +96,8 @@ def plan_resume(
         "released": list(plan.released),
         "regenerate": list(plan.regenerate),
         "untrained": untrained,
+        "trained_after": abandoned,
+        "excluded": len(state.excluded),
         "leases_voided": sorted(leased_before),
     }
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: The state of one committed sample (exactly one each; ``released`` is a separate flag:
 #: a trained sample's features may be freed or not).
-SAMPLE_STATES = ("pending", "leased", "trained", "lost", "regenerate", "dead")
+SAMPLE_STATES = ("pending", "leased", "trained", "lost", "regenerate", "dead", "excluded")
 
 
 class NotInRunError(DataflowError, LookupError):
@@ -40,6 +40,8 @@ def sample_state(state: RunState, sample_id: str) -> str:
         return "trained"
     if sample_id in state.leased:
         return "leased"
+    if sample_id in state.excluded:
+        return "excluded"  # trained or leased before its exclusion: shown as such
     if sample_id in state.lost:
         return "lost"
     if sample_id in state.regenerate:
@@ -60,6 +62,7 @@ def sample_row(state: RunState, sample_id: str) -> dict[str, Any]:
         "leased_by": state.leased.get(sample_id),
         "released": sample_id in state.released,
         "reason": state.dead.get(sample_id) or state.lost.get(sample_id),
+        "excluded": state.excluded.get(sample_id),
     }
 
 
@@ -86,7 +89,7 @@ def sample_history(
     own: list[tuple[Any, ...]] = []
     resumes: list[tuple[Any, ...]] = []
     for n, row in enumerate(ledger.rows(run_id, upto_seq=upto_seq), 1):
-        if row[2] == sample_id:
+        if row[2] == sample_id or _names_in_batch(row, sample_id):
             own.append(row)
         elif row[1] == Kind.RESUME:
             resumes.append(row)
@@ -107,6 +110,19 @@ def sample_history(
     events = [_history_event(state, sample_id, row) for row in rows]
     current = sample_row(state, sample_id) if sample_id in state.committed else None
     return {"run_id": run_id, "sample_id": sample_id, "events": events, "current": current}
+
+
+def _names_in_batch(row: tuple[Any, ...], sample_id: str) -> bool:
+    """Whether ``row`` is an EXCLUDE or INCLUDE whose batch names ``sample_id``."""
+    if row[1] not in (Kind.EXCLUDE, Kind.INCLUDE) or not isinstance(row[7], str):
+        return False
+    if f'"{sample_id}"' not in row[7]:  # most rows: no JSON to read
+        return False
+    try:
+        samples = load_payload(row[7]).get("samples")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(samples, list) and sample_id in samples
 
 
 def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dict[str, Any]:
@@ -130,6 +146,8 @@ def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dic
         detail = f"trained into step {step}"
     elif kind == Kind.RESUME:
         detail = _resume_effect(state, sample_id, epoch)
+    elif kind in (Kind.EXCLUDE, Kind.INCLUDE):
+        detail = f"{kind}d: {p.get('reason')}"
     else:
         detail = ""
     return {
