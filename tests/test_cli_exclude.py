@@ -49,6 +49,8 @@ def test_exclude_and_include_by_id_with_json(recorded: str) -> None:
     ledger = Ledger.open(recorded)
     assert replay(ledger, "r").excluded == {"s6": "bad labels"}
     ledger.close()
+    shown = run_cli("replay", "--ledger", recorded, "--run", "r", "--json")
+    assert json.loads(shown.stdout)["excluded"] == 1
 
 
 def test_exclude_from_a_file(recorded: str, tmp_path: Path) -> None:

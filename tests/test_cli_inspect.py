@@ -398,7 +398,7 @@ def test_export_writes_per_sample_state_for_pandas_and_duckdb(
     frame = pandas.read_parquet(samples)
     assert list(frame.columns) == [
         "sample_id", "state", "revision", "attempts", "trained_step", "leased_by",
-        "released", "reason", "commit_seq", "producer",
+        "released", "reason", "commit_seq", "producer", "excluded",
     ]  # fmt: skip
     assert frame.set_index("sample_id").loc[
         "s06", ["state", "trained_step", "producer"]

@@ -27,6 +27,7 @@ def summary(state: RunState) -> dict[str, Any]:
         "dead": len(state.dead),
         "lost": len(state.lost),
         "regenerate": len(state.regenerate),
+        "excluded": len(state.excluded),
         "checkpoints": checkpoint_rows(state),
         "producers_done": state.producers_done,
         "stores": list(state.store_uris),
