@@ -256,7 +256,7 @@ class Consumer(_Resuming, _Acks, _CheckpointRecords):
                 tx.append(
                     [
                         *acked,
-                        *(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take),
+                        *self._events(Kind.LEASE, take, tx.epoch),
                     ]
                 )
                 self._sync(tx)

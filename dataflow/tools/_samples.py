@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.live._replay import replay
 from dataflow.model._errors import DataflowError
-from dataflow.model._events import Kind, load_payload
+from dataflow.model._events import Kind, load_payload, row_revisions, row_samples
 from dataflow.model._fold import RunState
 from dataflow.tools._progress import PROGRESS_EVERY, Progress
 from dataflow.tools._times import iso_time
@@ -79,14 +79,24 @@ def sample_history(
 ) -> dict[str, Any]:
     """Every event of ``sample_id`` (across producers, ranks and epochs) and its state.
 
+    A batch row (a lease, ack, nack or release of many samples) that names it is one of
+    its events.
+
     The resumes after its first commit are listed too, each with what it did to the
     sample (requeued, stays trained, to regenerate ...). NotInRunError when no event
     of the run names it.
     """
     own: list[tuple[Any, ...]] = []
     resumes: list[tuple[Any, ...]] = []
+    quoted = f'"{sample_id}"'  # how a batch row's payload names it (see _events.batch_payloads)
     for n, row in enumerate(ledger.rows(run_id, upto_seq=upto_seq), 1):
-        if row[2] == sample_id:
+        if row[2] == sample_id or (
+            row[2] is None
+            and row[1] in Kind.BATCHED
+            and isinstance(row[7], str)
+            and quoted in row[7]
+            and sample_id in row_samples(row[1], None, row[7])
+        ):
             own.append(row)
         elif row[1] == Kind.RESUME:
             resumes.append(row)
@@ -110,7 +120,7 @@ def sample_history(
 
 
 def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dict[str, Any]:
-    seq, kind, _sid, revision, epoch, step, actor, payload, ts = row
+    seq, kind, sid, revision, epoch, step, actor, payload, ts = row
     try:  # a damaged or hand-written row is shown, as --verify lists it
         p = load_payload(payload)
         why = None if isinstance(p, dict) else "not a JSON object"
@@ -125,7 +135,8 @@ def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dic
     elif kind == Kind.LOST:
         detail = f"revision {p.get('revision', 0)}: {p.get('reason') or 'lost'}"
     elif kind == Kind.RELEASE:
-        detail = f"revision {p.get('revision', 0)}"
+        freed = row_revisions(kind, sid, payload).get(sample_id, p.get("revision", 0))
+        detail = f"revision {freed}"
     elif kind == Kind.ACK:
         detail = f"trained into step {step}"
     elif kind == Kind.RESUME:
