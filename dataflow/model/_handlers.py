@@ -17,7 +17,11 @@ from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan
 
 def _batch(kind: str, payload: str | None) -> Any:
     """The payload of a batch row of ``kind`` (no sample id): ValueError unless it names
-    its samples."""
+    its samples.
+
+    Its handler folds each sample as the state's own id object (``_commits``): every dict
+    the fold touches then finds it by identity, not by hashing and comparing a new str.
+    """
     p = read_payload(kind, payload)
     if p.samples is UNSET:
         raise ValueError(f"a {kind} row without a sample id must name its `samples`")
@@ -232,8 +236,9 @@ class EventHandlers:
         payload: str | None,
     ) -> None:
         if sid is None:
+            lease, shared = self._lease_one, self._commits.get
             for one in _batch(Kind.LEASE, payload).samples:
-                self._lease_one(seq, one, actor)
+                lease(seq, shared(one, one), actor)
             return
         if payload is not None:  # a row of one sample has none; a forged one is refused
             _single(Kind.LEASE, payload)
@@ -260,8 +265,9 @@ class EventHandlers:
         payload: str | None,
     ) -> None:
         if sid is None:
+            ack, shared = self._ack_one, self._commits.get
             for one in _batch(Kind.ACK, payload).samples:
-                self._ack_one(seq, one, step, actor)
+                ack(seq, shared(one, one), step, actor)
             return
         if payload is not None:  # a row of one sample has none; a forged one is refused
             _single(Kind.ACK, payload)

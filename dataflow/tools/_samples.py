@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.live._replay import replay
 from dataflow.model._errors import DataflowError
-from dataflow.model._events import Kind, load_payload, row_revisions, row_samples
+from dataflow.model._events import Kind, load_payload, read_payload, row_revisions, row_samples
 from dataflow.model._fold import RunState
 from dataflow.tools._progress import PROGRESS_EVERY, Progress
 from dataflow.tools._times import iso_time
@@ -88,15 +88,8 @@ def sample_history(
     """
     own: list[tuple[Any, ...]] = []
     resumes: list[tuple[Any, ...]] = []
-    quoted = f'"{sample_id}"'  # how a batch row's payload names it (see _events.batch_payloads)
     for n, row in enumerate(ledger.rows(run_id, upto_seq=upto_seq), 1):
-        if row[2] == sample_id or (
-            row[2] is None
-            and row[1] in Kind.BATCHED
-            and isinstance(row[7], str)
-            and quoted in row[7]
-            and sample_id in row_samples(row[1], None, row[7])
-        ):
+        if row[2] == sample_id or (row[2] is None and _batch_may_name(row, sample_id)):
             own.append(row)
         elif row[1] == Kind.RESUME:
             resumes.append(row)
@@ -117,6 +110,21 @@ def sample_history(
     events = [_history_event(state, sample_id, row) for row in rows]
     current = sample_row(state, sample_id) if sample_id in state.committed else None
     return {"run_id": run_id, "sample_id": sample_id, "events": events, "current": current}
+
+
+def _batch_may_name(row: tuple[Any, ...], sample_id: str) -> bool:
+    """Whether a row without a sample id is a batch row naming ``sample_id``, or one whose
+    payload cannot be read (shown in every sample's history, as ``--verify`` lists it)."""
+    kind, payload = row[1], row[7]
+    if kind not in Kind.BATCHED:
+        return False
+    if isinstance(payload, str) and f'"{sample_id}"' in payload:  # as a batch names an id
+        return sample_id in row_samples(kind, None, payload)
+    try:
+        read_payload(kind, payload)
+    except (ValueError, TypeError):
+        return True
+    return False
 
 
 def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dict[str, Any]:
