@@ -130,3 +130,41 @@ def test_a_ledger_of_a_newer_schema_is_refused(old_ledger: Path) -> None:
         db.execute("UPDATE dataflow_schema SET version = 5")
     with pytest.raises(SchemaVersionError, match="schema version 5, newer than this dataflow's 4"):
         Ledger.open(f"sqlite:///{old_ledger}")
+
+
+@pytest.mark.postgres
+def test_the_same_rows_in_a_schema_3_postgres_ledger_migrate_and_replay_alike(
+    postgres_url: str, expected: dict
+) -> None:
+    """The fixture's tables copied row for row into PostgreSQL (seqs kept), marked schema 3:
+    a writer's open migrates it, and it folds as it did in SQLite."""
+    from sqlalchemy import create_engine, insert, text
+
+    from dataflow.recorder._schema import events, producers, runs, schema_info
+
+    Ledger.open(postgres_url).close()  # the tables, at schema 4
+    engine = create_engine(postgres_url)
+    with sqlite3.connect(DATA / "ledger_v3.db") as db, engine.begin() as conn:
+        for table in (runs, producers, events):
+            columns = [c.name for c in table.columns]
+            rows = db.execute(f"SELECT {', '.join(columns)} FROM {table.name}").fetchall()
+            conn.execute(insert(table), [dict(zip(columns, row, strict=True)) for row in rows])
+        conn.execute(text("SELECT setval(pg_get_serial_sequence('dataflow_events', 'seq'), 1000)"))
+        conn.execute(schema_info.update().values(version=3))
+    engine.dispose()
+    with Ledger.open(postgres_url, read_only=True) as ledger:
+        assert ledger.schema_version == 3
+        assert plain(replay(ledger, RUN).observable()) == expected["observable"]
+    with Ledger.open(postgres_url) as ledger, LocalFeatureStore() as store:
+        assert ledger.schema_version == 4
+        state = replay(ledger, RUN)
+        assert plain(state.observable()) == expected["observable"]
+        assert state.verify() == []
+        consumer = Consumer(ledger, store, run_id=RUN, consumer_id="rank0", max_attempts=2)
+        consumer.rejoin()
+        leased = consumer.lease(2)
+        consumer.ack(leased, step=4)
+        state = replay(ledger, RUN)
+        assert state.verify() == []
+        assert {r.sample_id for r in leased} <= set(state.trained)
+        assert consumer.state.observable() == state.observable()
