@@ -114,7 +114,11 @@ class _Acks(_FencedWrites):
         self._check_acks_allowed(steps, ids)
         if self.release_policy == "on_ack":
             release += ids
-        acks = [self._events(Kind.ACK, batch, tx.epoch, step=step) for batch, step in steps]
+        # One row per step: the batches of one step (they come in step order) are one batch.
+        acks = [
+            self._events(Kind.ACK, [s for batch, _ in same for s in batch], tx.epoch, step=step)
+            for step, same in itertools.groupby(steps, key=lambda pair: pair[1])
+        ]
         return [*itertools.chain.from_iterable(acks), *self._release_events(release)]
 
     def _acked(self, ids: list[str], release: list[str]) -> None:
