@@ -17,11 +17,7 @@ from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan
 
 def _batch(kind: str, payload: str | None) -> Any:
     """The payload of a batch row of ``kind`` (no sample id): ValueError unless it names
-    its samples.
-
-    Its handler folds each sample as the state's own id object (``_commits``): every dict
-    the fold touches then finds it by identity, not by hashing and comparing a new str.
-    """
+    its samples."""
     p = read_payload(kind, payload)
     if p.samples is UNSET:
         raise ValueError(f"a {kind} row without a sample id must name its `samples`")
@@ -236,6 +232,8 @@ class EventHandlers:
         payload: str | None,
     ) -> None:
         if sid is None:
+            # Each sample as the state's own id object (``_commits``): the dicts the fold
+            # keeps then hold no copy of it, and find it by identity.
             lease, shared = self._lease_one, self._commits.get
             for one in _batch(Kind.LEASE, payload).samples:
                 lease(seq, shared(one, one), actor)
@@ -311,8 +309,8 @@ class EventHandlers:
         payload: str | None,
     ) -> None:
         if sid is None:
-            p = _batch(Kind.NACK, payload)
-            for one in p.samples:
+            p, shared = _batch(Kind.NACK, payload), self._commits.get
+            for one in map(shared, p.samples, p.samples):
                 queue_rank = self._lessee_rank.get(one)
                 if self._end_lease(seq, "nack", one, actor):
                     self._nack_one(one, p, queue_rank)
