@@ -111,7 +111,8 @@ def test_runs_events_and_export(run_url: str, tmp_path: Path) -> None:
     out = tmp_path / "events.parquet"
     assert _cli("export", "--ledger", run_url, "--run", "r1", "--out", str(out)).returncode == 0
     table = pq.read_table(out)
-    assert table.num_rows == len(events) + 5
+    # One row per event of one sample: a batch row as the rows of one sample it stands for.
+    assert table.num_rows == sum(len(e["payload"].get("samples", [None])) for e in events) + 5
     assert table.column("kind").to_pylist()[:6] == ["claim"] + ["commit"] * 5
     samples = pq.read_table(tmp_path / "events.samples.parquet")  # beside it: one row a sample
     assert samples.column("state").to_pylist() == ["trained"] * 3 + ["pending"] * 2

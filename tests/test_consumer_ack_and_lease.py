@@ -25,8 +25,12 @@ def writes(ledger) -> list[str]:
 
 
 def kinds(ledger, run_id) -> list[tuple[Kind, str | None]]:
+    """(kind, sample) of each ack and lease, a batch row once for each sample it names."""
     return [
-        (e.kind, e.sample_id) for e in ledger.events(run_id) if e.kind in (Kind.ACK, Kind.LEASE)
+        (e.kind, sid)
+        for e in ledger.events(run_id)
+        if e.kind in (Kind.ACK, Kind.LEASE)
+        for sid in e.sample_ids
     ]
 
 

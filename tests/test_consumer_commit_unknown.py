@@ -25,7 +25,8 @@ def assert_agrees(consumer, ledger, run_id) -> None:
 
 
 def kinds(ledger, run_id, kind: Kind) -> list[str | None]:
-    return [e.sample_id for e in ledger.events(run_id) if e.kind == kind]
+    """The samples the rows of ``kind`` name, a batch row's each (None: a row of none)."""
+    return [sid for e in ledger.events(run_id) if e.kind == kind for sid in e.sample_ids or [None]]
 
 
 def test_a_lease_rolled_back_leaves_no_phantom_and_later_commits_are_leased(

@@ -149,8 +149,9 @@ def test_ack_records_the_step(ledger, emit, make_consumer, run_id):
     cons.ack(["c"], step=8)
     assert cons.state.trained == {"a": 7, "b": 7, "c": 8}
     assert cons.state.leased == {}
-    acks = [(e.sample_id, e.step, e.actor) for e in ledger.events(run_id) if e.kind == Kind.ACK]
-    assert acks == [("a", 7, "trainer"), ("b", 7, "trainer"), ("c", 8, "trainer")]
+    acks = [(e.sample_ids, e.step, e.actor) for e in ledger.events(run_id) if e.kind == Kind.ACK]
+    # One batch row per ack call (schema 4): its samples, the step, the consumer.
+    assert acks == [(["a", "b"], 7, "trainer"), (["c"], 8, "trainer")]
 
 
 def test_retryable_nack_makes_the_sample_pending_again_until_max_attempts(emit, make_consumer):
@@ -418,14 +419,16 @@ def test_event_payloads_round_trip(ledger, producer, make_consumer, run_id):
         "release_policy": "never",
         "max_attempts": 2,
     }
-    assert (lease.kind, lease.sample_id, lease.actor, lease.epoch) == (
+    # Leases, acks and nacks are batch rows (schema 4): the payload names the samples.
+    assert (lease.kind, lease.sample_id, lease.sample_ids, lease.actor, lease.epoch) == (
         Kind.LEASE,
-        ref.sample_id,
+        None,
+        [ref.sample_id],
         "trainer",
         1,
     )
-    assert nack.payload == {"retryable": True, "reason": "retry ✓"}
-    assert (ack.kind, ack.step, ack.payload) == (Kind.ACK, 11, {})
+    assert nack.payload == {"retryable": True, "reason": "retry ✓", "samples": [ref.sample_id]}
+    assert (ack.kind, ack.step, ack.payload) == (Kind.ACK, 11, {"samples": ack.sample_ids})
     assert (checkpoint.step, checkpoint.payload) == (12, {"path": "s3://bucket/ckpt 12"})
     assert (close.kind, close.actor, close.sample_id) == (Kind.CLOSE, "producer", None)
     assert all(isinstance(e, Event) and e.run_id == run_id and e.ts > 0 for e in [commit, close])

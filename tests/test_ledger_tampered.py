@@ -53,7 +53,8 @@ def _sql(path: Path, statement: str, *args: object) -> None:
 
 
 def _seq(led: Ledger, kind: str, sample_id: str) -> int:
-    return next(e.seq for e in led.events(RUN) if e.kind == kind and e.sample_id == sample_id)
+    """The seq of the row of ``kind`` that names ``sample_id`` (a batch row may name more)."""
+    return next(e.seq for e in led.events(RUN) if e.kind == kind and sample_id in e.sample_ids)
 
 
 def test_an_ack_moved_before_a_checkpoint_is_reported(history) -> None:

@@ -55,7 +55,8 @@ def value(samples, name: str, **labels: str) -> float:
 
 
 def ledger_kinds(led: Ledger) -> collections.Counter[str]:
-    return collections.Counter(e.kind for e in led.events(RUN))
+    """Events by kind, a batch row once for each sample it names (as the metric counts)."""
+    return collections.Counter(e.kind for e in led.events(RUN) for _ in e.sample_ids or [e])
 
 
 def features(i: int) -> dict[str, torch.Tensor]:
@@ -279,8 +280,9 @@ def test_the_event_counts_go_on_from_the_run_s_start_after_a_snapshot(sqlite_url
         got = registry.get_sample_value("dataflow_events_total", {"run": RUN, "kind": kind})
         assert got == count, kind
     assert metrics._backlog.kinds == ledger_kinds(led)
-    assert led.kind_counts(RUN) == dict(ledger_kinds(led))
-    assert led.kind_counts(RUN, upto_seq=snapshot_seq)[Kind.ACK] == 4
+    assert led.kind_counts(RUN, by_sample=True) == dict(ledger_kinds(led))
+    assert led.kind_counts(RUN, upto_seq=snapshot_seq, by_sample=True)[Kind.ACK] == 4
+    assert led.kind_counts(RUN, upto_seq=snapshot_seq)[Kind.ACK] == 1  # rows: one batch
 
 
 def test_what_is_no_registry_or_no_collector_is_refused_naming_it(sqlite_url) -> None:

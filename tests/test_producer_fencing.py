@@ -291,8 +291,8 @@ def test_a_schema_2_ledger_is_read_as_is_and_migrated_by_a_writer(tmp_path: Path
         producer.close()
         state = replay(writer, RUN)
         assert list(state.committed) == ["a", "b"] and state.verify() == []
-    with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT version FROM dataflow_schema").fetchall() == [(3,)]
+    with sqlite3.connect(path) as conn:  # through 3 (producer epochs) to 4 (batch rows)
+        assert conn.execute("SELECT version FROM dataflow_schema").fetchall() == [(4,)]
 
 
 # -- the invariant --------------------------------------------------------------------------

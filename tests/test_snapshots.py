@@ -241,7 +241,7 @@ def test_a_version_1_ledger_is_migrated_by_a_writer_and_read_as_is_by_a_reader(t
 
     writer = Ledger.open(f"sqlite:///{path}")  # a writer migrates, in one transaction
     with writer._engine.connect() as conn:
-        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 3
+        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 4
     assert writer.save_snapshot("r", replay(writer, "r"))
     assert list(writer.load_snapshot("r").committed) == ["a", "b"]
     writer.close()
@@ -259,7 +259,7 @@ def test_a_postgres_ledger_of_version_1_is_migrated(postgres_url, store):
     led.close()
     led = Ledger.open(postgres_url)
     with led._engine.connect() as conn:
-        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 3
+        assert conn.execute(select(schema_info.c.version)).scalar() == SCHEMA_VERSION == 4
     assert led.save_snapshot("r", replay(led, "r"))
     assert list(replay(led, "r").committed) == ["a", "b"]
     Producer(led, store, run_id="r").emit("c", _features("c"))  # the producers table is back

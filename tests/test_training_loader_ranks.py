@@ -57,7 +57,7 @@ def test_each_ranks_held_acks_land_before_the_checkpoint(tmp_path: Path) -> None
         events = list(led.events(RUN))
         run = replay(led, RUN)
     (checkpoint,) = [e.seq for e in events if e.kind == Kind.CHECKPOINT]
-    acked_at = {e.sample_id: e.seq for e in events if e.kind == Kind.ACK}
+    acked_at = {s: e.seq for e in events if e.kind == Kind.ACK for s in e.sample_ids}
     firsts = got[0]["first"] + got[1]["first"]
     assert len(firsts) == 4 and all(acked_at[s] < checkpoint for s in firsts)
     assert sorted(got[0]["trained"] + got[1]["trained"]) == [f"s{i:02d}" for i in range(SAMPLES)]

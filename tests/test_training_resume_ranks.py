@@ -256,7 +256,7 @@ def test_streaming_sigkill_then_resume_trains_every_sample_once(tmp_path: Path) 
     assert _ranks(args, "resumed") == [0, 0]
     _assert_each_sample_once(args)
     with Ledger.open(args["ledger"]) as led:
-        acked = [e.sample_id for e in led.events(RUN) if e.kind == Kind.ACK]
+        acked = [s for e in led.events(RUN) if e.kind == Kind.ACK for s in e.sample_ids]
         run = replay(led, RUN)
     # Acks of the killed lineage after its last checkpoint are void; the final lineage
     # holds every committed sample exactly once.

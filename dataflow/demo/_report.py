@@ -44,8 +44,8 @@ def lineage_report(events: Iterable[Event]) -> Lineage:
             parent[event.epoch] = checkpoint_at.get(seq) if seq is not None else None
             lineage.resume_ts.append(event.ts)
             final = event.epoch
-        elif event.kind == Kind.ACK and event.sample_id is not None:
-            acks.setdefault(event.epoch, []).append((event.step or 0, event.sample_id))
+        elif event.kind == Kind.ACK and event.sample_ids:
+            acks.setdefault(event.epoch, []).extend((event.step or 0, s) for s in event.sample_ids)
             lineage.last_ack_ts = event.ts
         elif event.kind == Kind.LEASE and lineage.first_lease_ts is None:
             lineage.first_lease_ts = event.ts

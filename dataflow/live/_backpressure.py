@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from dataflow.live._view import Row, RunView
 from dataflow.model._errors import ArgumentTypeError, BackpressureError, InvalidArgumentError
-from dataflow.model._events import Kind
+from dataflow.model._events import Kind, row_samples
 from dataflow.model._fold import RunState
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class Backlog:
         self._nbytes: dict[str, int] = {}  # committed id -> bytes of its newest revision
         self._members: dict[str, int] = {}  # backlog id -> the bytes it counts with
         self.bytes = 0
-        #: Events folded so far, by kind.
+        #: Events folded so far, by kind (a batch row once for each sample it names).
         self.kinds: collections.Counter[str] = collections.Counter()
         self._snapshot_counted = False  # the kinds the view's snapshot holds are in ``kinds``
         self._recount_due = False
@@ -219,6 +219,13 @@ class Backlog:
     def _folded(self, chunk: list[Row]) -> None:
         """After the view folded ``chunk``: the kinds, the sizes of new commits, the members."""
         chunk_kinds = collections.Counter(r[1] for r in chunk)
+        batches = [
+            (r[1], row_samples(r[1], None, r[7]))
+            for r in chunk
+            if r[2] is None and r[1] in Kind.BATCHED
+        ]
+        for kind, ids in batches:  # counted by sample: a batch row once for each it names
+            chunk_kinds[kind] += max(len(ids), 1) - 1
         self.kinds.update(chunk_kinds)
         if chunk_kinds[Kind.COMMIT]:
             for r in chunk:
@@ -229,7 +236,8 @@ class Backlog:
         if chunk_kinds[Kind.EXCLUDE] or chunk_kinds[Kind.INCLUDE]:
             self._recount_due = True  # their rows name a batch of samples in the payload
         if not self._recount_due:
-            for sid in {r[2] for r in chunk if r[2] is not None}:
+            named = {r[2] for r in chunk if r[2] is not None}
+            for sid in named.union(*(ids for _, ids in batches)):
                 self._settle(sid)
 
     def _sized(self, sample_id: str, revision: int, payload: str) -> None:
@@ -246,7 +254,9 @@ class Backlog:
         if self._snapshot_counted or not self.view.started:
             return
         if self.view.snapshot_seq > 0:
-            counts = self.ledger.kind_counts(self.run_id, upto_seq=self.view.snapshot_seq)
+            counts = self.ledger.kind_counts(
+                self.run_id, upto_seq=self.view.snapshot_seq, by_sample=True
+            )
             self.kinds.update(counts)
         self._snapshot_counted = True
 

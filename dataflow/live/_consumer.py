@@ -262,7 +262,7 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
                 tx.append(
                     [
                         *acked,
-                        *(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take),
+                        *self._events(Kind.LEASE, take, tx.epoch),
                     ]
                 )
                 self._sync(tx)

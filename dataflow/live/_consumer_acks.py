@@ -114,14 +114,12 @@ class _Acks(_FencedWrites):
         self._check_acks_allowed(steps, ids)
         if self.release_policy == "on_ack":
             release += ids
-        return [
-            *(
-                NewEvent(Kind.ACK, self.consumer_id, s, epoch=tx.epoch, step=step)
-                for batch, step in steps
-                for s in batch
-            ),
-            *self._release_events(release),
+        # One row per step: the batches of one step (they come in step order) are one batch.
+        acks = [
+            self._events(Kind.ACK, [s for batch, _ in same for s in batch], tx.epoch, step=step)
+            for step, same in itertools.groupby(steps, key=lambda pair: pair[1])
         ]
+        return [*itertools.chain.from_iterable(acks), *self._release_events(release)]
 
     def _acked(self, ids: list[str], release: list[str]) -> None:
         """After acks landed: delete what they released, give the stream its credits."""
@@ -169,11 +167,7 @@ class _Acks(_FencedWrites):
                 fields: dict[str, Any] = {"retryable": retryable, "reason": reason}
                 if self.world_size > 1:
                     fields["rank"] = self.rank
-                payload = dump_payload(fields)
-                tx.append(
-                    NewEvent(Kind.NACK, self.consumer_id, s, epoch=tx.epoch, payload=payload)
-                    for s in ids
-                )
+                tx.append(self._events(Kind.NACK, ids, tx.epoch, **fields))
                 self._sync(tx)
         except CommitOutcomeUnknownError:
             if not self._landed(ids, self._lease_ended):

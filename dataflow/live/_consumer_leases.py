@@ -16,7 +16,6 @@ from dataflow.live._consumer_writes import _POLL_S, _FencedWrites, _locked
 from dataflow.model._errors import CommitOutcomeUnknownError, CorruptLedgerError, StreamIdleError
 from dataflow.model._events import Kind
 from dataflow.model._refs import SampleRef
-from dataflow.recorder._ledger import NewEvent
 
 
 class _Leasing(_FencedWrites):
@@ -134,7 +133,7 @@ class _Leasing(_FencedWrites):
             with self._write("lease") as tx:
                 take = self._deliverable(sample_ids)
                 refs = self._committed_refs(take)  # before anything is leased
-                tx.append(NewEvent(Kind.LEASE, self.consumer_id, s, epoch=tx.epoch) for s in take)
+                tx.append(self._events(Kind.LEASE, take, tx.epoch))
                 self._sync(tx)
         except CommitOutcomeUnknownError:
             if not self._landed(take, lambda s: self.state.leased.get(s) == self.consumer_id):

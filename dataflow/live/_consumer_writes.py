@@ -23,7 +23,7 @@ from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefReceiver
 from dataflow.live._view import RunView
 from dataflow.model._errors import DataflowError, LedgerStateError, StaleEpochError
-from dataflow.model._events import Kind, dump_payload
+from dataflow.model._events import Kind, batch_payloads, dump_payload
 from dataflow.model._fold import RunState
 from dataflow.recorder._ledger import Ledger, NewEvent, WriteTransaction
 
@@ -32,6 +32,38 @@ _T = TypeVar("_T")
 
 #: How long a consumer waits between two looks at the ledger or the stream.
 _POLL_S = 0.02
+#: The first schema version whose readers read batch rows (dataflow.model._events).
+_BATCH_ROWS_SCHEMA = 4
+
+
+def batch_events(
+    kind: str,
+    actor: str,
+    sample_ids: list[str],
+    *,
+    epoch: int,
+    step: int | None = None,
+    batched: bool = True,
+    **fields: Any,
+) -> list[NewEvent]:
+    """The rows of a lease, ack, nack or release of ``sample_ids`` by ``actor``: batch rows
+    (one per MAX_BATCH_SAMPLES), or with ``batched=False`` one row per sample (for a ledger
+    of a schema before 4, whose readers know no batch rows). ``fields``: a nack's
+    ``retryable``, ``reason`` and ``rank``; a release's ``revisions`` (one per sample)."""
+    if not sample_ids:
+        return []
+    if batched:
+        payloads = batch_payloads(kind, sample_ids, **fields)
+        return [NewEvent(kind, actor, epoch=epoch, step=step, payload=p) for p in payloads]
+    revisions = fields.pop("revisions", None)
+    if revisions is not None:
+        single = [dump_payload({"revision": r}) for r in revisions]
+    else:
+        single = [dump_payload(fields)] * len(sample_ids)
+    return [
+        NewEvent(kind, actor, sid, epoch=epoch, step=step, payload=payload)
+        for sid, payload in zip(sample_ids, single, strict=True)
+    ]
 
 
 def _trim_heap(events: int) -> None:
@@ -165,18 +197,21 @@ class _FencedWrites:
             return False
         return bool(sample_ids) and all(shows(s) for s in sample_ids)
 
+    # -- rows ------------------------------------------------------------------
+    def _events(
+        self, kind: str, sample_ids: list[str], epoch: int, step: int | None = None, **fields: Any
+    ) -> list[NewEvent]:
+        """The rows of this consumer's ``kind`` of ``sample_ids`` (see :func:`batch_events`)."""
+        batched = self.ledger.schema_version >= _BATCH_ROWS_SCHEMA
+        return batch_events(
+            kind, self.consumer_id, sample_ids, epoch=epoch, step=step, batched=batched, **fields
+        )
+
     # -- releases --------------------------------------------------------------
     def _release_events(self, sample_ids: Iterable[str]) -> list[NewEvent]:
-        return [
-            NewEvent(
-                Kind.RELEASE,
-                self.consumer_id,
-                sid,
-                epoch=self._fencing_epoch(),
-                payload=dump_payload({"revision": self.state.revision(sid)}),
-            )
-            for sid in sample_ids
-        ]
+        ids = list(sample_ids)
+        revisions = [self.state.revision(sid) for sid in ids]
+        return self._events(Kind.RELEASE, ids, self._fencing_epoch(), revisions=revisions)
 
     def _delete_features(self, sample_ids: Iterable[str]) -> None:
         # The release events are durable before the features go: a crash in

@@ -89,7 +89,8 @@ class RunMetrics:
     It reports, each with the label ``run``:
 
     * ``dataflow_events_total{kind}``: events in the ledger by kind (commit,
-      lease, ack, nack, lost, release, ...), counted from the run's start;
+      lease, ack, nack, lost, release, ...), counted from the run's start, by
+      sample (a batch row of 16 leases counts 16);
       ``rate(dataflow_events_total[1m])`` gives them per second;
     * ``dataflow_dead_samples_total``: samples that died (a nack that was not
       retryable, or at their last attempt);
@@ -191,7 +192,8 @@ class RunMetrics:
         run, state, backlog = self.run_id, self._backlog.state, self._backlog
         events = CounterMetricFamily(
             "dataflow_events",
-            "Events in the run's ledger by kind; rate() gives them per second",
+            "Events in the run's ledger by kind, a batch row once per sample it names; "
+            "rate() gives them per second",
             labels=["run", "kind"],
         )
         if read:

@@ -3,6 +3,12 @@
 A payload is checked against its kind's type when written (:func:`check_payload`, from
 ``NewEvent``) and decoded as that type when folded (:func:`read_payload`); ``Event.payload``
 (what ``Ledger.events`` gives) stays the plain JSON object.
+
+A LEASE, ACK, NACK or RELEASE row names either one sample (its ``sample_id``; every such
+row before schema 4) or a batch of samples (``sample_id`` NULL, the payload's ``samples``;
+what writers write from schema 4 on, see :data:`BATCH_KINDS`). A batch row means exactly
+what its samples' single rows would, in the order named; :func:`row_samples` lists the
+samples a row names.
 """
 
 from __future__ import annotations
@@ -59,6 +65,14 @@ class Kind:
     FENCED = frozenset(
         {LEASE, ACK, NACK, CHECKPOINT, RELEASE, DATA_EPOCH, CHECKPOINT_REMOVED, LOST}
     )
+    #: Kinds whose row may name a batch of samples (see :data:`BATCH_KINDS`).
+    BATCHED = frozenset({LEASE, ACK, NACK, RELEASE})
+
+
+#: Kinds whose row names either one sample (``sample_id``) or a batch (payload ``samples``).
+BATCH_KINDS = Kind.BATCHED
+#: The most samples one batch row names; writers split a larger batch into rows of this many.
+MAX_BATCH_SAMPLES = 4096
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,15 @@ class Event:
     payload: dict[str, Any] = field(default_factory=dict)
     ts: float = 0.0
     revision: int | None = None
+
+    @property
+    def sample_ids(self) -> list[str]:
+        """The samples this event names: its ``sample_id``, or a batch row's ``samples``
+        ([] for an event of no sample)."""
+        if self.sample_id is not None:
+            return [self.sample_id]
+        samples = self.payload.get("samples") if self.kind in Kind.BATCHED else None
+        return list(samples) if isinstance(samples, list) else []
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,6 +167,14 @@ def _check_depth(text: str) -> None:
 # and a newer writer may add one that an older reader must be able to skip.
 _Count = Annotated[int, Meta(ge=1)]
 _NonNegative = Annotated[int, Meta(ge=0)]
+#: The samples of a batch row: 1 to MAX_BATCH_SAMPLES ids of 1 to 256 characters. Their
+#: characters are not matched here (a pattern costs the fold a regex per sample): the ids
+#: are the committed ones (``validate_sample_id``), and one the run never committed is a
+#: violation of the fold like any unknown id.
+_Samples = Annotated[
+    list[Annotated[str, Meta(min_length=1, max_length=256)]],
+    Meta(min_length=1, max_length=MAX_BATCH_SAMPLES),
+]
 
 
 class _Payload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -185,19 +216,27 @@ class ResumePayload(msgspec.Struct, frozen=True):
 
 
 class LeasePayload(_Payload):
-    """LEASE: no payload (the row's sample id, actor and epoch say it all)."""
+    """LEASE: a batch row's ``samples``, leased in that order by the row's actor; a row of one
+    sample (its sample id set) has no payload."""
+
+    samples: _Samples | UnsetType = UNSET
 
 
 class AckPayload(_Payload):
-    """ACK: no payload (the row's step is the optimizer step)."""
+    """ACK: a batch row's ``samples``, trained into the row's step (the optimizer step); a row
+    of one sample has no payload."""
+
+    samples: _Samples | UnsetType = UNSET
 
 
 class NackPayload(_Payload):
-    """NACK: whether to retry, why, and the nacking rank when the world has more than one."""
+    """NACK: whether to retry, why, and the nacking rank when the world has more than one;
+    a batch row's ``samples`` all take these."""
 
     retryable: bool = True
     reason: str | None = None
     rank: int | None = None
+    samples: _Samples | UnsetType = UNSET
 
 
 class CheckpointPayload(_Payload):
@@ -208,9 +247,21 @@ class CheckpointPayload(_Payload):
 
 
 class ReleasePayload(_Payload):
-    """RELEASE: the revision whose features were freed."""
+    """RELEASE: the revision whose features were freed; a batch row names its ``samples`` and,
+    in the same order, their ``revisions`` (``revision`` unused)."""
 
     revision: int = 0
+    samples: _Samples | UnsetType = UNSET
+    revisions: list[int] | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if (self.samples is UNSET) != (self.revisions is UNSET):
+            raise ValueError("a batch release names both its `samples` and their `revisions`")
+        if self.samples is not UNSET and len(self.samples) != len(self.revisions):
+            raise ValueError(
+                f"a batch release names {len(self.samples)} samples but "
+                f"{len(self.revisions)} revisions"
+            )
 
 
 class DataEpochPayload(_Payload):
@@ -346,3 +397,80 @@ def _why(exc: msgspec.DecodeError) -> str:
         if expected["got"]:
             what += f", got {expected['got']}"
     return f"field `{path}` {what}" if path else what
+
+
+# -- batch rows ------------------------------------------------------------------------------
+def batch_payloads(kind: str, sample_ids: list[str], **fields: Any) -> list[str]:
+    """The payloads of the batch rows of ``kind`` naming ``sample_ids`` in order: one per
+    MAX_BATCH_SAMPLES of them, each with ``fields`` (a NACK's ``retryable`` ...).
+
+    A RELEASE takes ``revisions`` (one per sample, in the same order) among ``fields``.
+    """
+    revisions = fields.pop("revisions", None)
+    payloads = []
+    for start in range(0, len(sample_ids), MAX_BATCH_SAMPLES):
+        end = start + MAX_BATCH_SAMPLES
+        body = {**fields, "samples": sample_ids[start:end]}
+        if revisions is not None:
+            body["revisions"] = revisions[start:end]
+        payloads.append(json.dumps(body, separators=(",", ":"), sort_keys=True))
+    return payloads
+
+
+def row_samples(kind: str, sample_id: str | None, payload: str | None) -> list[str]:
+    """The samples a row names, in order: its ``sample_id``, or a batch row's ``samples``.
+
+    [] for a row of another kind without a sample id, and for a batch row whose payload
+    cannot be read (the fold reports that one as a violation).
+    """
+    if sample_id is not None:
+        return [sample_id]
+    if kind not in BATCH_KINDS or not isinstance(payload, str):
+        return []
+    try:
+        samples = read_payload(kind, payload).samples
+    except ValueError:
+        return []
+    return [] if samples is UNSET else samples
+
+
+def row_revisions(kind: str, sample_id: str | None, payload: str | None) -> dict[str, int]:
+    """The revision each sample of a RELEASE (or LOST) row names: ``{sample_id: revision}``."""
+    try:
+        p = read_payload(kind, payload if isinstance(payload, str) else None)
+    except ValueError:
+        return {}
+    if sample_id is not None:
+        return {sample_id: getattr(p, "revision", 0)}
+    samples, revisions = getattr(p, "samples", UNSET), getattr(p, "revisions", UNSET)
+    if samples is UNSET or revisions is UNSET:
+        return {}
+    return dict(zip(samples, revisions, strict=True))
+
+
+def expand_row(row: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """A raw row ``(seq, kind, sample_id, revision, epoch, step, actor, payload, ts)`` as the
+    rows of one sample it stands for, in order (the shape written before schema 4: the
+    sample id set, a nack's fields or a release's ``revision`` as payload, the same seq).
+
+    A row of one sample, of another kind, or whose payload cannot be read, is returned as is.
+    """
+    seq, kind, sample_id, revision, epoch, step, actor, payload, ts = row
+    if sample_id is not None or kind not in BATCH_KINDS or not isinstance(payload, str):
+        return [row]
+    try:
+        read_payload(kind, payload)
+        fields = json.loads(payload)
+    except ValueError:
+        return [row]
+    samples = fields.pop("samples", None)
+    if not isinstance(samples, list):
+        return [row]
+    if kind == Kind.RELEASE:
+        payloads = [dump_payload({"revision": r}) for r in fields["revisions"]]
+    else:
+        payloads = [dump_payload(fields)] * len(samples)
+    return [
+        (seq, kind, sid, revision, epoch, step, actor, one, ts)
+        for sid, one in zip(samples, payloads, strict=True)
+    ]

@@ -2,13 +2,35 @@
 
 Each reads its payload as the kind's declared type (``read_payload``): a payload that is
 not that type raises ValueError, which the fold records as a violation with its seq.
+A LEASE, ACK, NACK or RELEASE row names one sample (its sample id) or a batch (the payload's
+``samples``, sample id NULL): a batch applies to each of its samples in order, exactly as
+their rows of one sample would, and a violation names the row's seq and the sample.
 """
 
 from __future__ import annotations
 
-from dataflow.model._events import UNSET, Kind, read_payload
+from typing import Any
+
+from dataflow.model._events import UNSET, Kind, NackPayload, read_payload
 from dataflow.model._exclusions import ExclusionHandlers
 from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan
+
+
+def _batch(kind: str, payload: str | None) -> Any:
+    """The payload of a batch row of ``kind`` (no sample id): ValueError unless it names
+    its samples."""
+    p = read_payload(kind, payload)
+    if p.samples is UNSET:
+        raise ValueError(f"a {kind} row without a sample id must name its `samples`")
+    return p
+
+
+def _single(kind: str, payload: str | None) -> Any:
+    """The payload of a row of one sample (its sample id set): ValueError if it names a batch."""
+    p = read_payload(kind, payload)
+    if p.samples is not UNSET:
+        raise ValueError(f"a {kind} row with a sample id must not name `samples`")
+    return p
 
 
 class EventHandlers:
@@ -204,15 +226,25 @@ class EventHandlers:
     def _on_lease(
         self,
         seq: int,
-        sid: str,
+        sid: str | None,
         _r: int | None,
         _e: int,
         _s: int | None,
         actor: str,
         payload: str | None,
     ) -> None:
-        if payload is not None:  # none is written; a forged one is refused
-            read_payload(Kind.LEASE, payload)
+        if sid is None:
+            # Each sample as the state's own id object (``_commits``): the dicts the fold
+            # keeps then hold no copy of it, and find it by identity.
+            lease, shared = self._lease_one, self._commits.get
+            for one in _batch(Kind.LEASE, payload).samples:
+                lease(seq, shared(one, one), actor)
+            return
+        if payload is not None:  # a row of one sample has none; a forged one is refused
+            _single(Kind.LEASE, payload)
+        self._lease_one(seq, sid, actor)
+
+    def _lease_one(self, seq: int, sid: str, actor: str) -> None:
         owner = self._dequeue(sid)
         if owner is None:
             self.violations.append(
@@ -225,15 +257,23 @@ class EventHandlers:
     def _on_ack(
         self,
         seq: int,
-        sid: str,
+        sid: str | None,
         _r: int | None,
         _e: int,
         step: int,
         actor: str,
         payload: str | None,
     ) -> None:
-        if payload is not None:  # none is written; a forged one is refused
-            read_payload(Kind.ACK, payload)
+        if sid is None:
+            ack, shared = self._ack_one, self._commits.get
+            for one in _batch(Kind.ACK, payload).samples:
+                ack(seq, shared(one, one), step, actor)
+            return
+        if payload is not None:  # a row of one sample has none; a forged one is refused
+            _single(Kind.ACK, payload)
+        self._ack_one(seq, sid, step, actor)
+
+    def _ack_one(self, seq: int, sid: str, step: int, actor: str) -> None:
         if not self._end_lease(seq, "ack", sid, actor):
             return
         node = self._epochs[self.epoch]
@@ -263,17 +303,26 @@ class EventHandlers:
     def _on_nack(
         self,
         seq: int,
-        sid: str,
+        sid: str | None,
         _r: int | None,
         _e: int,
         _s: int | None,
         actor: str,
         payload: str | None,
     ) -> None:
+        if sid is None:
+            p, shared = _batch(Kind.NACK, payload), self._commits.get
+            for one in map(shared, p.samples, p.samples):
+                queue_rank = self._lessee_rank.get(one)
+                if self._end_lease(seq, "nack", one, actor):
+                    self._nack_one(one, p, queue_rank)
+            return
         queue_rank = self._lessee_rank.get(sid)
         if not self._end_lease(seq, "nack", sid, actor):
             return
-        p = read_payload(Kind.NACK, payload)
+        self._nack_one(sid, _single(Kind.NACK, payload), queue_rank)
+
+    def _nack_one(self, sid: str, p: NackPayload, queue_rank: int | None) -> None:
         attempts = self.attempts.get(sid, 0) + 1
         self.attempts[sid] = attempts
         node = self._epochs[self.epoch]
@@ -354,14 +403,21 @@ class EventHandlers:
     def _on_release(
         self,
         seq: int,
-        sid: str,
+        sid: str | None,
         _r: int | None,
         _e: int,
         _s: int | None,
         actor: str,
         payload: str | None,
     ) -> None:
-        revision = read_payload(Kind.RELEASE, payload).revision
+        if sid is None:
+            p = _batch(Kind.RELEASE, payload)
+            for one, revision in zip(p.samples, p.revisions, strict=True):
+                self._release_one(seq, one, revision, actor)
+            return
+        self._release_one(seq, sid, _single(Kind.RELEASE, payload).revision, actor)
+
+    def _release_one(self, seq: int, sid: str, revision: int, actor: str) -> None:
         if sid not in self._commits or revision != self._revisions.get(sid, 0):
             return  # an older revision's features: the current ones stay
         reason = self._release_forbidden(sid)

@@ -155,6 +155,9 @@ def _migrate(conn: Connection, version: int) -> None:
         # 2 -> 3: create_all made the producers table, empty: a producer of an older
         # ledger never claimed its id (its rows carry epoch 0); its next start claims 1.
         2: lambda: None,
+        # 3 -> 4: no table changes: the version tells older readers (which refuse a newer
+        # version) that batch rows may follow; the rows already there stay as they are.
+        3: lambda: None,
     }
     while version < SCHEMA_VERSION:
         steps[version]()

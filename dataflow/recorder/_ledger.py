@@ -44,7 +44,12 @@ from dataflow.recorder._db import (
     translate_errors,
     write_options,
 )
-from dataflow.recorder._reads import commit_payloads, newest_commits, released_revision
+from dataflow.recorder._reads import (
+    batch_sample_counts,
+    commit_payloads,
+    newest_commits,
+    released_revision,
+)
 from dataflow.recorder._schema import SCHEMA_VERSION, events, schema_info
 from dataflow.recorder._schema import runs as runs_table
 from dataflow.recorder._snapshots import stored_snapshots, write_snapshot
@@ -182,6 +187,13 @@ class Ledger:
     @property
     def backend(self) -> str:
         return self._backend.name
+
+    @property
+    def schema_version(self) -> int:
+        """The schema version of the ledger as opened: this dataflow's, or an older one's
+        opened with ``create=False`` (which migrates nothing). Writers write the rows that
+        version's readers read (batch rows from version 4 on)."""
+        return self._schema_version or SCHEMA_VERSION
 
     @property
     def immutable(self) -> bool:
@@ -448,15 +460,22 @@ class Ledger:
         with self._reading(run_id) as conn:
             return [tuple(r) for r in run_sql(conn, "unseen_rows", run_id=run_id, limit=limit)]
 
-    def kind_counts(self, run_id: str, *, upto_seq: int | None = None) -> dict[str, int]:
-        """How many events of each kind the run holds (with ``seq <= upto_seq``)."""
+    def kind_counts(
+        self, run_id: str, *, upto_seq: int | None = None, by_sample: bool = False
+    ) -> dict[str, int]:
+        """How many events of each kind the run holds (with ``seq <= upto_seq``); with
+        ``by_sample``, a batch row counts once for each sample it names."""
         _check_run_id(run_id)
         _check_seq("upto_seq", upto_seq, optional=True)
         query = select(events.c.kind, func.count()).where(events.c.run_id == run_id)
         if upto_seq is not None:
             query = query.where(events.c.seq <= upto_seq)
         with self._reading(run_id) as conn:
-            return {kind: count for kind, count in conn.execute(query.group_by(events.c.kind))}
+            counts = {kind: count for kind, count in conn.execute(query.group_by(events.c.kind))}
+            if by_sample:
+                for kind, extra in batch_sample_counts(conn, run_id, upto_seq).items():
+                    counts[kind] += extra
+            return counts
 
     def runs(self) -> list[str]:
         """Every run id this ledger holds (in its runs table or in its events), sorted."""

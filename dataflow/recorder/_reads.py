@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from sqlalchemy import Connection, select
 
-from dataflow.model._events import Kind, load_payload
+from dataflow.model._events import Kind, row_revisions, row_samples
 from dataflow.recorder._schema import events
 
 #: Ids per ``IN (...)`` list: under SQLite's default limit of bound parameters.
@@ -55,13 +55,38 @@ def commit_payloads(conn: Connection, run_id: str, revisions: Mapping[str, int])
 
 
 def released_revision(conn: Connection, run_id: str, sample_id: str) -> int | None:
-    """Highest revision whose features are gone: released, or found lost by a consumer."""
+    """Highest revision whose features are gone: released, or found lost by a consumer.
+
+    Batch release rows (no sample id) are found by their payload naming the id (a sample
+    id is written into JSON as it is), then read exactly.
+    """
     rows = conn.execute(
-        select(events.c.payload).where(
+        select(events.c.kind, events.c.sample_id, events.c.payload).where(
             events.c.run_id == run_id,
             events.c.kind.in_((Kind.RELEASE, Kind.LOST)),
-            events.c.sample_id == sample_id,
+            (events.c.sample_id == sample_id)
+            | (
+                events.c.sample_id.is_(None)
+                & events.c.payload.contains(f'"{sample_id}"', autoescape=True)
+            ),
         )
     ).all()
-    revisions = [load_payload(p).get("revision", 0) for (p,) in rows]
+    named = (row_revisions(kind, sid, payload).get(sample_id) for kind, sid, payload in rows)
+    revisions = [revision for revision in named if revision is not None]
     return max(revisions) if revisions else None
+
+
+def batch_sample_counts(conn: Connection, run_id: str, upto_seq: int | None) -> dict[str, int]:
+    """Per kind, the samples its batch rows (``seq <= upto_seq``) name beyond one a row:
+    what turns a count of a run's rows by kind into a count of the samples they name."""
+    query = select(events.c.kind, events.c.payload).where(
+        events.c.run_id == run_id,
+        events.c.sample_id.is_(None),
+        events.c.kind.in_(sorted(Kind.BATCHED)),
+    )
+    if upto_seq is not None:
+        query = query.where(events.c.seq <= upto_seq)
+    extra: dict[str, int] = {}
+    for kind, payload in conn.execute(query):
+        extra[kind] = extra.get(kind, 0) + max(len(row_samples(kind, None, payload)), 1) - 1
+    return extra

@@ -15,9 +15,10 @@ from sqlalchemy import (
     Text,
 )
 
-#: 1: events and runs. 2: snapshots. 3: producer epochs. An older ledger is migrated
-#: when a writer opens it (``Ledger.open(create=True)``).
-SCHEMA_VERSION = 3
+#: 1: events and runs. 2: snapshots. 3: producer epochs. 4: batch rows (a lease, ack, nack
+#: or release row may name many samples; dataflow.model._events). An older ledger is
+#: migrated when a writer opens it (``Ledger.open(create=True)``).
+SCHEMA_VERSION = 4
 
 metadata = MetaData()
 
@@ -50,6 +51,7 @@ events = Table(
     ),
     Column("run_id", String(256), nullable=False),
     Column("kind", String(16), nullable=False),
+    # NULL on events of no sample, and on batch rows (their payload names the samples).
     Column("sample_id", String(256)),
     # Set on commits only (0, then 1, 2 ... for regenerations); NULL elsewhere.
     # The partial unique index below is the database's own dedup of commits;

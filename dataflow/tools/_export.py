@@ -1,5 +1,10 @@
 """Export a run to Parquet (for analysis in pandas, DuckDB, Spark ...).
 
+The events table has one row per event of one sample: a batch row of the ledger (a
+lease, ack, nack or release of many samples, schema 4) is written as the rows of one
+sample it stands for (``dataflow.model._events.expand_row``), so a query by sample id
+reads the same from any ledger.
+
 Two tables: the run's events, one row each, and, with ``samples_path``, the state of
 each committed sample at the end of the log (the fold of the same events).
 """
@@ -16,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dataflow.interfaces._durable import fsync_path
-from dataflow.model._events import Kind
+from dataflow.model._events import Kind, expand_row
 
 if TYPE_CHECKING:
     from dataflow.recorder._ledger import Ledger
@@ -72,7 +77,8 @@ def export_parquet(
     samples_path: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
 ) -> int:
-    """Write every event of ``run_id`` to ``path`` atomically; return the number of events.
+    """Write every event of ``run_id`` to ``path`` atomically; return the number of rows
+    written (one per sample a batch row names: see the module's docstring).
 
     With ``samples_path``, also write the state of each committed sample there (one
     row each, SAMPLES_SCHEMA), folded from the same pass over the log; both files
@@ -164,12 +170,13 @@ def _write_events(
     state: Any,
     progress: Progress | None,
 ) -> int:
-    writer.write_table(_table(batch, SCHEMA))
+    rows = [one for row in batch for one in expand_row(row)]
+    writer.write_table(_table(rows, SCHEMA))
     if state is not None:
         state.apply_rows(batch)
     if progress is not None and batch:
         progress(batch[-1][0])
-    return len(batch)
+    return len(rows)
 
 
 def _write_samples(path: Path, state: Any, commits: dict[str, tuple[int, str]]) -> None:

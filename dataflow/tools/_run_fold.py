@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from dataflow.live._restarts import RestartTracker
 from dataflow.live._view import Row, RunView
 from dataflow.model._errors import InvalidArgumentError
-from dataflow.model._events import Kind
+from dataflow.model._events import Kind, row_samples
 from dataflow.model._fold import RunState
 from dataflow.tools._progress import PROGRESS_EVERY, Progress
 from dataflow.tools._times import is_time
@@ -76,10 +76,10 @@ class RunFold:
 
     :meth:`update` folds the events not folded yet (up to ``upto_seq``), so a live
     view folds each event once. Beside ``state`` it keeps event counts per (kind, actor,
-    epoch), each epoch's resume, crash and resume markers, the outages (each crash to
-    the first lease after it), a timeline of points (at most about 2000: thinned evenly
-    as the run grows), and, with ``window``, the events of the last ``window`` seconds
-    (for rates).
+    epoch) (by sample: a batch row counts once for each sample it names), each epoch's
+    resume, crash and resume markers, the outages (each crash to the first lease after it),
+    a timeline of points (at most about 2000: thinned evenly as the run grows), and, with
+    ``window``, the events of the last ``window`` seconds (for rates).
 
     A crash is dated by the last write of the crashed epoch's ranks (its last event of
     a kind in ``Kind.FENCED``): the events between it and the resume are other writers'
@@ -109,7 +109,7 @@ class RunFold:
         self.outages: list[Outage] = []
         self._last_write: dict[int, tuple[int, float]] = {}  # epoch -> its ranks' last write
         self.points: list[Point] = []
-        self.recent: deque[tuple[float, str, str]] = deque()
+        self.recent: deque[tuple[float, str, str, int]] = deque()
         self.events = 0
         self.first_ts: float | None = None
         self.last_ts: float | None = None
@@ -150,7 +150,7 @@ class RunFold:
     def _note(self, row: Row, cutoff: float) -> tuple[Row, float]:
         """Count one event, before it is folded; return it (its time mended when it has
         none) and the time of the event before it."""
-        seq, kind, _sid, _rev, epoch, _step, actor, _payload, ts = row
+        seq, kind, sid, _rev, epoch, _step, actor, payload, ts = row
         if not is_time(ts):  # a damaged or hand-edited row: reported, not fatal
             self.state.violations.append(f"seq {seq}: {kind} event has no time ({ts!r:.40})")
             ts = self.last_ts if self.last_ts is not None else 0.0
@@ -159,17 +159,19 @@ class RunFold:
             self.first_ts = ts
         previous_ts = self.last_ts if self.last_ts is not None else ts
         self.last_ts = max(previous_ts, ts)
-        self.counts[kind, actor, epoch] += 1
+        # By sample: a batch row counts once for each sample it names.
+        n = max(len(row_samples(kind, None, payload)), 1) if sid is None else 1
+        self.counts[kind, actor, epoch] += n
         if kind in Kind.FENCED:
             self._last_write[epoch] = (seq, ts)
             if kind == Kind.LEASE:
                 self._end_outage(seq, epoch, ts)
         if self.window is not None and ts >= cutoff:
-            self.recent.append((ts, kind, actor))
+            self.recent.append((ts, kind, actor, n))
         if kind == Kind.COMMIT:
             self._commits += 1
         elif kind == Kind.ACK:
-            self._acks += 1
+            self._acks += n
         return row, previous_ts
 
     def _flush(self, batch: list[Row]) -> None:
@@ -232,9 +234,13 @@ class RunFold:
             self.outages[-1] = dataclasses.replace(self.outages[-1], lease_seq=seq, lease_ts=ts)
 
     def rates(self, now: float) -> Counter[tuple[str, str]]:
-        """Events per (kind, actor) in the ``window`` seconds before ``now``."""
+        """Events per (kind, actor) in the ``window`` seconds before ``now`` (a batch row
+        counts once for each sample it names)."""
         if self.window is None:
             raise InvalidArgumentError("rates need a RunFold made with a window")
         while self.recent and self.recent[0][0] < now - self.window:
             self.recent.popleft()
-        return Counter((kind, actor) for _ts, kind, actor in self.recent)
+        rates: Counter[tuple[str, str]] = Counter()
+        for _ts, kind, actor, n in self.recent:
+            rates[kind, actor] += n
+        return rates

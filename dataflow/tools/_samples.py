@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.live._replay import replay
 from dataflow.model._errors import DataflowError
-from dataflow.model._events import Kind, load_payload
+from dataflow.model._events import Kind, load_payload, read_payload, row_revisions, row_samples
 from dataflow.model._fold import RunState
 from dataflow.tools._progress import PROGRESS_EVERY, Progress
 from dataflow.tools._times import iso_time
@@ -82,6 +82,9 @@ def sample_history(
 ) -> dict[str, Any]:
     """Every event of ``sample_id`` (across producers, ranks and epochs) and its state.
 
+    A batch row (a lease, ack, nack or release of many samples) that names it is one of
+    its events.
+
     The resumes after its first commit are listed too, each with what it did to the
     sample (requeued, stays trained, to regenerate ...). NotInRunError when no event
     of the run names it.
@@ -89,7 +92,9 @@ def sample_history(
     own: list[tuple[Any, ...]] = []
     resumes: list[tuple[Any, ...]] = []
     for n, row in enumerate(ledger.rows(run_id, upto_seq=upto_seq), 1):
-        if row[2] == sample_id or _names_in_batch(row, sample_id):
+        if row[2] == sample_id or (
+            row[2] is None and (_batch_may_name(row, sample_id) or _names_in_batch(row, sample_id))
+        ):
             own.append(row)
         elif row[1] == Kind.RESUME:
             resumes.append(row)
@@ -125,8 +130,23 @@ def _names_in_batch(row: tuple[Any, ...], sample_id: str) -> bool:
     return isinstance(samples, list) and sample_id in samples
 
 
+def _batch_may_name(row: tuple[Any, ...], sample_id: str) -> bool:
+    """Whether a row without a sample id is a batch row naming ``sample_id``, or one whose
+    payload cannot be read (shown in every sample's history, as ``--verify`` lists it)."""
+    kind, payload = row[1], row[7]
+    if kind not in Kind.BATCHED:
+        return False
+    if isinstance(payload, str) and f'"{sample_id}"' in payload:  # as a batch names an id
+        return sample_id in row_samples(kind, None, payload)
+    try:
+        read_payload(kind, payload)
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
 def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dict[str, Any]:
-    seq, kind, _sid, revision, epoch, step, actor, payload, ts = row
+    seq, kind, sid, revision, epoch, step, actor, payload, ts = row
     try:  # a damaged or hand-written row is shown, as --verify lists it
         p = load_payload(payload)
         why = None if isinstance(p, dict) else "not a JSON object"
@@ -141,7 +161,8 @@ def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dic
     elif kind == Kind.LOST:
         detail = f"revision {p.get('revision', 0)}: {p.get('reason') or 'lost'}"
     elif kind == Kind.RELEASE:
-        detail = f"revision {p.get('revision', 0)}"
+        freed = row_revisions(kind, sid, payload).get(sample_id, p.get("revision", 0))
+        detail = f"revision {freed}"
     elif kind == Kind.ACK:
         detail = f"trained into step {step}"
     elif kind == Kind.RESUME:
