@@ -97,10 +97,12 @@ def test_the_restart_s_cost_of_the_sigkilled_run(
     ckpt = state.plans[2].checkpoint
     cut = -1 if ckpt is None else ckpt.step
     assert resume["checkpoint"] == (None if ckpt is None else {"seq": ckpt.seq, "step": cut})
-    acked_at = {e.sample_id: e.step for e in events if e.kind == Kind.ACK and e.epoch == 1}
+    acked_at = {
+        s: e.step for e in events if e.kind == Kind.ACK and e.epoch == 1 for s in e.sample_ids
+    }
     kept = {s for s, step in acked_at.items() if step <= cut}
     redone = {s for s, step in acked_at.items() if step > cut}
-    leased = {e.sample_id for e in events if e.kind == Kind.LEASE and e.epoch == 1}
+    leased = {s for e in events if e.kind == Kind.LEASE and e.epoch == 1 for s in e.sample_ids}
     in_flight = leased - set(acked_at)
     assert resume["kept"] == len(kept) == len(state.plans[2].trained)
     assert resume["redone_sample_steps"] == len(redone)

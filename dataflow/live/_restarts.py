@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dataflow.model._events import Kind
+from dataflow.model._events import Kind, row_samples
 
 if TYPE_CHECKING:
     from dataflow.model._fold import RunState
@@ -128,7 +128,7 @@ class RestartTracker:
     def observe(self, rows: Iterable[Any]) -> None:
         """Follow ``rows`` (seq, kind, sample_id, revision, epoch, step, actor, payload, ts)."""
         fenced = Kind.FENCED
-        for seq, kind, sid, _rev, epoch, _step, _actor, _payload, ts in rows:
+        for seq, kind, sid, _rev, epoch, _step, _actor, payload, ts in rows:
             if seq <= self.head_seq:
                 continue
             self.head_seq = seq
@@ -137,11 +137,11 @@ class RestartTracker:
             elif kind in fenced and epoch == self._epoch:
                 self._last = (seq, ts)
                 if kind == Kind.LEASE:
-                    self._leased.add(sid)
+                    self._leased.update(row_samples(kind, sid, payload))
                     if epoch not in self._first_lease:
                         self._first_lease[epoch] = (seq, ts)
                 elif kind in _ENDS_LEASE:
-                    self._leased.discard(sid)
+                    self._leased.difference_update(row_samples(kind, sid, payload))
 
     def update(self, ledger: Ledger, run_id: str, *, upto_seq: int | None = None) -> None:
         """Follow the rows of ``run_id`` after the last one followed (up to ``upto_seq``)."""

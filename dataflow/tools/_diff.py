@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.live._view import Row, RunView
 from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
-from dataflow.model._events import Kind
+from dataflow.model._events import Kind, row_samples
 from dataflow.recorder._ledger import Ledger
 from dataflow.tools._time_travel import lineage
 
@@ -68,12 +68,16 @@ def final_lineage(ledger: Ledger, run_id: str) -> FinalLineage:
         if kind == Kind.RESUME and isinstance(epoch, int) and epoch > current:
             current = epoch
         elif kind == Kind.ACK and epoch == current and isinstance(row[5], int):
-            acks.setdefault(epoch, []).append((row[5], actor, row[2]))
+            step = row[5]
+            acks.setdefault(epoch, []).extend(
+                (step, actor, sid) for sid in row_samples(kind, row[2], row[7])
+            )
         batch.append(row)
         if kind == Kind.LEASE and (epoch, actor) not in ranks:
             view.apply(batch)
             batch = []
-            rank = _lease_rank(view.state, row[2])
+            leased = row_samples(kind, row[2], row[7])
+            rank = _lease_rank(view.state, leased[0]) if leased else None
             if rank is not None:
                 ranks[epoch, actor] = rank
     view.apply(batch)
