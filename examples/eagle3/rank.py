@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import resource
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -55,7 +56,7 @@ def train(job: dict[str, Any], rank: int, attempt: int, port: int) -> None:
     began = time.monotonic()
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{job.get('master_addr', '127.0.0.1')}:{port}",
         rank=rank,
         world_size=WORLD_SIZE,
         timeout=timedelta(seconds=300),
@@ -71,10 +72,14 @@ def train(job: dict[str, Any], rank: int, attempt: int, port: int) -> None:
     optimizer = torch.optim.AdamW(draft.parameters(), lr=job["lr"])
     grad_accum = job["grad_accum"]
 
+    largest_batch = 0  # bytes: the loader holds this, the batches read ahead and no more
+
     def step_fn(batch: Batch) -> torch.Tensor:
+        nonlocal largest_batch
         # A rank whose share ran out before its peer's gets an empty batch: it still runs a
         # forward and backward (of nothing) to join DDP's reduction at the step boundary.
         feats = batch.features if len(batch) else empty_features(draft)
+        largest_batch = max(largest_batch, sum(t.nbytes for t in feats.values()))
         loss, terms = ttt_loss(draft, draft_logits(ddp, feats), feats)
         (loss / max(terms, 1) / grad_accum).backward()
         return loss.detach()
@@ -119,7 +124,7 @@ def train(job: dict[str, Any], rank: int, attempt: int, port: int) -> None:
             checkpoint_every=job["checkpoint_every"],
             eval_every=job["eval_every"],
         ),
-        loader_config=LoaderConfig(batch_size=job["batch_size"], prefetch=2),
+        loader_config=LoaderConfig(batch_size=job["batch_size"], prefetch=job["prefetch"]),
         collate_fn=COLLATE,
         modules=[ddp],  # micro-batches off the step boundary run under ddp.no_sync()
         model=draft,
@@ -133,9 +138,13 @@ def train(job: dict[str, Any], rank: int, attempt: int, port: int) -> None:
         draft.train()
     step = trainer.run()
     print(f"rank {rank}: step {step} at {time.monotonic() - began:.1f} s", flush=True)
+    memory = {
+        "largest_batch_bytes": largest_batch,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    (out / f"rank{rank}-attempt{attempt}.json").write_text(json.dumps(memory))
     if rank == 0:
         torch.save(draft.state_dict(), out / "weights.pt")
-        (out / "final.json").write_text(json.dumps({"step": step, "metrics": trainer.metrics}))
     dist.barrier()  # neither rank tears its group down while the other still talks to it
     dist.destroy_process_group()
     consumer.close()

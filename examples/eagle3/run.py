@@ -42,6 +42,7 @@ from dataflow import FeatureSpec, Kind, Ledger, replay
 PRODUCERS, RANKS = 2, 2
 TTT_STEPS = 3  # draft steps unrolled in training (training-time test)
 BATCH_SIZE, GRAD_ACCUM = 4, 2  # per rank: 16 samples an optimizer step on two ranks
+PREFETCH = 2  # batches the loader leases and reads ahead, in a thread
 LR = 1e-2
 CHECKPOINT_EVERY = EVAL_EVERY = 2
 HOLD_AT = 5  # the step both ranks are killed at: checkpoints at 2 and 4 are recorded
@@ -145,6 +146,7 @@ class Job:
                     "ttt_steps": TTT_STEPS,
                     "batch_size": BATCH_SIZE,
                     "grad_accum": GRAD_ACCUM,
+                    "prefetch": PREFETCH,
                     "lr": LR,
                     "checkpoint_every": CHECKPOINT_EVERY,
                     "eval_every": EVAL_EVERY,
@@ -226,6 +228,7 @@ def build_report(ledger: Ledger, job: Job, reference: Job, *, wall_s: float) -> 
     expected = torch.load(reference.out / "weights.pt", weights_only=True)
     evals = [json.loads(line) for line in (job.out / "evals.jsonl").read_text().splitlines()]
     resumed = state.plans[max(state.plans)]
+    memory = [json.loads(p.read_text()) for p in sorted(job.out.glob("rank*-attempt*.json"))]
     return {
         "run_id": job.run_id,
         "ledger_url": ledger.url,
@@ -244,6 +247,9 @@ def build_report(ledger: Ledger, job: Job, reference: Job, *, wall_s: float) -> 
         "verify": "clean" if not state.verify() else state.verify(),
         "samples_per_s": round(len(trained) / max(last_ack - first_lease, 1e-9), 1),
         "feature_bytes_per_sample": round(spec_bytes / max(len(committed), 1)),
+        "largest_batch_bytes": max(m["largest_batch_bytes"] for m in memory),
+        "rank_max_rss_mib": round(max(m["max_rss_bytes"] for m in memory) / 2**20, 1),
+        "loader": f"batch {BATCH_SIZE}, prefetch {PREFETCH}",
         "wall_s": round(wall_s, 1),
     }
 
