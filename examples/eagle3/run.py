@@ -129,6 +129,7 @@ class Job:
         self.settings = self.out / "job.json"
         self.children: list[tuple[str, Any]] = []
         self.ranks: list[Any] = []
+        self.killed: list[int] = []  # the pids this job SIGKILLed
         self.settings.write_text(
             json.dumps(
                 {
@@ -192,7 +193,7 @@ class Job:
 
     def wait_all(self) -> None:
         """Until every process that was not killed exited 0."""
-        live = [p for _, p in self.children if p.pid not in getattr(self, "killed", [])]
+        live = [p for _, p in self.children if p.pid not in self.killed]
         self._wait(lambda: all(p.exitcode == 0 for p in live), "the processes to finish")
 
     def _wait(self, done: Any, what: str) -> None:
@@ -200,7 +201,7 @@ class Job:
         while not done():
             for name, process in self.children:
                 code = process.exitcode
-                if code not in (None, 0) and process.pid not in getattr(self, "killed", []):
+                if code not in (None, 0) and process.pid not in self.killed:
                     log = self.out / "logs" / f"{name}.log"
                     tail = log.read_text(errors="replace").strip().splitlines()[-5:]
                     raise JobError(

@@ -40,13 +40,13 @@ class Sizes:
 QUICK = Sizes(
     vocab=1024, hidden=64, layers=4, heads=4, samples=192, eval_samples=32, min_len=32, max_len=96
 )
-FULL = Sizes(
+FULL = Sizes(  # a sample of 512 tokens is 2 MiB of features
     vocab=4096,
-    hidden=256,
-    layers=6,
+    hidden=512,
+    layers=4,
     heads=8,
-    samples=1024,
-    eval_samples=128,
+    samples=512,
+    eval_samples=64,
     min_len=32,
     max_len=512,
 )
