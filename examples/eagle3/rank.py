@@ -188,9 +188,13 @@ def empty_features(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 
 def hold(marker: Path) -> None:
     """Say this rank reached the step the job kills it at, and wait for the SIGKILL."""
+    parent = os.getppid()
     marker.write_text(str(os.getpid()))
-    time.sleep(600)
-    os._exit(3)  # never killed: the conductor is gone
+    for _ in range(6000):  # 10 minutes at most
+        time.sleep(0.1)
+        if os.getppid() != parent:
+            break  # the conductor, and with it the fork server, is gone
+    os._exit(3)
 
 
 def main(job_path: str, rank: int, attempt: int, port: int) -> None:
