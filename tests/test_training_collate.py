@@ -111,6 +111,8 @@ def test_bad_configs_and_batches_raise_naming_the_value():
         collate([{"ids": torch.zeros(3)}])
     with pytest.raises(InvalidArgumentError, match="no samples"):
         collate([])
+    with pytest.raises(InvalidArgumentError, match="which PadCollate adds"):
+        collate([{"ids": torch.zeros(3), "h": torch.zeros(3, 1), "lengths": torch.zeros(1)}])
 
 
 class RecordingStore(SharedDirFeatureStore):

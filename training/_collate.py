@@ -97,6 +97,12 @@ class PadCollate:
                 f"PadCollate pads {missing}, which the samples do not have (they have "
                 f"{sorted(first)}); name the sequence features in pad"
             )
+        taken = [name for name in (self.mask, self.lengths) if name in first]
+        if taken:
+            raise InvalidArgumentError(
+                f"the samples have features named {taken}, which PadCollate adds; pass "
+                "PadCollate(mask=..., lengths=...) other names"
+            )
         lengths = [self._length(i, spec) for i, spec in enumerate(specs)]
         for i, spec in enumerate(specs[1:], start=1):
             self._check_like(i, spec, first)
