@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     sizes = QUICK if args.quick else FULL
-    torch.set_num_threads(1)  # the children compute; on a busy machine threads only contend
+    # The prompt set is the one thing the conductor computes: with every core for the full
+    # job's (minutes), with one for --quick's (seconds, beside a test suite's other work).
+    torch.set_num_threads(1 if args.quick else os.cpu_count() or 1)
 
     say(f"building the target and its prompt set ({sizes.samples} + {sizes.eval_samples})")
     target = build_target(sizes, args.seed, args.model)
