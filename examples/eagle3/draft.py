@@ -4,9 +4,9 @@ The draft reads the target's hidden states of three layers (low, middle, high,
 concatenated), projects them to the target's width (``fc``), and runs one decoder layer
 whose input at position ``t`` is that projection beside the target's embedding of token
 ``t + 1``; a norm of its own and the target's frozen LM head turn its output into a
-proposal for token ``t + 2``. Training-time test unrolls ``steps`` draft steps: step ``k + 1`` reads the
-draft's own output of step ``k`` in place of the target's hidden state, with the token one
-further on, as speculative decoding does once it drafts past the target's features; step
+proposal for token ``t + 2``. Training-time test unrolls ``steps`` draft steps: step
+``k + 1`` reads the draft's own output of step ``k`` in place of the target's hidden state,
+with the token one further on, as speculative decoding does once it drafts past the target's features; step
 ``k`` at position ``t`` is trained towards the target's distribution at ``t + 1 + k``.
 
 Simplifications against the paper, for a readable example: the layer attends causally
