@@ -6,8 +6,9 @@ whose input at position ``t`` is that projection beside the target's embedding o
 ``t + 1``; a norm of its own and the target's frozen LM head turn its output into a
 proposal for token ``t + 2``. Training-time test unrolls ``steps`` draft steps: step
 ``k + 1`` reads the draft's own output of step ``k`` in place of the target's hidden state,
-with the token one further on, as speculative decoding does once it drafts past the target's features; step
-``k`` at position ``t`` is trained towards the target's distribution at ``t + 1 + k``.
+with the token one further on, as speculative decoding does once it drafts past the
+target's features; step ``k`` at position ``t`` is trained towards the target's
+distribution at ``t + 1 + k``.
 
 Simplifications against the paper, for a readable example: the layer attends causally
 within one step (not across the steps' keys, as EAGLE-3's tree mask does), and it has no
