@@ -54,7 +54,7 @@ apt_install() {
 }
 
 if [ "$job" = test ]; then
-  "${pip[@]}" -e ".[test]"
+  "${pip[@]}" -e ".[test,examples]"   # examples: transformers, for tests/test_example_eagle3.py
   missing=()
   have_pg || missing+=(postgresql)
   have_lib libibverbs.so.1 || missing+=(libibverbs1)

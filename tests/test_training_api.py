@@ -34,6 +34,7 @@ def test_exported_names() -> None:
         "FeatureLoader",
         "IncompatibleCheckpointError",
         "LoaderConfig",
+        "PadCollate",
         "REGENERATE_PRODUCER_ID",
         "SavedCheckpoint",
         "StepHelper",

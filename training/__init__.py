@@ -3,10 +3,12 @@
 ``CheckpointManager`` writes checkpoints atomically and durably before the ledger
 records them; ``FeatureLoader`` turns a Consumer's leases into collated batches;
 ``Trainer`` runs the resume -> step -> ack -> eval -> checkpoint loop around your
-own step function. docs/training.md walks through a custom trainer.
+own step function; ``PadCollate`` pads variable-length features into one batch, each
+sample read straight into its row. docs/training.md walks through a custom trainer.
 """
 
 from training._checkpoint import CheckpointManager
+from training._collate import PadCollate
 from training._config import COMPONENTS, CheckpointConfig, LoaderConfig, TrainerConfig
 from training._errors import (
     CheckpointError,
@@ -32,6 +34,7 @@ __all__ = [
     "FeatureLoader",
     "IncompatibleCheckpointError",
     "LoaderConfig",
+    "PadCollate",
     "REGENERATE_PRODUCER_ID",
     "SavedCheckpoint",
     "StepHelper",

@@ -14,11 +14,13 @@ import torch
 
 from dataflow import (
     CorruptFeatureError,
+    DataflowError,
     InvalidArgumentError,
     SampleRef,
     StaleRefError,
     StoreUnavailableError,
 )
+from training._collate import PadCollate
 
 Features = dict[str, torch.Tensor]
 CollateFn = Callable[[list[Features]], Any]
@@ -156,6 +158,9 @@ class _BatchReading:
         batch = self._batch_for(refs) if self.collate_fn is collate else None
         if batch is not None:
             return self._read_into(refs, batch)
+        padded = self._padded_for(refs) if isinstance(self.collate_fn, PadCollate) else None
+        if padded is not None:
+            return self._read_into(refs, *padded)
         names = self.config.names
         outs = _empty_features(refs, names)
         if outs is None:  # a ref lacks a feature asked for: the store's get says which
@@ -195,9 +200,34 @@ class _BatchReading:
             for name in names
         }
 
-    def _read_into(self, refs: Sequence[SampleRef], batch: dict[str, torch.Tensor]) -> _Read:
-        """``_read`` straight into the rows of ``batch``: no tensor per sample, no stacking."""
-        rows = [{n: t[row] for n, t in batch.items()} for row in range(len(refs))]
+    def _padded_for(
+        self, refs: Sequence[SampleRef]
+    ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]] | None:
+        """A ``PadCollate`` batch for ``refs`` and each ref's rows in it, from their specs;
+        None when a ref lacks a feature read, or the specs do not pad into one batch (the
+        collate of samples read one by one then raises, or the store's get, naming it)."""
+        names = self.config.names
+        specs = []
+        for ref in refs:
+            wanted = list(ref.specs) if names is None else list(names)
+            if any(name not in ref.specs for name in wanted):
+                return None
+            specs.append({name: ref.specs[name] for name in wanted})
+        try:
+            return self.collate_fn.empty(specs, pin_memory=self._pin)  # type: ignore[attr-defined]
+        except DataflowError:
+            return None
+
+    def _read_into(
+        self,
+        refs: Sequence[SampleRef],
+        batch: dict[str, torch.Tensor],
+        rows: list[dict[str, torch.Tensor]] | None = None,
+    ) -> _Read:
+        """``_read`` straight into the rows of ``batch`` (``rows``: each ref's views of it,
+        default ``batch[name][i]``): no tensor per sample, no stacking."""
+        if rows is None:
+            rows = [{n: t[row] for n, t in batch.items()} for row in range(len(refs))]
         loaded, lost = self._read_rows(refs, rows)
         if not loaded:
             return _Read([], None, lost)
