@@ -194,8 +194,8 @@ def validate_metadata(metadata: object) -> dict[str, Any]:
     but unreadable (RecursionError on a later lease or replay). The depth is checked
     first, without recursion, so nothing deeper (not even a cycle) reaches a store.
     """
-    if metadata is None:
-        return {}
+    if metadata is None or (type(metadata) is dict and not metadata):
+        return {}  # the common case, and a new dict as the copy would be
     max_depth = 32
     walk: list[tuple[object, int, str]] = [(metadata, 1, "metadata")]
     while walk:
