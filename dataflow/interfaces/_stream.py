@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from dataflow.model._refs import (
     SampleRef,
@@ -42,6 +43,11 @@ class RefSender(ABC):
         BackpressureError when ``timeout`` (seconds; None means the sender's
         default) passes first.
         """
+
+    def send_many(self, refs: Sequence[SampleRef], *, timeout: float | None = None) -> None:
+        """Send ``refs`` in order, as few frames as the window allows; as ``send`` for each."""
+        for ref in refs:
+            self.send(ref, timeout=timeout)
 
     @abstractmethod
     def close(self) -> None:

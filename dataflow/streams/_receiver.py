@@ -45,6 +45,7 @@ from dataflow.streams._wire import (
     Frame,
     HeartbeatFrame,
     RefFrame,
+    RefsFrame,
     decode,
     encode,
 )
@@ -314,7 +315,9 @@ class ZmqRefReceiver(RefReceiver):
             return
         session = self._session(rid)
         if isinstance(frame, RefFrame):
-            self._on_ref(rid, session, frame)
+            self._on_refs(rid, session, frame.receiver, frame.line, (frame.ref,))
+        elif isinstance(frame, RefsFrame):
+            self._on_refs(rid, session, frame.receiver, frame.line, frame.refs)
         elif isinstance(frame, HeartbeatFrame):
             self._speaks_for(rid, session, frame.producer)
         elif isinstance(frame, EofFrame):
@@ -401,25 +404,33 @@ class ZmqRefReceiver(RefReceiver):
             self._send(rid, CreditFrame(self.session, session.line, session.granted))
         return session.gone
 
-    def _on_ref(self, rid: bytes, session: _Session, frame: RefFrame) -> None:
-        if (
-            session.received < session.granted  # only bound, live sessions get credit
-            and frame.line == session.line
-            and frame.receiver == self.session
-            and session.state == _LIVE
-        ):
-            session.received += 1
-            self._window.accept(frame.ref)
+    def _on_refs(
+        self,
+        rid: bytes,
+        session: _Session,
+        receiver: str,
+        line: int,
+        refs: tuple[SampleRef, ...],
+    ) -> None:
+        """Refs of one frame, in order: each takes one credit; those beyond it are dropped."""
+        credit = 0
+        if line == session.line and receiver == self.session and session.state == _LIVE:
+            credit = session.granted - session.received  # only bound, live sessions get credit
+        taken = refs if len(refs) <= credit else refs[: max(credit, 0)]
+        if taken:
+            session.received += len(taken)
+            self._window.accept_many(taken)
             if not session.delivered:
                 self._first_ref(session)
+        if len(taken) == len(refs):
             return
-        self._window.drop()
+        self._window.drop(len(refs) - len(taken))
         self._warnings.warn(
             rid,
             "no credit",
             "dropped a ref from %s: %r came without credit "
             "(if it was committed, the ledger still holds it)",
-            frame.ref.sample_id,
+            refs[len(taken)].sample_id,
         )
 
     def _first_ref(self, session: _Session) -> None:

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -40,7 +41,8 @@ from dataflow.streams._wire import (
     check_ref,
     decode,
     encode,
-    encode_ref,
+    encode_refs,
+    frame_fit,
     ref_body,
 )
 
@@ -237,15 +239,35 @@ class ZmqRefSender(RefSender):
         check_ref(ref, self.config.max_frame_bytes)
 
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
-        body = ref_body(ref, self.config.max_frame_bytes)
+        self._send_bodies([ref_body(ref, self.config.max_frame_bytes)], timeout)
+
+    def send_many(self, refs: Sequence[SampleRef], *, timeout: float | None = None) -> None:
+        """Send ``refs`` in order, as few frames as the window allows; as ``send`` for each.
+
+        Each frame goes to the consumer with the most unused credit and carries as
+        many refs as that credit and ``max_frame_bytes`` allow (one ``refs`` frame,
+        credited per ref). Every ref is checked before any is sent: a ref ``send``
+        would refuse raises its error, naming it, and nothing is sent. Each ref
+        waits up to ``timeout`` for credit; a BackpressureError after some refs
+        went has ``sent``, the count of those (the first ones).
+        """
+        if isinstance(refs, SampleRef) or not isinstance(refs, Sequence):
+            raise ArgumentTypeError(
+                f"send_many takes a sequence of SampleRefs, got {type(refs).__name__}"
+            )
+        limit = self.config.max_frame_bytes
+        self._send_bodies([ref_body(ref, limit) for ref in refs], timeout)
+
+    def _send_bodies(self, bodies: list[bytes], timeout: float | None) -> None:
         check_timeout("timeout", timeout, allow_none=True)
         timeout = self.config.send_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         waited = False
+        done, total = 0, len(bodies)
         with self._lock:
             self._check_open()
             self._speaker()
-            while True:
+            while done < total:
                 now = time.monotonic()
                 if now >= self._next_beat:
                     self._pump(0)
@@ -254,23 +276,34 @@ class ZmqRefSender(RefSender):
                     self._pump(0)
                     link = self._pick(now)
                 if link is not None:
-                    frame = encode_ref(link.receiver, link.line, body)  # type: ignore[arg-type]
+                    credit = link.available(now, self.config.heartbeat_timeout)
+                    count = frame_fit(bodies, done, credit, self.config.max_frame_bytes)
+                    frame = encode_refs(
+                        link.receiver,  # type: ignore[arg-type]
+                        link.line,
+                        bodies[done : done + count],
+                    )
                     try:
                         link.sock.send(frame, zmq.NOBLOCK)
                     except zmq.Again:  # disconnected, or its pipe is full: try another
                         link.usable = False
                         continue
-                    link.sent += 1
-                    self._counts["sent"] += 1
-                    return
+                    link.sent += count
+                    self._counts["sent"] += count
+                    done += count
+                    deadline = now + timeout  # each ref waits up to timeout for credit
+                    continue
                 remaining = deadline - now
                 if remaining <= 0:
                     self._counts["backpressure_errors"] += 1
-                    raise BackpressureError(
+                    error = BackpressureError(
                         f"producer {self.producer_id!r} got no credit within {timeout:g}s: "
                         f"every consumer window is full or no consumer is reachable "
                         f"({self._describe()})"
+                        + (f"; {done} of the {total} refs were sent" if total > 1 else "")
                     )
+                    error.sent = done  # type: ignore[attr-defined]
+                    raise error
                 if not waited:
                     waited = True
                     self._counts["waited"] += 1
