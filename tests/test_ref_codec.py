@@ -151,7 +151,7 @@ def hostile(draw: st.DrawFn, text: bytes) -> bytes:
     return text
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), ref=refs)
 def test_hostile_ref_json_is_decoded_as_the_generic_path_does(data, ref: SampleRef) -> None:
     text = data.draw(hostile(ref.to_json().encode()))
@@ -199,7 +199,7 @@ def test_every_valid_frame_takes_the_compiled_path(frame) -> None:
     agrees(data)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), frame=frames(), pretty=st.booleans())
 def test_hostile_frames_are_decoded_as_the_strict_path_does(data, frame, pretty: bool) -> None:
     text = encode(frame)

@@ -108,8 +108,12 @@ def _metadata_json(metadata: Any) -> str:
     not): so msgspec's text is taken for metadata without such floats (checked
     first) and only when it came out as ASCII with no escape at all.
     """
-    if type(metadata) is not dict or not all(map(_same_text, metadata.values())):
+    if type(metadata) is not dict:
         return _JSON.encode(metadata)
+    for key, value in metadata.items():
+        kind = type(value)
+        if type(key) is not str or (kind is not int and kind is not str and not _same_text(value)):
+            return _JSON.encode(metadata)
     text = _SORTED.encode(metadata)
     if text.isascii() and b"\\" not in text and b"\x7f" not in text:
         return text.decode()

@@ -60,6 +60,7 @@ _DRAIN = 4096
 # oversized; ZeroMQ disconnects a peer that sends a larger one before reading
 # it (ZMQ_MAXMSGSIZE), so that no frame can make a receiver allocate much.
 _READ_LIMIT = 2
+_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # pyzmq converts enum members per call
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,11 +289,14 @@ class ZmqRefReceiver(RefReceiver):
         if self._closed:
             return
         if wait <= 0 or self._sock.poll(math.ceil(wait * 1000)):
+            recv, more = self._sock.recv, self._sock.get  # recv_multipart, without its sugar
             for _ in range(_DRAIN):
                 try:
-                    parts = self._sock.recv_multipart(zmq.NOBLOCK)
+                    parts = [recv(_NOBLOCK)]
                 except zmq.Again:
                     break
+                while more(_RCVMORE):
+                    parts.append(recv(_NOBLOCK))
                 self._handle(parts)
         now = time.monotonic()
         beat = now >= self._next_beat
@@ -314,8 +318,8 @@ class ZmqRefReceiver(RefReceiver):
             self._warnings.warn(rid, kind, "dropped a bad frame from %s (%s): %s", kind, exc)
             return
         session = self._session(rid)
-        if isinstance(frame, RefFrame):
-            self._on_refs(rid, session, frame.receiver, frame.line, (frame.ref,))
+        if type(frame) is RefFrame:
+            self._on_ref(rid, session, frame)
         elif isinstance(frame, RefsFrame):
             self._on_refs(rid, session, frame.receiver, frame.line, frame.refs)
         elif isinstance(frame, HeartbeatFrame):
@@ -403,6 +407,20 @@ class ZmqRefReceiver(RefReceiver):
             session.probed = now
             self._send(rid, CreditFrame(self.session, session.line, session.granted))
         return session.gone
+
+    def _on_ref(self, rid: bytes, session: _Session, frame: RefFrame) -> None:
+        if (
+            session.received < session.granted  # only bound, live sessions get credit
+            and frame.line == session.line
+            and frame.receiver == self.session
+            and session.state == _LIVE
+        ):
+            session.received += 1
+            self._window.accept(frame.ref)
+            if not session.delivered:
+                self._first_ref(session)
+            return
+        self._on_refs(rid, session, frame.receiver, frame.line, (frame.ref,))  # dropped there
 
     def _on_refs(
         self,

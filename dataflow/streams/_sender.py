@@ -41,6 +41,7 @@ from dataflow.streams._wire import (
     check_ref,
     decode,
     encode,
+    encode_ref,
     encode_refs,
     frame_fit,
     ref_body,
@@ -49,6 +50,7 @@ from dataflow.streams._wire import (
 log = logging.getLogger("dataflow.streams")
 
 _CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts an enum member on every call
 
 
 def _default_producer_id() -> str:
@@ -259,8 +261,10 @@ class ZmqRefSender(RefSender):
         self._send_bodies([ref_body(ref, limit) for ref in refs], timeout)
 
     def _send_bodies(self, bodies: list[bytes], timeout: float | None) -> None:
-        check_timeout("timeout", timeout, allow_none=True)
-        timeout = self.config.send_timeout if timeout is None else timeout
+        if timeout is None:
+            timeout = self.config.send_timeout
+        else:
+            check_timeout("timeout", timeout)
         deadline = time.monotonic() + timeout
         waited = False
         done, total = 0, len(bodies)
@@ -271,20 +275,19 @@ class ZmqRefSender(RefSender):
                 now = time.monotonic()
                 if now >= self._next_beat:
                     self._pump(0)
-                link = self._pick(now)
+                link, credit = self._pick(now)
                 if link is None:
                     self._pump(0)
-                    link = self._pick(now)
+                    link, credit = self._pick(now)
                 if link is not None:
-                    credit = link.available(now, self.config.heartbeat_timeout)
-                    count = frame_fit(bodies, done, credit, self.config.max_frame_bytes)
-                    frame = encode_refs(
-                        link.receiver,  # type: ignore[arg-type]
-                        link.line,
-                        bodies[done : done + count],
-                    )
+                    if total == 1:
+                        count, frame = 1, encode_ref(link.receiver, link.line, bodies[0])  # type: ignore[arg-type]
+                    else:
+                        count = frame_fit(bodies, done, credit, self.config.max_frame_bytes)
+                        chunk = bodies[done : done + count]
+                        frame = encode_refs(link.receiver, link.line, chunk)  # type: ignore[arg-type]
                     try:
-                        link.sock.send(frame, zmq.NOBLOCK)
+                        link.sock.send(frame, _NOBLOCK)
                     except zmq.Again:  # disconnected, or its pipe is full: try another
                         link.usable = False
                         continue
@@ -373,18 +376,22 @@ class ZmqRefSender(RefSender):
                 link.sock.close(linger=linger)
         self._ctx.term()
 
-    def _pick(self, now: float) -> _Link | None:
-        """The link with the most unused credit, round-robin among equals."""
+    def _pick(self, now: float) -> tuple[_Link | None, int]:
+        """The link with the most unused credit, round-robin among equals, and that credit."""
+        links = self._links
+        if len(links) == 1:  # the usual: one consumer
+            credit = links[0].available(now, self.config.heartbeat_timeout)
+            return (links[0], credit) if credit > 0 else (None, 0)
         best, best_credit = None, 0
-        n = len(self._links)
+        n = len(links)
         for i in range(n):
-            link = self._links[(self._rr + i) % n]
+            link = links[(self._rr + i) % n]
             credit = link.available(now, self.config.heartbeat_timeout)
             if credit > best_credit:
                 best, best_credit = link, credit
         if best is not None:
-            self._rr = (self._links.index(best) + 1) % n
-        return best
+            self._rr = (links.index(best) + 1) % n
+        return best, best_credit
 
     def _pump(self, wait: float) -> None:
         """Handle consumers' frames (waiting up to ``wait`` s), then the timed duties."""

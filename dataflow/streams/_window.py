@@ -85,7 +85,8 @@ class Window:
         self.buffer.append(ref)
         self.in_flight += 1
         self._counts["received"] += 1
-        self._max_in_flight = max(self._max_in_flight, self.in_flight)
+        if self.in_flight > self._max_in_flight:
+            self._max_in_flight = self.in_flight
 
     def accept_many(self, refs: Sequence[SampleRef]) -> None:
         """``accept`` of each of ``refs``, in order."""

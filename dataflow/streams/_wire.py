@@ -178,7 +178,14 @@ def encode_ref_body(ref: SampleRef) -> bytes:
     """The JSON of ``ref``; raises TensorInRefError if a tensor hides in it, and
     BadFrameError if it is not JSON-able or beyond the wire's limits."""
     try:
-        return _fast_ref_json(ref).encode()
+        if (
+            type(ref.generation) is int
+            and type(ref.store) is str
+            and ref.generation <= MAX_INT
+            and len(ref.store) <= MAX_STORE_CHARS
+            and len(ref.specs) <= MAX_FEATURES
+        ):
+            return ref_json(ref, _check_spec).encode()
     except (TypeError, ValueError, AttributeError):
         pass  # something in the ref is not plain data, or too large: find out what, precisely
     assert_no_tensors(ref)
@@ -251,21 +258,11 @@ def _check_spec(name: str, spec: FeatureSpec) -> None:
 # generic paths: SampleRef.to_json sorts keys and rebuilds every spec (the
 # body is its bytes all the same, from the one fast encoder, ref_json), and
 # SampleRef.__post_init__ re-checks, for tensors and by a JSON round trip,
-# metadata that json.loads has just built (and so is plain JSON by
-# construction). The fast paths check the same rules; a test compares them
+# metadata that a JSON decoder has just built (and so is plain JSON by
+# construction). The fast paths check the same rules; tests compare them
 # with SampleRef.to_json/from_dict, and they fall back to the generic paths
 # if SampleRef ever grows another field.
 _FAST = tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
-
-
-def _fast_ref_json(ref: SampleRef) -> str:
-    if type(ref.generation) is not int or type(ref.store) is not str:
-        raise TypeError("no fast path")
-    if len(ref.specs) > MAX_FEATURES or len(ref.store) > MAX_STORE_CHARS:
-        raise ValueError("beyond the limits")
-    if ref.generation > MAX_INT:
-        raise ValueError("beyond the limits")
-    return ref_json(ref, _check_spec)
 
 
 @functools.lru_cache(maxsize=256)
