@@ -321,7 +321,7 @@ class ZmqRefReceiver(RefReceiver):
         if type(frame) is RefFrame:
             self._on_ref(rid, session, frame)
         elif isinstance(frame, RefsFrame):
-            self._on_refs(rid, session, frame.receiver, frame.line, frame.refs)
+            self._on_refs(rid, session, frame)
         elif isinstance(frame, HeartbeatFrame):
             self._speaks_for(rid, session, frame.producer)
         elif isinstance(frame, EofFrame):
@@ -420,17 +420,12 @@ class ZmqRefReceiver(RefReceiver):
             if not session.delivered:
                 self._first_ref(session)
             return
-        self._on_refs(rid, session, frame.receiver, frame.line, (frame.ref,))  # dropped there
+        self._on_refs(rid, session, frame)  # where it is dropped
 
-    def _on_refs(
-        self,
-        rid: bytes,
-        session: _Session,
-        receiver: str,
-        line: int,
-        refs: tuple[SampleRef, ...],
-    ) -> None:
+    def _on_refs(self, rid: bytes, session: _Session, frame: RefFrame | RefsFrame) -> None:
         """Refs of one frame, in order: each takes one credit; those beyond it are dropped."""
+        refs = frame.refs if isinstance(frame, RefsFrame) else (frame.ref,)
+        receiver, line = frame.receiver, frame.line
         credit = 0
         if line == session.line and receiver == self.session and session.state == _LIVE:
             credit = session.granted - session.received  # only bound, live sessions get credit
