@@ -258,7 +258,9 @@ class ZmqRefSender(RefSender):
                 f"send_many takes a sequence of SampleRefs, got {type(refs).__name__}"
             )
         limit = self.config.max_frame_bytes
-        self._send_bodies([ref_body(ref, limit) for ref in refs], timeout)
+        bodies = [ref_body(ref, limit) for ref in refs]
+        if bodies:  # none: nothing to say (not even to name a producer id, see _speaker)
+            self._send_bodies(bodies, timeout)
 
     def _send_bodies(self, bodies: list[bytes], timeout: float | None) -> None:
         if timeout is None:
