@@ -60,7 +60,8 @@ _DRAIN = 4096
 # oversized; ZeroMQ disconnects a peer that sends a larger one before reading
 # it (ZMQ_MAXMSGSIZE), so that no frame can make a receiver allocate much.
 _READ_LIMIT = 2
-_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)  # pyzmq converts enum members per call
+# pyzmq converts enum members on every call
+_NOBLOCK, _RCVMORE, _EVENTS, _POLLIN = map(int, (zmq.NOBLOCK, zmq.RCVMORE, zmq.EVENTS, zmq.POLLIN))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,13 +290,14 @@ class ZmqRefReceiver(RefReceiver):
         if self._closed:
             return
         if wait <= 0 or self._sock.poll(math.ceil(wait * 1000)):
-            recv, more = self._sock.recv, self._sock.get  # recv_multipart, without its sugar
+            # recv_multipart without its sugar, and ending where ZMQ_EVENTS says no message
+            # waits (so recv cannot raise zmq.Again, which costs more than a message).
+            recv, get = self._sock.recv, self._sock.get
             for _ in range(_DRAIN):
-                try:
-                    parts = [recv(_NOBLOCK)]
-                except zmq.Again:
+                if not get(_EVENTS) & _POLLIN:
                     break
-                while more(_RCVMORE):
+                parts = [recv(_NOBLOCK)]
+                while get(_RCVMORE):
                     parts.append(recv(_NOBLOCK))
                 self._handle(parts)
         now = time.monotonic()
