@@ -296,7 +296,7 @@ class ZmqRefReceiver(RefReceiver):
             for _ in range(_DRAIN):
                 if not get(_EVENTS) & _POLLIN:
                     break
-                parts = [recv(_NOBLOCK)]
+                parts = [recv(_NOBLOCK), recv(_NOBLOCK)]  # a ROUTER's: routing id, 1+ parts
                 while get(_RCVMORE):
                     parts.append(recv(_NOBLOCK))
                 self._handle(parts)

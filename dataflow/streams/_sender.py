@@ -272,7 +272,8 @@ class ZmqRefSender(RefSender):
         done, total = 0, len(bodies)
         with self._lock:
             self._check_open()
-            self._speaker()
+            if self.producer_id is None:
+                self._speaker()
             while done < total:
                 now = time.monotonic()
                 if now >= self._next_beat:
