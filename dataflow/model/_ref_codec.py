@@ -57,21 +57,20 @@ def ref_json(ref: SampleRef, check: SpecCheck = no_check) -> str:
     mutated after construction, a spec that is not a FeatureSpec) goes
     through ``to_json``, which says what is wrong.
     """
-    if not _FAST or type(ref.generation) is not int or type(ref.store) is not str:
+    generation, store, specs, metadata = ref.generation, ref.store, ref.specs, ref.metadata
+    if not _FAST or type(generation) is not int or type(store) is not str:
         return _checked_to_json(ref, check)
-    specs = ref.specs
     try:
         if len(specs) == 1:  # most refs: no list to build
             for name, spec in specs.items():
                 key: tuple[Any, ...] = ((name, spec.shape, spec.dtype),)
         else:
             key = tuple([(name, spec.shape, spec.dtype) for name, spec in specs.items()])
-        specs_json = _specs_json(key, check)
-        metadata = _metadata_json(ref.metadata) if ref.metadata else "{}"
         return (
-            f'{{"generation":{ref.generation},"metadata":{metadata},'
-            f'"sample_id":{_quote(ref.sample_id)},"specs":{specs_json},'
-            f'"store":{_store_json(ref.store)}}}'
+            f'{{"generation":{generation},"metadata":'
+            f"{_metadata_json(metadata) if metadata else '{}'},"
+            f'"sample_id":{_quote(ref.sample_id)},"specs":{_specs_json(key, check)},'
+            f'"store":{_store_json(store)}}}'
         )
     except (TypeError, AttributeError, ValueError, RecursionError):
         return _checked_to_json(ref, check)  # not plain data after all: let to_json say what
