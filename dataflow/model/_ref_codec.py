@@ -1,25 +1,46 @@
-"""The JSON of a SampleRef, fast: what a commit's payload and a stream's ref frame carry.
+"""The JSON of a SampleRef, compiled: what a commit's payload and a stream's ref frame carry.
 
-Encoding a ref costs as much as inserting its row, and is most of a stream's
-CPU time; :meth:`SampleRef.to_json` sorts keys and rebuilds every spec for
-each ref. :func:`ref_json` gives its exact bytes (tests/test_ledger_commit_dedup.py
-holds the two equal) several times faster: the refs of one producer share
-their store and specs, so each distinct set of specs is encoded once (and
-checked once, by the caller's ``check``), and the rest is joined in
-``to_json``'s key order. The decode side is :func:`dataflow.model._refs.ref_from_parsed`.
+Encoding and decoding refs is most of a stream's CPU time and a large part of
+a commit's, so both go through msgspec (C) where it gives exactly what the
+generic Python paths give, and fall back to those paths everywhere else:
+
+* :func:`ref_json` is ``ref.to_json()`` byte for byte (a commit's payload is
+  compared as text with the one written before: tests/test_ledger_commit_dedup.py
+  holds the two equal). Each distinct set of specs is encoded once (and
+  checked once, by the caller's ``check``); the metadata goes through msgspec
+  when its text is provably the one ``json`` writes (see :func:`_metadata_json`).
+* :class:`RefReader` decodes a ref's JSON, read by msgspec into
+  :class:`RefJson`, into the SampleRef that ``SampleRef.from_dict`` would
+  build; anything it is not sure of gives None, and the caller takes the
+  generic path (:func:`dataflow.model._refs.ref_from_parsed` of ``json.loads``),
+  which accepts and refuses exactly as before. :func:`ref_from_json` is the
+  ledger's decoder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from json.encoder import encode_basestring_ascii as _quote
-from typing import Any
+from typing import Annotated, Any
 
-from dataflow.model._refs import _JSON, _REF_FIELDS, FeatureSpec, SampleRef, SpecCheck
+import msgspec
+from msgspec import Meta
+
+from dataflow.model._errors import DataflowError
+from dataflow.model._refs import (
+    _JSON,
+    _REF_FIELDS,
+    FeatureSpec,
+    SampleRef,
+    SpecCheck,
+    _parsed_spec,
+    ref_from_parsed,
+)
 
 #: Whether SampleRef still has the fields joined here; if it ever grows another,
-#: every ref goes through ``to_json``.
+#: every ref goes through ``to_json`` and ``from_dict``.
 _FAST = tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
 
 
@@ -27,6 +48,7 @@ def no_check(name: str, spec: FeatureSpec) -> None:
     """The default ``check`` of :func:`ref_json`: every valid spec is fine."""
 
 
+# -- encoding ------------------------------------------------------------------------------
 def ref_json(ref: SampleRef, check: SpecCheck = no_check) -> str:
     """``ref.to_json()``, byte for byte, after ``check(name, spec)`` of each spec.
 
@@ -35,24 +57,23 @@ def ref_json(ref: SampleRef, check: SpecCheck = no_check) -> str:
     mutated after construction, a spec that is not a FeatureSpec) goes
     through ``to_json``, which says what is wrong.
     """
-    if not _FAST or type(ref.generation) is not int or type(ref.store) is not str:
+    generation, store, specs, metadata = ref.generation, ref.store, ref.specs, ref.metadata
+    if not _FAST or type(generation) is not int or type(store) is not str:
         return _checked_to_json(ref, check)
-    specs = ref.specs
     try:
         if len(specs) == 1:  # most refs: no list to build
             for name, spec in specs.items():
                 key: tuple[Any, ...] = ((name, spec.shape, spec.dtype),)
         else:
             key = tuple([(name, spec.shape, spec.dtype) for name, spec in specs.items()])
-        specs_json = _specs_json(key, check)
-        metadata = _JSON.encode(ref.metadata) if ref.metadata else "{}"
         return (
-            f'{{"generation":{ref.generation},"metadata":{metadata},'
-            f'"sample_id":{_quote(ref.sample_id)},"specs":{specs_json},'
-            f'"store":{_store_json(ref.store)}}}'
+            f'{{"generation":{generation},"metadata":'
+            f"{_metadata_json(metadata) if metadata else '{}'},"
+            f'"sample_id":{_quote(ref.sample_id)},"specs":{_specs_json(key, check)},'
+            f'"store":{_store_json(store)}}}'
         )
-    except (TypeError, AttributeError):  # not plain data after all: let to_json say what
-        return _checked_to_json(ref, check)
+    except (TypeError, AttributeError, ValueError, RecursionError):
+        return _checked_to_json(ref, check)  # not plain data after all: let to_json say what
 
 
 def _checked_to_json(ref: SampleRef, check: SpecCheck) -> str:
@@ -72,3 +93,170 @@ def _specs_json(specs: tuple[tuple[str, tuple[int, ...], Any], ...], check: Spec
 @functools.lru_cache(maxsize=64)  # a producer writes to one store or a few
 def _store_json(store: str) -> str:
     return _quote(store)
+
+
+_SORTED = msgspec.json.Encoder(order="sorted")
+
+
+def _metadata_json(metadata: Any) -> str:
+    """``json.dumps(metadata, sort_keys=True, separators=(",", ":"))``, through msgspec
+    where the two write the same text.
+
+    They differ only in floats outside [1e-4, 1e16) (``1e-05`` against ``0.00001``)
+    and in strings that need escaping (``json`` escapes non-ASCII, msgspec does
+    not): so msgspec's text is taken for metadata without such floats (checked
+    first) and only when it came out as ASCII with no escape at all.
+    """
+    if type(metadata) is not dict:
+        return _JSON.encode(metadata)
+    for key, value in metadata.items():
+        kind = type(value)
+        if type(key) is not str or (kind is not int and kind is not str and not _same_text(value)):
+            return _JSON.encode(metadata)
+    text = _SORTED.encode(metadata)
+    if text.isascii() and b"\\" not in text and b"\x7f" not in text:
+        return text.decode()
+    return _JSON.encode(metadata)
+
+
+def _same_text(value: object) -> bool:
+    """Whether msgspec writes ``value`` as ``json`` does (strings aside: see above)."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return True
+    if kind is float:
+        return value == 0.0 or 1e-4 <= abs(value) < 1e16  # type: ignore[arg-type]
+    if kind is list:
+        return all(map(_same_text, value))  # type: ignore[call-overload]
+    if kind is dict:
+        return all(type(k) is str for k in value) and all(map(_same_text, value.values()))  # type: ignore[attr-defined]
+    return False
+
+
+# -- decoding ------------------------------------------------------------------------------
+# validate_sample_id as a pattern: 1-256 characters of [A-Za-z0-9._:/-], no '..', no
+# leading '/' (msgspec searches it, hence the anchors; \Z, for '$' also matches before a
+# trailing newline).
+_SAMPLE_ID = r"^(?!/)(?!.*\.\.)[A-Za-z0-9._:/-]+\Z"
+
+
+def ref_struct(
+    *, max_generation: int | None = None, max_store_chars: int | None = None
+) -> type[msgspec.Struct]:
+    """A Struct type that reads a ref's JSON object: exactly its five keys, in any order,
+    each of its type and within SampleRef's rules (and these bounds, None: none).
+
+    ``specs`` stays raw text, for :meth:`RefReader.read` to decode once per distinct
+    text (a producer's refs share their specs). A ref it refuses is not necessarily
+    bad: the caller decodes it on the generic path, which says.
+    """
+    return msgspec.defstruct(
+        "RefJson",
+        [
+            ("generation", Annotated[int, Meta(ge=0, le=max_generation)]),
+            ("metadata", dict[str, Any]),
+            ("sample_id", Annotated[str, Meta(min_length=1, max_length=256, pattern=_SAMPLE_ID)]),
+            ("specs", msgspec.Raw),
+            ("store", Annotated[str, Meta(min_length=1, max_length=max_store_chars)]),
+        ],
+        forbid_unknown_fields=True,
+    )
+
+
+class _SpecJson(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: tuple[int, ...]
+
+
+_SPECS = msgspec.json.Decoder(dict[str, _SpecJson])
+_new = object.__new__
+_CACHE_SIZE = 4096
+
+
+class RefReader:
+    """Builds the SampleRefs ``ref_from_parsed(data, check)`` would, from :func:`ref_struct`'s.
+
+    :meth:`read` returns None where a ref's specs are unusual (an invalid spec, more
+    than ``max_features``, one that ``check`` refuses, and with ``unique_keys`` a key
+    given twice), and the caller decodes that ref on the generic path, which raises
+    the precise error.
+    """
+
+    def __init__(
+        self,
+        check: SpecCheck = no_check,
+        *,
+        max_features: int | None = None,
+        unique_keys: bool = False,
+    ) -> None:
+        self._check = check
+        self._max_features = float("inf") if max_features is None else max_features
+        self._unique_keys = unique_keys
+        # The raw text of a set of specs -> its FeatureSpecs, valid and checked.
+        self._specs: dict[bytes, dict[str, FeatureSpec]] = {}
+
+    def read(self, data: Any) -> SampleRef | None:
+        """The SampleRef of ``data`` (a :func:`ref_struct`), or None where the generic path
+        must decide."""
+        raw = bytes(data.specs)
+        specs = self._specs.get(raw)
+        if specs is None:
+            specs = self._read_specs(raw)
+            if specs is None:
+                return None
+        ref = _new(SampleRef)
+        fields = ref.__dict__
+        fields["sample_id"] = data.sample_id
+        fields["store"] = data.store
+        fields["generation"] = data.generation
+        fields["specs"] = specs.copy()
+        fields["metadata"] = data.metadata
+        return ref
+
+    def read_all(self, items: list[Any]) -> list[SampleRef] | None:
+        """:meth:`read` of each of ``items``; None if any gives None."""
+        refs = []
+        read = self.read
+        for data in items:
+            ref = read(data)
+            if ref is None:
+                return None
+            refs.append(ref)
+        return refs
+
+    def _read_specs(self, raw: bytes) -> dict[str, FeatureSpec] | None:
+        if not _FAST:
+            return None
+        try:
+            parsed = _SPECS.decode(raw)
+            if len(parsed) > self._max_features:
+                return None
+            # Valid names and dtypes hold no colon: each spec has three keys' colons.
+            if self._unique_keys and raw.count(b":") != 3 * len(parsed):
+                return None
+            specs = {}
+            for name, spec in parsed.items():  # _parsed_spec validates the name
+                specs[name] = _parsed_spec(name, spec.dtype, spec.shape, self._check)
+        except (DataflowError, ValueError, TypeError, RecursionError):
+            return None
+        if len(self._specs) >= _CACHE_SIZE:
+            self._specs.clear()
+        self._specs[raw] = specs
+        return specs
+
+
+_REF = msgspec.json.Decoder(ref_struct())
+_LEDGER = RefReader()
+
+
+def ref_from_json(text: str | bytes) -> SampleRef:
+    """The ref a commit event's JSON holds: ``ref_from_parsed(json.loads(text))``, compiled.
+
+    The same refs and the same errors as that generic path (which decodes whatever
+    msgspec does not, such as NaN, a lone surrogate, an integer beyond 64 bits).
+    """
+    try:
+        ref = _LEDGER.read(_REF.decode(text))
+    except (ValueError, RecursionError):  # msgspec.DecodeError, UnicodeDecodeError
+        ref = None
+    return ref_from_parsed(json.loads(text)) if ref is None else ref

@@ -10,7 +10,8 @@ import itertools
 from collections.abc import Iterable, Iterator, Mapping
 
 from dataflow.model._lineage import seeded_order
-from dataflow.model._refs import SampleRef, ref_from_ledger
+from dataflow.model._ref_codec import ref_from_json
+from dataflow.model._refs import SampleRef
 
 
 class _Refs(Mapping[str, SampleRef]):
@@ -61,7 +62,7 @@ class SampleQueues:
             if self._ref_source is None:
                 raise KeyError(next(iter(missing)))
             raw.update(self._ref_source.commit_payloads(self.run_id, missing))
-        return {sid: ref_from_ledger(raw[sid]) for sid in raw}  # type: ignore[arg-type]
+        return {sid: ref_from_json(raw[sid]) for sid in raw}  # type: ignore[arg-type]
 
     def revision(self, sample_id: str) -> int:
         if sample_id not in self._commits:

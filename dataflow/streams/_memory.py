@@ -5,12 +5,26 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 from dataflow.interfaces._stream import RefReceiver, RefSender
-from dataflow.model._errors import BackpressureError, InvalidArgumentError, StreamError
+from dataflow.model._errors import (
+    ArgumentTypeError,
+    BackpressureError,
+    InvalidArgumentError,
+    StreamError,
+)
 from dataflow.model._refs import SampleRef
 from dataflow.streams._window import ReceiverStats, Window, check_count, check_timeout
-from dataflow.streams._wire import DEFAULT_MAX_FRAME_BYTES, check_ref, decode, encode_ref, ref_body
+from dataflow.streams._wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    RefsFrame,
+    check_ref,
+    decode,
+    encode_refs,
+    frame_fit,
+    ref_body,
+)
 
 
 class MemoryStream:
@@ -99,27 +113,50 @@ class MemoryStream:
             self._cond.notify_all()
 
     # -- used by the two ends ------------------------------------------------------
-    def _send(self, ref: SampleRef, timeout: float | None) -> None:
+    def _send(self, refs: Sequence[SampleRef], timeout: float | None) -> None:
         check_timeout("timeout", timeout, allow_none=True)
-        frame = encode_ref("memory", 0, ref_body(ref, self.max_frame_bytes))
-        copy = decode([frame], max_bytes=self.max_frame_bytes).ref  # type: ignore[union-attr]
+        copies = self._through_the_wire(refs)
         timeout = self.send_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        done = 0
         with self._cond:
-            while True:
+            while done < len(copies):
                 window = self._pick()
                 if window is not None:
-                    window.accept(copy)
+                    count = min(window.size - window.in_flight, len(copies) - done)
+                    window.accept_many(copies[done : done + count])
+                    done += count
+                    deadline = time.monotonic() + timeout  # each ref waits up to timeout
                     self._cond.notify_all()
-                    return
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise BackpressureError(
+                    error = BackpressureError(
                         f"no rank had room within {timeout:g}s "
                         f"({len(self._windows)} of {self.ranks} ranks have a receiver, "
                         f"window {self.window})"
+                        + (
+                            f"; {done} of the {len(copies)} refs were sent"
+                            if len(copies) > 1
+                            else ""
+                        )
                     )
+                    error.sent = done  # type: ignore[attr-defined]
+                    raise error
                 self._cond.wait(remaining)
+
+    def _through_the_wire(self, refs: Sequence[SampleRef]) -> list[SampleRef]:
+        """Copies of ``refs`` encoded and decoded as the ZeroMQ stream's frames are: a ref
+        the wire refuses raises, naming it, before any is sent."""
+        limit = self.max_frame_bytes
+        bodies = [ref_body(ref, limit) for ref in refs]
+        copies: list[SampleRef] = []
+        while len(copies) < len(bodies):
+            count = frame_fit(bodies, len(copies), len(bodies) - len(copies), limit)
+            chunk = bodies[len(copies) : len(copies) + count]
+            frame = decode([encode_refs("memory", 0, chunk)], max_bytes=limit)
+            copies.extend(frame.refs if isinstance(frame, RefsFrame) else (frame.ref,))  # type: ignore[union-attr]
+        return copies
 
     def _pick(self) -> Window | None:
         ranks = sorted(self._windows)
@@ -168,7 +205,18 @@ class MemoryRefSender(RefSender):
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
         if self._closed:
             raise StreamError(f"sender {self.producer_id!r} is closed")
-        self.stream._send(ref, timeout)
+        self.stream._send([ref], timeout)
+
+    def send_many(self, refs: Sequence[SampleRef], *, timeout: float | None = None) -> None:
+        """As ``ZmqRefSender.send_many``: in order, each rank taking as many as its window
+        has room for; nothing is sent if the wire refuses any of ``refs``."""
+        if self._closed:
+            raise StreamError(f"sender {self.producer_id!r} is closed")
+        if isinstance(refs, SampleRef) or not isinstance(refs, Sequence):
+            raise ArgumentTypeError(
+                f"send_many takes a sequence of SampleRefs, got {type(refs).__name__}"
+            )
+        self.stream._send(refs, timeout)
 
     def close(self) -> None:
         if not self._closed:

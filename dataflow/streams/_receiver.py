@@ -45,6 +45,7 @@ from dataflow.streams._wire import (
     Frame,
     HeartbeatFrame,
     RefFrame,
+    RefsFrame,
     decode,
     encode,
 )
@@ -59,6 +60,8 @@ _DRAIN = 4096
 # oversized; ZeroMQ disconnects a peer that sends a larger one before reading
 # it (ZMQ_MAXMSGSIZE), so that no frame can make a receiver allocate much.
 _READ_LIMIT = 2
+# pyzmq converts enum members on every call
+_NOBLOCK, _RCVMORE, _EVENTS, _POLLIN = map(int, (zmq.NOBLOCK, zmq.RCVMORE, zmq.EVENTS, zmq.POLLIN))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,11 +290,15 @@ class ZmqRefReceiver(RefReceiver):
         if self._closed:
             return
         if wait <= 0 or self._sock.poll(math.ceil(wait * 1000)):
+            # recv_multipart without its sugar, and ending where ZMQ_EVENTS says no message
+            # waits (so recv cannot raise zmq.Again, which costs more than a message).
+            recv, get = self._sock.recv, self._sock.get
             for _ in range(_DRAIN):
-                try:
-                    parts = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                if not get(_EVENTS) & _POLLIN:
                     break
+                parts = [recv(_NOBLOCK), recv(_NOBLOCK)]  # a ROUTER's: routing id, 1+ parts
+                while get(_RCVMORE):
+                    parts.append(recv(_NOBLOCK))
                 self._handle(parts)
         now = time.monotonic()
         beat = now >= self._next_beat
@@ -313,8 +320,10 @@ class ZmqRefReceiver(RefReceiver):
             self._warnings.warn(rid, kind, "dropped a bad frame from %s (%s): %s", kind, exc)
             return
         session = self._session(rid)
-        if isinstance(frame, RefFrame):
+        if type(frame) is RefFrame:
             self._on_ref(rid, session, frame)
+        elif isinstance(frame, RefsFrame):
+            self._on_refs(rid, session, frame)
         elif isinstance(frame, HeartbeatFrame):
             self._speaks_for(rid, session, frame.producer)
         elif isinstance(frame, EofFrame):
@@ -413,13 +422,30 @@ class ZmqRefReceiver(RefReceiver):
             if not session.delivered:
                 self._first_ref(session)
             return
-        self._window.drop()
+        self._on_refs(rid, session, frame)  # where it is dropped
+
+    def _on_refs(self, rid: bytes, session: _Session, frame: RefFrame | RefsFrame) -> None:
+        """Refs of one frame, in order: each takes one credit; those beyond it are dropped."""
+        refs = frame.refs if isinstance(frame, RefsFrame) else (frame.ref,)
+        receiver, line = frame.receiver, frame.line
+        credit = 0
+        if line == session.line and receiver == self.session and session.state == _LIVE:
+            credit = session.granted - session.received  # only bound, live sessions get credit
+        taken = refs if len(refs) <= credit else refs[: max(credit, 0)]
+        if taken:
+            session.received += len(taken)
+            self._window.accept_many(taken)
+            if not session.delivered:
+                self._first_ref(session)
+        if len(taken) == len(refs):
+            return
+        self._window.drop(len(refs) - len(taken))
         self._warnings.warn(
             rid,
             "no credit",
             "dropped a ref from %s: %r came without credit "
             "(if it was committed, the ledger still holds it)",
-            frame.ref.sample_id,
+            refs[len(taken)].sample_id,
         )
 
     def _first_ref(self, session: _Session) -> None:

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -41,12 +42,15 @@ from dataflow.streams._wire import (
     decode,
     encode,
     encode_ref,
+    encode_refs,
+    frame_fit,
     ref_body,
 )
 
 log = logging.getLogger("dataflow.streams")
 
 _CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts an enum member on every call
 
 
 def _default_producer_id() -> str:
@@ -237,40 +241,75 @@ class ZmqRefSender(RefSender):
         check_ref(ref, self.config.max_frame_bytes)
 
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
-        body = ref_body(ref, self.config.max_frame_bytes)
-        check_timeout("timeout", timeout, allow_none=True)
-        timeout = self.config.send_timeout if timeout is None else timeout
+        self._send_bodies([ref_body(ref, self.config.max_frame_bytes)], timeout)
+
+    def send_many(self, refs: Sequence[SampleRef], *, timeout: float | None = None) -> None:
+        """Send ``refs`` in order, as few frames as the window allows; as ``send`` for each.
+
+        Each frame goes to the consumer with the most unused credit and carries as
+        many refs as that credit and ``max_frame_bytes`` allow (one ``refs`` frame,
+        credited per ref). Every ref is checked before any is sent: a ref ``send``
+        would refuse raises its error, naming it, and nothing is sent. Each ref
+        waits up to ``timeout`` for credit; a BackpressureError after some refs
+        went has ``sent``, the count of those (the first ones).
+        """
+        if isinstance(refs, SampleRef) or not isinstance(refs, Sequence):
+            raise ArgumentTypeError(
+                f"send_many takes a sequence of SampleRefs, got {type(refs).__name__}"
+            )
+        limit = self.config.max_frame_bytes
+        bodies = [ref_body(ref, limit) for ref in refs]
+        if bodies:  # none: nothing to say (not even to name a producer id, see _speaker)
+            self._send_bodies(bodies, timeout)
+
+    def _send_bodies(self, bodies: list[bytes], timeout: float | None) -> None:
+        if timeout is None:
+            timeout = self.config.send_timeout
+        else:
+            check_timeout("timeout", timeout)
         deadline = time.monotonic() + timeout
         waited = False
+        done, total = 0, len(bodies)
         with self._lock:
             self._check_open()
-            self._speaker()
-            while True:
+            if self.producer_id is None:
+                self._speaker()
+            while done < total:
                 now = time.monotonic()
                 if now >= self._next_beat:
                     self._pump(0)
-                link = self._pick(now)
+                link, credit = self._pick(now)
                 if link is None:
                     self._pump(0)
-                    link = self._pick(now)
+                    link, credit = self._pick(now)
                 if link is not None:
-                    frame = encode_ref(link.receiver, link.line, body)  # type: ignore[arg-type]
+                    if total == 1:
+                        count, frame = 1, encode_ref(link.receiver, link.line, bodies[0])  # type: ignore[arg-type]
+                    else:
+                        count = frame_fit(bodies, done, credit, self.config.max_frame_bytes)
+                        chunk = bodies[done : done + count]
+                        frame = encode_refs(link.receiver, link.line, chunk)  # type: ignore[arg-type]
                     try:
-                        link.sock.send(frame, zmq.NOBLOCK)
+                        link.sock.send(frame, _NOBLOCK)
                     except zmq.Again:  # disconnected, or its pipe is full: try another
                         link.usable = False
                         continue
-                    link.sent += 1
-                    self._counts["sent"] += 1
-                    return
+                    link.sent += count
+                    self._counts["sent"] += count
+                    done += count
+                    deadline = now + timeout  # each ref waits up to timeout for credit
+                    continue
                 remaining = deadline - now
                 if remaining <= 0:
                     self._counts["backpressure_errors"] += 1
-                    raise BackpressureError(
+                    error = BackpressureError(
                         f"producer {self.producer_id!r} got no credit within {timeout:g}s: "
                         f"every consumer window is full or no consumer is reachable "
                         f"({self._describe()})"
+                        + (f"; {done} of the {total} refs were sent" if total > 1 else "")
                     )
+                    error.sent = done  # type: ignore[attr-defined]
+                    raise error
                 if not waited:
                     waited = True
                     self._counts["waited"] += 1
@@ -340,18 +379,22 @@ class ZmqRefSender(RefSender):
                 link.sock.close(linger=linger)
         self._ctx.term()
 
-    def _pick(self, now: float) -> _Link | None:
-        """The link with the most unused credit, round-robin among equals."""
+    def _pick(self, now: float) -> tuple[_Link | None, int]:
+        """The link with the most unused credit, round-robin among equals, and that credit."""
+        links = self._links
+        if len(links) == 1:  # the usual: one consumer
+            credit = links[0].available(now, self.config.heartbeat_timeout)
+            return (links[0], credit) if credit > 0 else (None, 0)
         best, best_credit = None, 0
-        n = len(self._links)
+        n = len(links)
         for i in range(n):
-            link = self._links[(self._rr + i) % n]
+            link = links[(self._rr + i) % n]
             credit = link.available(now, self.config.heartbeat_timeout)
             if credit > best_credit:
                 best, best_credit = link, credit
         if best is not None:
-            self._rr = (self._links.index(best) + 1) % n
-        return best
+            self._rr = (links.index(best) + 1) % n
+        return best, best_credit
 
     def _pump(self, wait: float) -> None:
         """Handle consumers' frames (waiting up to ``wait`` s), then the timed duties."""

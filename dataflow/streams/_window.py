@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dataflow.model._checks import check_count, check_seconds
@@ -85,12 +85,20 @@ class Window:
         self.buffer.append(ref)
         self.in_flight += 1
         self._counts["received"] += 1
+        if self.in_flight > self._max_in_flight:
+            self._max_in_flight = self.in_flight
+
+    def accept_many(self, refs: Sequence[SampleRef]) -> None:
+        """``accept`` of each of ``refs``, in order."""
+        self.buffer.extend(refs)
+        self.in_flight += len(refs)
+        self._counts["received"] += len(refs)
         self._max_in_flight = max(self._max_in_flight, self.in_flight)
 
-    def drop(self) -> None:
-        """A ref dropped for coming without credit."""
-        self._counts["dropped_refs"] += 1
-        self._counts["dropped_no_credit"] += 1
+    def drop(self, count: int = 1) -> None:
+        """``count`` refs dropped for coming without credit."""
+        self._counts["dropped_refs"] += count
+        self._counts["dropped_no_credit"] += count
 
     def count(self, name: str) -> None:
         """One more of the ReceiverStats counter ``name`` (a ``dropped_*`` one)."""
@@ -137,10 +145,15 @@ class Window:
                     "its refs stay committed in the ledger and come back through reconcile",
                     producer_id=producer,
                 )
-            if self.buffer:
-                count = min(max_refs, len(self.buffer))
+            buffer = self.buffer
+            if buffer:
+                count = min(max_refs, len(buffer))
                 self._counts["delivered"] += count
-                return [self.buffer.popleft() for _ in range(count)]
+                if count == len(buffer):
+                    batch = list(buffer)
+                    buffer.clear()
+                    return batch
+                return [buffer.popleft() for _ in range(count)]
             if self.exhausted:
                 return []
             remaining = deadline - time.monotonic()

@@ -1,19 +1,36 @@
-"""Wire format of ref streams, version 1: one UTF-8 JSON object per ZeroMQ frame.
+"""Wire format of ref streams: one UTF-8 JSON object per ZeroMQ frame.
 
-Nothing is pickled: frames are JSON, decoded into SampleRefs through
-``SampleRef.from_dict``, which rejects anything that is not plain data, plus
-the wire's own limits (``check_limits``). docs/streams.md describes every field.
+Nothing is pickled: frames are JSON, decoded into SampleRefs that
+``SampleRef.from_dict`` would build, which rejects anything that is not plain
+data, plus the wire's own limits (``check_limits``). docs/streams.md describes
+every field.
+
+Each frame type carries the version that introduced it: ``ref``, ``hb``,
+``eof``, ``credit`` and ``eof_ack`` are version 1, ``refs`` (many refs in one
+frame, from ``send_many``) is version 2; so a peer that predates a type reports
+a version mismatch instead of guessing at it.
+
+Decoding is compiled (:func:`_fast_decode`, msgspec) and gives a frame only
+where it is sure to give the one the strict path (:func:`_strict_decode`,
+Python's ``json`` refusing repeated keys, NaN and infinities) gives; anything
+else, every bad frame included, is decided by the strict path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
 
 from dataflow.model._errors import BadFrameError, DataflowError, InvalidRefError, TensorInRefError
-from dataflow.model._ref_codec import ref_json
+from dataflow.model._ref_codec import RefReader, ref_json, ref_struct
 from dataflow.model._refs import (
     _REF_FIELDS,
     FeatureSpec,
@@ -23,6 +40,8 @@ from dataflow.model._refs import (
 )
 
 WIRE_VERSION = 1
+#: The version of ``refs`` frames (the other types are WIRE_VERSION).
+BATCH_VERSION = 2
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 #: Room in a ref frame for everything around the ref's own JSON; a sender
 #: refuses a ref whose JSON and this overhead exceed its max_frame_bytes.
@@ -90,16 +109,31 @@ class EofAckFrame:
     receiver: str
 
 
-Frame = RefFrame | HeartbeatFrame | EofFrame | CreditFrame | EofAckFrame
+@dataclass(frozen=True)
+class RefsFrame:
+    """Producer to consumer: refs in order, sent against credit line ``line`` of ``receiver``.
+
+    Each ref takes one credit, as in a RefFrame; version 2 (``send_many``).
+    """
+
+    receiver: str
+    line: int
+    refs: tuple[SampleRef, ...]
+
+
+Frame = RefFrame | RefsFrame | HeartbeatFrame | EofFrame | CreditFrame | EofAckFrame
 
 _FIELDS: dict[str, tuple[type, frozenset[str]]] = {
     "ref": (RefFrame, frozenset({"v", "type", "receiver", "line", "ref"})),
+    "refs": (RefsFrame, frozenset({"v", "type", "receiver", "line", "refs"})),
     "hb": (HeartbeatFrame, frozenset({"v", "type", "producer"})),
     "eof": (EofFrame, frozenset({"v", "type", "producer"})),
     "credit": (CreditFrame, frozenset({"v", "type", "receiver", "line", "granted"})),
     "eof_ack": (EofAckFrame, frozenset({"v", "type", "receiver"})),
 }
 _TYPE_OF = {cls: name for name, (cls, _) in _FIELDS.items()}
+_VERSION_OF = {name: BATCH_VERSION if name == "refs" else WIRE_VERSION for name in _FIELDS}
+_VERSIONS = sorted(set(_VERSION_OF.values()))
 
 
 def _no_constant(name: str) -> None:
@@ -144,7 +178,14 @@ def encode_ref_body(ref: SampleRef) -> bytes:
     """The JSON of ``ref``; raises TensorInRefError if a tensor hides in it, and
     BadFrameError if it is not JSON-able or beyond the wire's limits."""
     try:
-        return _fast_ref_json(ref).encode()
+        if (
+            type(ref.generation) is int
+            and type(ref.store) is str
+            and ref.generation <= MAX_INT
+            and len(ref.store) <= MAX_STORE_CHARS
+            and len(ref.specs) <= MAX_FEATURES
+        ):
+            return ref_json(ref, _check_spec).encode()
     except (TypeError, ValueError, AttributeError):
         pass  # something in the ref is not plain data, or too large: find out what, precisely
     assert_no_tensors(ref)
@@ -217,21 +258,21 @@ def _check_spec(name: str, spec: FeatureSpec) -> None:
 # generic paths: SampleRef.to_json sorts keys and rebuilds every spec (the
 # body is its bytes all the same, from the one fast encoder, ref_json), and
 # SampleRef.__post_init__ re-checks, for tensors and by a JSON round trip,
-# metadata that json.loads has just built (and so is plain JSON by
-# construction). The fast paths check the same rules; a test compares them
+# metadata that a JSON decoder has just built (and so is plain JSON by
+# construction). The fast paths check the same rules; tests compare them
 # with SampleRef.to_json/from_dict, and they fall back to the generic paths
 # if SampleRef ever grows another field.
 _FAST = tuple(f.name for f in dataclasses.fields(SampleRef)) == _REF_FIELDS
 
 
-def _fast_ref_json(ref: SampleRef) -> str:
-    if type(ref.generation) is not int or type(ref.store) is not str:
-        raise TypeError("no fast path")
-    if len(ref.specs) > MAX_FEATURES or len(ref.store) > MAX_STORE_CHARS:
-        raise ValueError("beyond the limits")
-    if ref.generation > MAX_INT:
-        raise ValueError("beyond the limits")
-    return ref_json(ref, _check_spec)
+@functools.lru_cache(maxsize=256)
+def _head(kind: str, receiver: str, line: int) -> bytes:
+    # A sender's frames go to one receiver session and line for long stretches.
+    version = _VERSION_OF[kind]
+    field = 'refs":[' if kind == "refs" else 'ref":'
+    return (
+        f'{{"v":{version},"type":"{kind}","receiver":{json.dumps(receiver)},"line":{line},"{field}'
+    ).encode()
 
 
 def encode_ref(receiver: str, line: int, body: bytes) -> bytes:
@@ -239,14 +280,40 @@ def encode_ref(receiver: str, line: int, body: bytes) -> bytes:
 
     Splicing the body in saves encoding a ref again for each attempt to send it.
     """
-    head = f'{{"v":{WIRE_VERSION},"type":"ref","receiver":{json.dumps(receiver)},"line":{line},'
-    return b'%s"ref":%s}' % (head.encode(), body)
+    return b"%s%s}" % (_head("ref", receiver, line), body)
+
+
+def encode_refs(receiver: str, line: int, bodies: Sequence[bytes]) -> bytes:
+    """A ``refs`` frame around bodies from :func:`encode_ref_body` (one: a ``ref`` frame)."""
+    if len(bodies) == 1:
+        return encode_ref(receiver, line, bodies[0])
+    return b"%s%s]}" % (_head("refs", receiver, line), b",".join(bodies))
+
+
+def frame_fit(bodies: Sequence[bytes], start: int, count: int, max_frame_bytes: int) -> int:
+    """How many of ``bodies[start:start + count]`` (at least one) fit in one frame.
+
+    Every body fits alone (``ref_body`` leaves REF_OVERHEAD bytes for the frame).
+    """
+    room = max_frame_bytes - REF_OVERHEAD
+    taken = 0
+    for body in bodies[start : start + count]:
+        room -= len(body) + 1
+        if room < 0:
+            break
+        taken += 1
+    return max(taken, 1)
 
 
 def encode(frame: Frame) -> bytes:
-    """The bytes of a frame (for a RefFrame, prefer encode_ref with a cached body)."""
+    """The bytes of a frame (for refs, prefer encode_ref/encode_refs with cached bodies)."""
     if isinstance(frame, RefFrame):
         return encode_ref(frame.receiver, frame.line, encode_ref_body(frame.ref))
+    if isinstance(frame, RefsFrame):
+        if not frame.refs:
+            raise bad_frame(MALFORMED, "a refs frame carries at least one ref")
+        bodies = [encode_ref_body(ref) for ref in frame.refs]
+        return b"%s%s]}" % (_head("refs", frame.receiver, frame.line), b",".join(bodies))
     data = {"v": WIRE_VERSION, "type": _TYPE_OF[type(frame)], **frame.__dict__}
     return json.dumps(data, separators=(",", ":")).encode()
 
@@ -266,6 +333,12 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
         )
     if data.startswith(_TENSOR_MAGIC):
         raise bad_frame(TENSOR, "binary payload (pickle, torch.save or .npy); never unpickled")
+    frame = _fast_decode(data)
+    return _strict_decode(data) if frame is None else frame
+
+
+# -- the strict path: Python's json, every refusal with its reason ------------------------
+def _strict_decode(data: bytes) -> Frame:
     try:
         obj = _loads(data)
     except (ValueError, RecursionError) as exc:
@@ -275,11 +348,19 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
     version = obj.get("v")
     if not _is_int(version):
         raise bad_frame(MALFORMED, f"frame has no integer version field 'v': {version!r}")
-    if version != WIRE_VERSION:
-        raise bad_frame(VERSION, f"frame version {version}; this receiver speaks {WIRE_VERSION}")
+    if version not in _VERSIONS:
+        raise bad_frame(
+            VERSION,
+            f"frame version {version}; this receiver speaks {' and '.join(map(str, _VERSIONS))} "
+            "(run the same dataflow version on producers and consumers)",
+        )
     kind = obj.get("type")
     if kind not in _FIELDS:
         raise bad_frame(MALFORMED, f"unknown frame type {kind!r}")
+    if version != _VERSION_OF[kind]:
+        raise bad_frame(
+            VERSION, f"a {kind} frame is version {_VERSION_OF[kind]}, this one says {version}"
+        )
     cls, fields = _FIELDS[kind]
     if obj.keys() != fields:
         raise bad_frame(
@@ -293,6 +374,11 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
             raise bad_frame(MALFORMED, f"{name} must be an int in [0, 2^63), got {obj[name]!r}")
     if cls is RefFrame:
         return RefFrame(obj["receiver"], obj["line"], _decode_ref(obj["ref"]))
+    if cls is RefsFrame:
+        refs = obj["refs"]
+        if not isinstance(refs, list) or not refs:
+            raise bad_frame(MALFORMED, f"refs must be a list of 1 or more refs, got {refs!r:.80}")
+        return RefsFrame(obj["receiver"], obj["line"], tuple(map(_decode_ref, refs)))
     return cls(**{k: v for k, v in obj.items() if k not in ("v", "type")})
 
 
@@ -323,3 +409,86 @@ def _is_int(value: object) -> bool:
 def _check_id(name: str, value: object) -> None:
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
         raise bad_frame(MALFORMED, f"{name} must be a str of 1-{_MAX_ID_CHARS} characters")
+
+
+# -- the compiled path: msgspec, for the frames it is sure of --------------------------------
+_Id = Annotated[str, Meta(min_length=1, max_length=_MAX_ID_CHARS)]
+_Count = Annotated[int, Meta(ge=0, le=MAX_INT)]
+_Ref = ref_struct(max_generation=MAX_INT, max_store_chars=MAX_STORE_CHARS)
+
+
+class _Wire(msgspec.Struct, forbid_unknown_fields=True, tag_field="type"):
+    v: int
+
+
+class _RefWire(_Wire, tag="ref"):
+    receiver: _Id
+    line: _Count
+    ref: _Ref  # type: ignore[valid-type]
+
+
+class _RefsWire(_Wire, tag="refs"):
+    receiver: _Id
+    line: _Count
+    refs: list[_Ref]  # type: ignore[valid-type]
+
+
+class _HeartbeatWire(_Wire, tag="hb"):
+    producer: _Id
+
+
+class _EofWire(_Wire, tag="eof"):
+    producer: _Id
+
+
+class _CreditWire(_Wire, tag="credit"):
+    receiver: _Id
+    line: _Count
+    granted: _Count
+
+
+class _EofAckWire(_Wire, tag="eof_ack"):
+    receiver: _Id
+
+
+_WIRES = (_RefWire, _RefsWire, _HeartbeatWire, _EofWire, _CreditWire, _EofAckWire)
+_FRAMES = msgspec.json.Decoder(
+    _RefWire | _RefsWire | _HeartbeatWire | _EofWire | _CreditWire | _EofAckWire
+)
+_WIRE_VERSION = {cls: _VERSION_OF[cls.__struct_config__.tag] for cls in _WIRES}  # type: ignore[index]
+_READER = RefReader(_check_spec, max_features=MAX_FEATURES, unique_keys=True)
+_reencode = msgspec.json.Encoder().encode
+
+
+def _fast_decode(data: bytes) -> Frame | None:
+    """The frame in ``data``, or None where the strict path must decide.
+
+    msgspec keeps the last of repeated keys; a frame with one is left to the strict
+    path, which refuses it. It has none when it holds as many colons as the frame
+    msgspec read, written again: every key is followed by one colon, other colons lie
+    inside strings (and the specs, kept as they came, whose keys RefReader counts), and
+    a key or string dropped for a repeated key only adds colons. A colon escaped as
+    ``\\u003a`` would not count, so a frame holding ``\\u003`` is left to the strict path.
+    """
+    try:
+        wire = _FRAMES.decode(data)
+    except (ValueError, RecursionError):  # msgspec.DecodeError, UnicodeDecodeError
+        return None
+    kind = type(wire)
+    if (
+        wire.v != _WIRE_VERSION[kind]
+        or b"\\u003" in data
+        or _reencode(wire).count(b":") != data.count(b":")
+    ):
+        return None
+    if kind is _RefsWire:
+        refs = _READER.read_all(wire.refs)
+        return RefsFrame(wire.receiver, wire.line, tuple(refs)) if refs else None
+    if kind is _RefWire:
+        ref = _READER.read(wire.ref)
+        return None if ref is None else RefFrame(wire.receiver, wire.line, ref)
+    if kind is _CreditWire:
+        return CreditFrame(wire.receiver, wire.line, wire.granted)
+    if kind is _EofAckWire:
+        return EofAckFrame(wire.receiver)
+    return (HeartbeatFrame if kind is _HeartbeatWire else EofFrame)(wire.producer)
