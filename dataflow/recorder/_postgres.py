@@ -36,7 +36,8 @@ Each append transaction takes a transaction-scoped advisory lock on its run
 The cost: a transaction holding an id anywhere on the server (any database)
 holds every reader's horizon back, not its writers, until it ends; a client
 that died inside one is ended after ``idle_in_transaction_session_timeout``
-(:func:`connect_args`). docs/deploy.md ("PostgreSQL") says what to watch.
+(:func:`connect_args`). docs/reliability.md ("Readers and long transactions")
+says what to watch.
 
 No deadlock between the two modes: a transaction takes its run's lock first,
 holding nothing else, and a producer holding it shared waits only on other
