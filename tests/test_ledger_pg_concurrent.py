@@ -429,7 +429,7 @@ def test_a_ledger_whose_sequence_gave_seqs_above_the_new_ones_is_refused(
             assert [e.actor for e in led.events("r")] == ["old", "new"]
         with engine.begin() as conn:
             conn.exec_driver_sql(
-                "SELECT setval(pg_get_serial_sequence('dataflow_events', 'seq'), 4611686018427387904)"
+                f"SELECT setval(pg_get_serial_sequence('dataflow_events', 'seq'), {2**62})"
             )
     finally:
         engine.dispose()

@@ -136,7 +136,7 @@ class Backend:
         """
         raise NotImplementedError
 
-    def check_writable(self, conn: Connection) -> None:
+    def check_seqs(self, conn: Connection) -> None:
         """When a writer opens the ledger: refuse one whose existing seqs the seqs of new
         events would not sort after."""
 

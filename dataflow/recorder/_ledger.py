@@ -206,7 +206,6 @@ class Ledger:
             if create:
                 self._backend.lock_schema(conn)
                 create_schema(conn)
-                self._backend.check_writable(conn)
             elif not inspect(conn).has_table(schema_info.name):
                 raise NotALedgerError(
                     f"{self.safe_url} holds no dataflow ledger (no {schema_info.name} table); "
@@ -219,6 +218,8 @@ class Ledger:
                     f"ledger {self.safe_url} has schema version {version}, newer than this "
                     f"dataflow's {SCHEMA_VERSION}: upgrade dataflow to read it"
                 )
+            if not self.read_only:
+                self._backend.check_seqs(conn)
 
     # -- writing (used by Producer and Consumer) -----------------------------
     @contextlib.contextmanager

@@ -197,7 +197,7 @@ class PostgresBackend(Backend):
             )
         return int(epoch), xid << SEQ_SHIFT
 
-    def check_writable(self, conn: Connection) -> None:
+    def check_seqs(self, conn: Connection) -> None:
         # A ledger written before issue 37 holds seqs from a sequence: new ones must
         # sort after them, which they do unless that ledger averaged 2**20 events per
         # transaction.

@@ -150,27 +150,29 @@ def _page_between() -> Any:
     return _page_after().where(events.c.seq <= bindparam("upto"))
 
 
-def _settled(*, upto: bool = False, limit: bool = True) -> Callable[[], Any]:
-    """PostgreSQL's tail read: the rows after ``after`` that no transaction still running
-    can add to, in seq order, up to ``upto`` and ``limit`` rows.
+def _settled(*, upto: bool = False) -> Callable[[], Any]:
+    """PostgreSQL's tail read: up to ``limit`` rows after ``after`` (and up to ``upto``)
+    that no transaction still running can add to, in seq order.
 
     That is every row below the horizon, and the rows a hand set at or above the seqs of
-    the transactions not yet committed (no running transaction sorts after those). Two
-    index range scans: the seqs between them, of transactions that committed while one
-    with a smaller id still runs, are never scanned only to be left out. For a reader
-    that holds no transaction id: its own rows would count as set by hand.
+    the transactions not yet committed (no running transaction sorts after those). Each
+    part is an index range scan stopped at ``limit`` rows: the seqs between them, of
+    transactions that committed while one with a smaller id still runs, are never
+    scanned only to be left out, and the sort is of two pages at most. For a reader that
+    holds no transaction id (its own rows would count as set by hand).
     """
 
     def build() -> Any:
-        def part(*bound: Any) -> Any:
+        def part(bound: Any) -> Any:
             where = [events.c.run_id == bindparam("run_id"), events.c.seq > bindparam("after")]
             if upto:
                 where.append(events.c.seq <= bindparam("upto"))
-            return select(*ROW_COLUMNS).where(*where, *bound)
+            stmt = select(*ROW_COLUMNS).where(*where, bound).order_by(events.c.seq)
+            return stmt.limit(bindparam("limit"))
 
         both = union_all(part(events.c.seq < _HORIZON), part(events.c.seq >= _UNCOMMITTED))
-        stmt = both.order_by(events.c.seq)
-        return stmt.limit(bindparam("limit")) if limit else stmt
+        settled = both.subquery("settled")
+        return select(*settled.c).order_by(settled.c.seq).limit(bindparam("limit"))
 
     return build
 
