@@ -340,6 +340,22 @@ def test_a_resume_fences_a_consumer_that_keeps_writing_beside_producers(
     assert replay(ledger, run).verify() == []
 
 
+def test_processes_claiming_one_producer_id_at_once_get_one_epoch_each_in_order(
+    pg: tuple[str, list[Worker]], ledger: Ledger
+) -> None:
+    _, workers = pg
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    for i, worker in enumerate(workers):
+        worker.send("produce", run=run, producer="p", batches=[[f"s{i}"]])
+    replies = [worker.reply() for worker in workers]
+    assert sorted(reply["epoch"] for reply in replies) == list(range(1, len(workers) + 1))
+    claims = [e.epoch for e in ledger.events(run) if e.kind == Kind.CLAIM]
+    assert claims == list(range(1, len(workers) + 1))  # in the log in the order of their epochs
+    # Only the holder's commit, if it came after every claim, counts; the rest were fenced.
+    state = replay(ledger, run)
+    assert state.verify() == [] and state.producer_epochs == {"p": len(workers)}
+
+
 # -- in one process: the locks themselves ----------------------------------------------------
 
 
