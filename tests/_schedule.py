@@ -63,6 +63,7 @@ GROUPED_MODULES = frozenset(
         "test_eval_distributed.py",
         "test_faults_postgres_network.py",
         "test_ledger_concurrency.py",
+        "test_ledger_pg_concurrent.py",
         "test_mooncake_keeper.py",
         "test_store_mooncake.py",
         "test_training_master_weights.py",

@@ -14,9 +14,9 @@ def record_writes(ledger: Ledger) -> list[str]:
     write = ledger.write
 
     @contextlib.contextmanager
-    def recorded(run_id: str, what: str) -> Iterator[object]:
+    def recorded(run_id: str, what: str, **options: bool) -> Iterator[object]:
         seen.append(what)
-        with write(run_id, what) as tx:
+        with write(run_id, what, **options) as tx:
             yield tx
 
     ledger.write = recorded  # type: ignore[method-assign]

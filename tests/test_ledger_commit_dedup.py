@@ -174,11 +174,11 @@ def test_a_duplicate_that_cannot_be_settled_never_fails_the_commit(
     late = Producer(ledger, store, run_id=run_id, producer_id="p2")
     real, calls = ledger.write, []
 
-    def write(run: str, what: str):  # the second transaction (the settling) fails
+    def write(run: str, what: str, **options: bool):  # the second one (the settling) fails
         calls.append(what)
         if len(calls) == 2:
             raise OperationalError("the ledger went away")
-        return real(run, what)
+        return real(run, what, **options)
 
     monkeypatch.setattr(ledger, "write", write)
     with caplog.at_level(logging.WARNING, logger="dataflow"):

@@ -307,7 +307,7 @@ class Producer:
         """
         held_before: dict[str, tuple[int, str]] = {}
         try:
-            with self.ledger.write(self.run_id, "commit") as tx:
+            with self.ledger.write(self.run_id, "commit", shared=True) as tx:
                 tx.check_producer(self.producer_id, self.epoch)
                 held_before = tx.append_first_commits(self.producer_id, payloads, epoch=self.epoch)
             return held_before
@@ -315,7 +315,7 @@ class Producer:
             log.warning("%s; committing %d refs once more", exc, len(payloads))
             first = exc
         try:
-            with self.ledger.write(self.run_id, "commit") as tx:
+            with self.ledger.write(self.run_id, "commit", shared=True) as tx:
                 tx.check_producer(self.producer_id, self.epoch)
                 known = tx.append_first_commits(self.producer_id, payloads, epoch=self.epoch)
         except Exception as exc:
@@ -469,7 +469,7 @@ class Producer:
                 # Without a stream, the close says so: consumers' streams then do not
                 # count this producer among those they wait for.
                 payload = dump_payload({"streamed": False}) if self.stream is None else None
-                with self.ledger.write(self.run_id, "close") as tx:
+                with self.ledger.write(self.run_id, "close", shared=True) as tx:
                     tx.check_producer(self.producer_id, self.epoch)
                     tx.append(
                         [NewEvent(Kind.CLOSE, self.producer_id, epoch=self.epoch, payload=payload)]

@@ -123,9 +123,22 @@ class Backend:
     def create_engine(self, url: str, *, durability: str, busy_timeout_s: float) -> Engine:
         raise NotImplementedError
 
-    def lock_run(self, conn: Connection, run_id: str) -> int:
-        """Create the run's row if missing, lock it for this transaction, return its epoch."""
+    def lock_run(
+        self, conn: Connection, run_id: str, *, shared: bool = False
+    ) -> tuple[int, int | None]:
+        """Lock the run for this transaction (create its row if missing); its consumer epoch,
+        and the first seq of the rows this transaction inserts (None: the database gives
+        seqs as it inserts).
+
+        ``shared``: other shared holders of the run append at the same time (the
+        producers' commits, see ``Ledger.write``); a backend with a single writer
+        ignores it.
+        """
         raise NotImplementedError
+
+    def check_seqs(self, conn: Connection) -> None:
+        """When a writer opens the ledger: refuse one whose existing seqs the seqs of new
+        events would not sort after."""
 
     def lock_schema(self, conn: Connection) -> None:
         """Serialize schema creation between processes opening a fresh database."""

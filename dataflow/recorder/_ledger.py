@@ -2,7 +2,8 @@
 
 :class:`Ledger` opens a ledger and reads it; appends go through
 :meth:`Ledger.write`, whose :class:`~dataflow.recorder._write.WriteTransaction`
-(``_write.py``) holds the run's lock. The hot SQL is in ``_sql.py``, the
+(``_write.py``) holds the run's lock (on PostgreSQL producers' commits share it,
+``_postgres.py`` says how readers stay exact). The hot SQL is in ``_sql.py``, the
 snapshots table in ``_snapshots.py``, and what differs between databases in the
 backends (``_sqlite.py``, ``_postgres.py``, picked by ``_backends.py``).
 """
@@ -53,7 +54,7 @@ from dataflow.recorder._reads import (
 from dataflow.recorder._schema import SCHEMA_VERSION, events, schema_info
 from dataflow.recorder._schema import runs as runs_table
 from dataflow.recorder._snapshots import stored_snapshots, write_snapshot
-from dataflow.recorder._sql import EVENT_RUN_IDS, run_sql
+from dataflow.recorder._sql import EVENT_RUN_IDS, run_sql, tail_statement
 from dataflow.recorder._write import NewEvent, WriteTransaction
 
 # check_id, _check_run_id, NewEvent and WriteTransaction are imported from here by
@@ -229,11 +230,24 @@ class Ledger:
                     f"ledger {self.safe_url} has schema version {version}, newer than this "
                     f"dataflow's {SCHEMA_VERSION}: upgrade dataflow to read it"
                 )
+            if not self.read_only:
+                self._backend.check_seqs(conn)
 
     # -- writing (used by Producer and Consumer) -----------------------------
     @contextlib.contextmanager
-    def write(self, run_id: str, what: str) -> Iterator[WriteTransaction]:
+    def write(self, run_id: str, what: str, *, shared: bool = False) -> Iterator[WriteTransaction]:
         """An append transaction holding ``run_id``'s write lock; commits on success.
+
+        ``shared=True``: the lock is shared with other shared writers of the run,
+        which append at the same time (on PostgreSQL; SQLite has one writer at a
+        time). For a producer's commits of first revisions and its close, whose
+        checks the database makes exactly however producers interleave: the commit
+        index skips a sample committed meanwhile, and the producer's epoch is read
+        inside the transaction (a claim holds the lock alone). Not for a write that
+        decides from the run's state (a lease, an ack, a resume; a claim, or a next
+        revision, read from what the transaction reads): such a write holds the
+        lock alone (the default), waiting for the shared writers in flight, and
+        reads the run's exact state.
 
         A failure while committing raises CommitOutcomeUnknownError: the database
         may have committed before the connection failed, so the caller cannot
@@ -249,8 +263,8 @@ class Ledger:
                 self._engine.connect().execution_options(**write_options()) as conn,
                 conn.begin(),
             ):
-                epoch = self._backend.lock_run(conn, run_id)
-                yield WriteTransaction(conn, run_id, epoch)
+                epoch, first_seq = self._backend.lock_run(conn, run_id, shared=shared)
+                yield WriteTransaction(conn, run_id, epoch, first_seq=first_seq, shared=shared)
                 committing = True  # leaving the block commits
         except LedgerError as exc:
             if not committing:
@@ -267,12 +281,19 @@ class Ledger:
     def rows(
         self, run_id: str, *, after_seq: int = 0, upto_seq: int | None = None
     ) -> Iterator[Row[Any]]:
-        """Raw event rows of a run in seq order, in constant memory (keyset pages)."""
+        """Raw event rows of a run in seq order, in constant memory (keyset pages).
+
+        Only rows that no transaction still running can add to: none ever appears
+        later below the last seq read (on PostgreSQL, the rows below the horizon of
+        the transactions still running, see ``_postgres.py``).
+        """
         _check_run_id(run_id)
         _check_seq("after_seq", after_seq)
         _check_seq("upto_seq", upto_seq, optional=True)
         cursor = after_seq
-        statement = "page_after" if upto_seq is None else "page_between"
+        statement = tail_statement(
+            self._engine.dialect, "page_after" if upto_seq is None else "page_between"
+        )
         while True:
             with self._reading(run_id) as conn:
                 # Plain driver tuples, not Rows: the GC untracks tuples of
@@ -316,8 +337,8 @@ class Ledger:
     ) -> Iterator[Event]:
         """Tail a run live: yield every event after ``after_seq`` as it commits.
 
-        Never skips an event (appends are serialized per run, so seq order is
-        commit order). Stops after ``timeout`` seconds without a new event
+        Never skips an event: it reads only seqs below which no event can still
+        appear (see :meth:`rows`). Stops after ``timeout`` seconds without a new event
         (None: never stops; close the generator to stop).
         """
         _check_seq("after_seq", after_seq)

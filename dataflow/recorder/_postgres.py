@@ -1,27 +1,88 @@
-"""PostgreSQL specifics of the ledger: per-run append serialization.
+"""PostgreSQL specifics of the ledger: run locks that let producers append at once, and
+seqs that a reader can tail exactly.
 
-Why every append locks its run's row first: ``seq`` comes from a sequence,
-and sequence values are handed out at INSERT time, not at COMMIT time. Two
-concurrent transactions can take seq 41 and 42 and commit in the order 42,
-41; a reader tailing the run "after seq 41" at the moment between the two
-commits would read 42, move its cursor past 41, and never see 41. Taking
-``SELECT ... FOR UPDATE`` on the run's row before inserting means a second
-writer of the same run waits until the first has committed, so within a run
-seq order is commit order and ``follow`` can never skip an event. Runs do not
-block each other, and commits batch many events per lock.
+Why a seq cannot come from a sequence once appends run concurrently: a sequence
+hands out values at INSERT time, not at COMMIT time. Two transactions can take
+seq 41 and 42 and commit in the order 42, 41; a reader tailing the run "after
+seq 41" at the moment between the two commits would read 42, move its cursor
+past 41, and never see 41. (Until issue 37 every append took ``SELECT ... FOR
+UPDATE`` on the run's row, which made seq order commit order by serializing
+every append of a run.)
+
+So an event's seq is ``(xid << 20) | ordinal`` (``_sql.SEQ_SHIFT``): the id of
+the transaction that appends it, which PostgreSQL hands out in time order, then
+its place among that transaction's rows. A transaction's rows then sort
+together, and a reader outside a write transaction reads only below the
+*horizon* ``xmin << 20`` of its statement's snapshot (every transaction with a
+smaller id has ended: nothing can still appear below it), as gap-free
+notification logs do (``_sql._settled``). What it reads is final; what a
+running transaction adds sorts above it.
+
+Each append transaction takes a transaction-scoped advisory lock on its run
+(a 64-bit hash of the run id) before it takes its id:
+
+- producer transactions (``Ledger.write(shared=True)``: commits, closes) take
+  it shared, so they run at once; the unique commit index still settles two
+  commits of one sample (the second waits for the first, then skips), and a
+  producer's epoch is read inside the transaction;
+- every other transaction (a consumer's lease, ack, resume ..., a producer's
+  claim) takes it exclusive: it waits for the producer transactions in flight
+  and blocks new ones until it ends. A producer transaction that committed
+  before it had its id before it, and one that starts after it takes a larger
+  one; so the tail it reads without a horizon (``WriteTransaction.rows_after``)
+  is exact, and every row it appends sorts after what it read and before what
+  producers commit after it. Consumers decide leases from that tail.
+
+The cost: a transaction holding an id anywhere on the server (any database)
+holds every reader's horizon back, not its writers, until it ends; a client
+that died inside one is ended after ``idle_in_transaction_session_timeout``
+(:func:`connect_args`). docs/reliability.md ("Readers and long transactions")
+says what to watch.
+
+No deadlock between the two modes: a transaction takes its run's lock first,
+holding nothing else, and a producer holding it shared waits only on other
+producers of the run (a row of the runs table they create, keys of the commit
+index, which each inserts in sample-id order), never on an exclusive holder,
+which cannot hold the lock while a producer does. ``lock_timeout`` bounds every
+wait, the advisory lock's too (SQLSTATE 55P03: ``translate_errors`` says "held
+the ledger's write lock for longer than busy_timeout", as before).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
+from dataflow.model._errors import LedgerError, SchemaVersionError
 from dataflow.recorder._db import Backend
 from dataflow.recorder._schema import events, runs
+from dataflow.recorder._sql import SEQ_SHIFT
 
-_LOCK_RUN = f"SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s FOR UPDATE"
+_XID = "pg_current_xact_id()::text::bigint"
+_EPOCH = f"(SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s)"
+_LOCK_EXCLUSIVE = "SELECT pg_advisory_xact_lock(%(key)s)"
+# After the lock, in a statement of its own: its snapshot then shows what the
+# transactions that held the lock before committed (a resume's epoch).
+_XID_AND_EPOCH = f"SELECT {_XID}, {_EPOCH}"
+# One round trip for a producer: the subquery (OFFSET 0 keeps it one) takes the lock
+# before the outer row takes the transaction's id. The epoch is the statement's
+# snapshot's, taken before any wait for the lock: producers do not read it.
+_LOCK_SHARED = (
+    f"SELECT {_XID}, {_EPOCH} FROM "
+    "(SELECT pg_advisory_xact_lock_shared(%(key)s) OFFSET 0) AS locked"
+)
+_RUN_EPOCH = f"SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s"
+# The values a sequence gave (ledgers written before issue 37) against the first seq a
+# new transaction can take.
+_SEQUENCE_AND_FIRST_SEQ = (
+    f"SELECT pg_sequence_last_value(pg_get_serial_sequence('{events.name}', 'seq')), "
+    f"pg_snapshot_xmax(pg_current_snapshot())::text::bigint << {SEQ_SHIFT}"
+)
+#: Transaction ids whose seqs fit a BIGINT.
+_MAX_XID = 2 ** (63 - SEQ_SHIFT) - 1
 # A run's row starts at the newest epoch its events name: 0 for a new run, and the
 # epoch it had for a run whose row was deleted (so a live consumer is not fenced off).
 _NEW_RUN = (
@@ -93,6 +154,13 @@ def _ms(seconds: float) -> int:
     return min(math.ceil(seconds * 1000), _MAX_INT)
 
 
+def run_lock_key(run_id: str) -> int:
+    """The run's advisory lock key: a stable signed 64-bit hash of its id (two runs that
+    share one only wait for each other)."""
+    digest = hashlib.blake2b(run_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
 class PostgresBackend(Backend):
     name = "postgresql"
 
@@ -107,17 +175,40 @@ class PostgresBackend(Backend):
             connect_args=connect_args(busy_timeout_s, synchronous_commit=synchronous_commit),
         )
 
-    def lock_run(self, conn: Connection, run_id: str) -> int:
-        # One round trip when the run exists (every append but its first), as plain
-        # driver SQL: building Core statements cost more CPU than the server spent.
-        params = {"run_id": run_id}
-        epoch = conn.exec_driver_sql(_LOCK_RUN, params).scalar()
+    def lock_run(self, conn: Connection, run_id: str, *, shared: bool = False) -> tuple[int, int]:
+        # Plain driver SQL: building Core statements cost more CPU than the server spent.
+        params = {"run_id": run_id, "key": run_lock_key(run_id)}
+        if shared:
+            xid, epoch = conn.exec_driver_sql(_LOCK_SHARED, params).one()
+        else:
+            conn.exec_driver_sql(_LOCK_EXCLUSIVE, params)
+            xid, epoch = conn.exec_driver_sql(_XID_AND_EPOCH, params).one()
         if epoch is None:
-            # A writer creating the run at the same moment makes this wait for its
-            # commit (the primary key); then both lock the one row.
+            # A writer creating the run at the same moment makes this wait for its commit
+            # (the primary key). Both hold the lock shared then (an exclusive holder is
+            # alone), and the one waited for waits on nothing this one holds.
             conn.exec_driver_sql(_NEW_RUN, params)
-            epoch = conn.exec_driver_sql(_LOCK_RUN, params).scalar_one()
-        return int(epoch)
+            epoch = conn.exec_driver_sql(_RUN_EPOCH, params).scalar_one()
+        if xid > _MAX_XID:
+            raise LedgerError(
+                f"transaction id {xid} is past {_MAX_XID}, the last one whose seqs fit the "
+                "ledger's BIGINT seq column: this PostgreSQL server cannot hold a ledger any "
+                "more; move the ledger to a new server (dataflow export)"
+            )
+        return int(epoch), xid << SEQ_SHIFT
+
+    def check_seqs(self, conn: Connection) -> None:
+        # A ledger written before issue 37 holds seqs from a sequence: new ones must
+        # sort after them, which they do unless that ledger averaged 2**20 events per
+        # transaction.
+        given, first = conn.exec_driver_sql(_SEQUENCE_AND_FIRST_SEQ).one()
+        if given is not None and given >= first:
+            raise SchemaVersionError(
+                f"the ledger's events hold seqs up to {given} from the sequence of an older "
+                f"dataflow, at or above {first}, the first seq this dataflow would give a new "
+                "event: new events would sort before them, where a live fold never reads "
+                "them. Export the runs (dataflow export) into a new ledger"
+            )
 
     def lock_schema(self, conn: Connection) -> None:
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in pg_type.

@@ -30,8 +30,8 @@ schema_info = Table(
     Column("version", Integer, nullable=False),
 )
 
-#: One row per run: its current consumer epoch. Every append transaction
-#: locks the run's row first, which serializes appends per run (see _ledger).
+#: One row per run: its current consumer epoch (each append transaction locks its run
+#: first: SQLite's one writer; on PostgreSQL an advisory lock, see _postgres).
 runs = Table(
     "dataflow_runs",
     metadata,
@@ -39,7 +39,8 @@ runs = Table(
     Column("epoch", Integer, nullable=False),
 )
 
-#: The append-only log. ``seq`` is global; within a run it is also commit order.
+#: The append-only log. ``seq`` is global and orders a run's events (on PostgreSQL the
+#: appending transaction's id << 20, plus the event's place in it: see _postgres).
 events = Table(
     "dataflow_events",
     metadata,

@@ -11,7 +11,16 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, CursorResult, bindparam, insert, literal_column, select
+from sqlalchemy import (
+    Connection,
+    CursorResult,
+    bindparam,
+    func,
+    insert,
+    literal_column,
+    select,
+    union_all,
+)
 
 from dataflow.recorder._schema import events, producers
 
@@ -29,10 +38,24 @@ ROW_COLUMNS = (
     events.c.payload,
     events.c.ts,
 )
-#: The columns of an inserted event row, in the order of the rows ``insert_sql`` takes.
+#: The columns of an inserted event row, in the order of the rows ``insert_sql`` takes;
+#: on PostgreSQL a row starts with its ``seq`` (see :data:`SEQ_SHIFT`).
 INSERT_KEYS = (
     "run_id", "kind", "sample_id", "revision", "epoch", "step", "actor", "payload", "ts",
 )  # fmt: skip
+#: On PostgreSQL an event's seq is ``(xid << SEQ_SHIFT) | ordinal``: the id of the
+#: transaction that appended it, then its place among that transaction's rows
+#: (``_postgres.py`` says why).
+SEQ_SHIFT = 20
+#: The seqs below it can no longer change: every transaction with a smaller id has ended
+#: (the statement's snapshot; PostgreSQL only).
+_HORIZON = literal_column(f"(pg_snapshot_xmin(pg_current_snapshot())::text::bigint << {SEQ_SHIFT})")
+#: No transaction with an id at or above it had committed when the statement's snapshot was
+#: taken: a row it shows from there up, other than the transaction's own, was written by hand
+#: (PostgreSQL only).
+_UNCOMMITTED = literal_column(
+    f"(pg_snapshot_xmax(pg_current_snapshot())::text::bigint << {SEQ_SHIFT})"
+)
 
 
 def per_dialect(build: Callable[..., _T]) -> Callable[..., _T]:
@@ -76,17 +99,22 @@ def run_sql(conn: Connection, statement: str, **params: Any) -> CursorResult[Any
     return conn.exec_driver_sql(sql, tuple(values[key] for key in order))
 
 
+def insert_keys(dialect: Any) -> tuple[str, ...]:
+    """The columns of an inserted row for ``dialect``: PostgreSQL's rows name their seq."""
+    return ("seq", *INSERT_KEYS) if dialect.name == "postgresql" else INSERT_KEYS
+
+
 @per_dialect
 def insert_sql(dialect: Any, skip_held_commits: bool) -> tuple[str, bool]:
     """The INSERT of an event row for ``dialect``, and whether its parameters are positional.
 
-    ``skip_held_commits``: a commit whose (run, sample, revision) is held already
-    is left out (``ON CONFLICT ... DO NOTHING`` on the commit index) instead of
-    failing the transaction. On PostgreSQL a row left out still takes a seq from
-    the sequence; nothing reads seq as contiguous (it is global to the ledger, so
-    a run's seqs skip the other runs' events anyway, and a rolled-back
-    transaction leaves gaps too): folds, snapshots, ``follow`` and ``--upto``
-    only compare seqs.
+    The row's columns are :func:`insert_keys`. ``skip_held_commits``: a commit whose
+    (run, sample, revision) is held already is left out (``ON CONFLICT ... DO
+    NOTHING`` on the commit index) instead of failing the transaction. A row left
+    out leaves its seq unused; nothing reads seq as contiguous (it is global to the
+    ledger, so a run's seqs skip the other runs' events anyway, and a rolled-back
+    transaction leaves gaps too): folds, snapshots, ``follow`` and ``--upto`` only
+    compare seqs.
     """
     stmt: Any = insert(events)
     if skip_held_commits:
@@ -99,9 +127,10 @@ def insert_sql(dialect: Any, skip_held_commits: bool) -> tuple[str, bool]:
             index_where=events.c.revision.isnot(None),
         )
     # inline(): no RETURNING seq on PostgreSQL, which executemany would only discard.
-    compiled = stmt.inline().compile(dialect=dialect, column_keys=list(INSERT_KEYS))
+    keys = insert_keys(dialect)
+    compiled = stmt.inline().compile(dialect=dialect, column_keys=list(keys))
     if compiled.positional:
-        assert tuple(compiled.positiontup) == INSERT_KEYS, compiled.positiontup
+        assert tuple(compiled.positiontup) == keys, compiled.positiontup
     return str(compiled), bool(compiled.positional)
 
 
@@ -121,11 +150,38 @@ def _page_between() -> Any:
     return _page_after().where(events.c.seq <= bindparam("upto"))
 
 
-def _seq_above(last_inserted: str) -> Callable[[], Any]:
-    """The run's highest seq above the seq of the row this connection inserted last."""
+def _settled(*, upto: bool = False) -> Callable[[], Any]:
+    """PostgreSQL's tail read: up to ``limit`` rows after ``after`` (and up to ``upto``)
+    that no transaction still running can add to, in seq order.
+
+    That is every row below the horizon, and the rows a hand set at or above the seqs of
+    the transactions not yet committed (no running transaction sorts after those). Each
+    part is an index range scan stopped at ``limit`` rows: the seqs between them, of
+    transactions that committed while one with a smaller id still runs, are never
+    scanned only to be left out, and the sort is of two pages at most. For a reader that
+    holds no transaction id (its own rows would count as set by hand).
+    """
+
+    def build() -> Any:
+        def part(bound: Any) -> Any:
+            where = [events.c.run_id == bindparam("run_id"), events.c.seq > bindparam("after")]
+            if upto:
+                where.append(events.c.seq <= bindparam("upto"))
+            stmt = select(*ROW_COLUMNS).where(*where, bound).order_by(events.c.seq)
+            return stmt.limit(bindparam("limit"))
+
+        both = union_all(part(events.c.seq < _HORIZON), part(events.c.seq >= _UNCOMMITTED))
+        settled = both.subquery("settled")
+        return select(*settled.c).order_by(settled.c.seq).limit(bindparam("limit"))
+
+    return build
+
+
+def _seq_above(last_inserted: Any) -> Callable[[], Any]:
+    """The run's highest seq at or above ``last_inserted``."""
     return lambda: (
         select(events.c.seq)
-        .where(events.c.run_id == bindparam("run_id"), events.c.seq > literal_column(last_inserted))
+        .where(events.c.run_id == bindparam("run_id"), events.c.seq >= last_inserted)
         .order_by(events.c.seq.desc())
         .limit(1)
     )
@@ -151,13 +207,28 @@ _STATEMENTS: dict[str, Callable[[], Any]] = {
     "rows_after": _rows_after,
     "page_after": _page_after,
     "page_between": _page_between,
-    "seq_above_rowid": _seq_above("last_insert_rowid()"),
-    "seq_above_lastval": _seq_above("lastval()"),
+    "settled_page_after": _settled(),
+    "settled_page_between": _settled(upto=True),
+    # SQLite: above the row just inserted (its rowid). PostgreSQL: above the seqs of this
+    # transaction (``end``) and of every one committed (concurrent appends above ours are
+    # real).
+    "seq_above_rowid": _seq_above(literal_column("last_insert_rowid() + 1")),
+    "seq_above_given": _seq_above(func.greatest(_UNCOMMITTED, bindparam("end"))),
     "unseen_rows": _unseen_rows,
     "producer_epoch": _producer_epoch,
 }
-#: The statement that finds a seq above the one just inserted, by dialect name.
-SEQ_ABOVE_INSERT = {"sqlite": "seq_above_rowid", "postgresql": "seq_above_lastval"}
+#: The statement that finds a seq above any the ledger gives new events, by dialect name.
+SEQ_ABOVE_INSERT = {"sqlite": "seq_above_rowid", "postgresql": "seq_above_given"}
+
+
+def tail_statement(dialect: Any, statement: str) -> str:
+    """The name of ``statement`` (``page_after``, ``page_between``) that a reader outside a
+    write transaction runs on ``dialect``: on PostgreSQL the settled rows only (see
+    :func:`_settled`); SQLite's single writer commits in seq order, so every row it
+    shows is settled."""
+    return f"settled_{statement}" if dialect.name == "postgresql" else statement
+
+
 #: Each run id of the events once, one index probe per run (a skip scan; SQLite and
 #: PostgreSQL both read DISTINCT as a scan of every event).
 EVENT_RUN_IDS = f"""

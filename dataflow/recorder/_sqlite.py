@@ -376,13 +376,16 @@ class SQLiteBackend(Backend):
 
         return engine
 
-    def lock_run(self, conn: Connection, run_id: str) -> int:
+    def lock_run(
+        self, conn: Connection, run_id: str, *, shared: bool = False
+    ) -> tuple[int, int | None]:
         # BEGIN IMMEDIATE already holds the database's single write lock, so
         # nobody can add the run between the read and the insert. Plain driver
         # SQL: every append starts here, and building the Core statements cost
-        # more than running them.
+        # more than running them. One writer at a time: ``shared`` changes nothing,
+        # and the rowids are the seqs.
         epoch = conn.exec_driver_sql(_RUN_EPOCH, (run_id,)).scalar()
         if epoch is not None:
-            return int(epoch)
+            return int(epoch), None
         conn.exec_driver_sql(_NEW_RUN, (run_id, run_id))
-        return int(conn.exec_driver_sql(_RUN_EPOCH, (run_id,)).scalar_one())
+        return int(conn.exec_driver_sql(_RUN_EPOCH, (run_id,)).scalar_one()), None

@@ -1,9 +1,9 @@
 """Appending to a run: the write transaction, its fencing checks, and the event rows it inserts.
 
-A :class:`WriteTransaction` holds its run's write lock (``Ledger.write`` opens it):
-everything it reads is the run's exact state, and every check it makes (consumer
-epochs, producer epochs, commits already held) is made by the database inside
-the transaction that appends, never from memory.
+A :class:`WriteTransaction` holds its run's lock (``Ledger.write`` opens it), alone
+or (``shared``, producers' commits on PostgreSQL) beside other producers: every
+check it makes (consumer epochs, producer epochs, commits already held) is made
+by the database inside the transaction that appends, never from memory.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sqlalchemy import Connection, insert, inspect, select, update
 
 from dataflow.model._errors import (
     CorruptLedgerError,
+    InvalidArgumentError,
     ProducerFencedError,
     SchemaVersionError,
     StaleEpochError,
@@ -25,7 +26,13 @@ from dataflow.model._events import Kind, check_payload
 from dataflow.recorder._reads import CHUNK, newest_commits, released_revision
 from dataflow.recorder._schema import events, producers
 from dataflow.recorder._schema import runs as runs_table
-from dataflow.recorder._sql import INSERT_KEYS, SEQ_ABOVE_INSERT, insert_sql, run_sql
+from dataflow.recorder._sql import (
+    SEQ_ABOVE_INSERT,
+    SEQ_SHIFT,
+    insert_keys,
+    insert_sql,
+    run_sql,
+)
 
 
 @dataclass
@@ -69,21 +76,38 @@ def refuse_unseen_commits(conn: Connection, run_id: str, sample_ids: Sequence[st
 
 
 class WriteTransaction:
-    """One append transaction on one run, holding the run's write lock.
+    """One append transaction on one run, holding the run's lock.
 
-    Everything read inside it is the run's exact state: no other writer of
-    the run can append until it ends. Used by Producer and Consumer; the
-    public surface of the ledger is read-only.
+    Held alone (the default), everything read inside it is the run's exact
+    state: no other writer of the run can append until it ends. Held
+    ``shared`` (producers' commits and closes, see ``Ledger.write``), other
+    producers append beside it: it reads no tail, and its checks read what the
+    database holds (the commit index, the producer's epoch). Used by Producer and
+    Consumer; the public surface of the ledger is read-only.
     """
 
-    def __init__(self, conn: Connection, run_id: str, epoch: int) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        run_id: str,
+        epoch: int,
+        *,
+        first_seq: int | None = None,
+        shared: bool = False,
+    ) -> None:
         self.conn = conn
         self.run_id = run_id
-        #: The run's current consumer epoch, as locked.
+        #: The run's current consumer epoch, as locked (not read in a shared transaction,
+        #: whose writers, the producers, are not fenced by it).
         self.epoch = epoch
+        self.shared = shared
         #: Whether this transaction inserted events (a reader of them inside it holds
         #: events that are not the ledger's if it then does not commit).
         self.appended = False
+        # PostgreSQL: the seq of the next row inserted, and the end of this transaction's
+        # range (see _postgres.py). None: the database gives seqs (SQLite's rowids).
+        self._next_seq = first_seq
+        self._end_seq = None if first_seq is None else first_seq + (1 << SEQ_SHIFT)
 
     def check_epoch(self, epoch: int, actor: str) -> None:
         """Fencing: refuse a consumer write from an epoch that is not the run's current one."""
@@ -146,6 +170,11 @@ class WriteTransaction:
         self.epoch = epoch
 
     def rows_after(self, seq: int) -> list[Any]:
+        """The run's rows after ``seq``, in seq order: the run's exact tail (what a consumer
+        decides from). Only in a transaction that holds the run's lock alone: beside
+        shared writers, a row could still appear below one read."""
+        if self.shared:
+            raise AssertionError("a shared write transaction cannot read the run's exact tail")
         return run_sql(self.conn, "rows_after", run_id=self.run_id, after=seq).fetchall()
 
     def commits(self, sample_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
@@ -181,30 +210,34 @@ class WriteTransaction:
         rows = [(run_id, kind, sid, 0, epoch, None, actor, p, now) for sid, p in payloads.items()]
         if not rows:
             return {}
+        first = self._next_seq
         inserted = self._insert(rows, skip_held_commits=True)
         if inserted == len(rows):
             return {}
-        # Under the run's lock nobody else appends to the run, and seq grows
-        # with every insert (SQLite's rowid, PostgreSQL's sequence), so the
-        # run's newest `inserted` events are exactly the ones just inserted.
-        ours = set(
-            self.conn.execute(
-                select(events.c.sample_id)
-                .where(events.c.run_id == run_id)
-                .order_by(events.c.seq.desc())
-                .limit(inserted)
-            ).scalars()
-        )
+        if first is None:
+            # SQLite: nobody else appends to the run meanwhile, and rowids grow with
+            # every insert, so the run's newest `inserted` events are the ones just inserted.
+            mine = select(events.c.sample_id).where(events.c.run_id == run_id)
+            mine = mine.order_by(events.c.seq.desc()).limit(inserted)
+        else:  # the seqs this insert gave (other producers append beside it)
+            mine = select(events.c.sample_id).where(
+                events.c.run_id == run_id, events.c.seq >= first, events.c.seq < self._next_seq
+            )
+        ours = set(self.conn.execute(mine).scalars())
         held = [s for s in payloads if s not in ours]
         refuse_unseen_commits(self.conn, run_id, held)
         return newest_commits(self.conn, run_id, held)
 
     def _insert(self, rows: list[tuple[Any, ...]], *, skip_held_commits: bool) -> int:
         """Insert ``rows``; the number inserted (short when commits were skipped)."""
-        sql, positional = insert_sql(self.conn.dialect, skip_held_commits)
+        dialect = self.conn.dialect
+        sql, positional = insert_sql(dialect, skip_held_commits)
+        if self._next_seq is not None:
+            rows = self._numbered(rows, by_sample=skip_held_commits)
         params: list[Any] = rows
         if not positional:
-            params = [dict(zip(INSERT_KEYS, row, strict=True)) for row in rows]
+            keys = insert_keys(dialect)
+            params = [dict(zip(keys, row, strict=True)) for row in rows]
         # The driver's executemany, not insert(events): SQLAlchemy's per-row
         # parameter processing costs as much as SQLite's own insert.
         self.appended = True
@@ -215,12 +248,37 @@ class WriteTransaction:
             self._refuse_seqs_above_insert()
         return inserted
 
+    def _numbered(self, rows: list[tuple[Any, ...]], *, by_sample: bool) -> list[tuple[Any, ...]]:
+        """``rows``, each led by its seq: the transaction's next ones, in the given order.
+
+        ``by_sample``: inserted in sample-id order (their seqs stay in the given
+        order). Two producers committing overlapping ids then meet in the commit
+        index in one order, each waiting for the other's commit at most one way:
+        never in a cycle (a deadlock that PostgreSQL would end by failing one).
+        """
+        first = self._next_seq
+        assert first is not None and self._end_seq is not None
+        if first + len(rows) > self._end_seq:
+            total = first + len(rows) - (self._end_seq - (1 << SEQ_SHIFT))
+            raise InvalidArgumentError(
+                f"one transaction appends at most {1 << SEQ_SHIFT} events to a PostgreSQL "
+                f"ledger, and this one would append {total}. Nothing was written: commit "
+                "in smaller batches"
+            )
+        self._next_seq = first + len(rows)
+        numbered = [(first + i, *row) for i, row in enumerate(rows)]
+        if by_sample:
+            numbered.sort(key=lambda row: row[3])  # (seq, run_id, kind, sample_id, ...)
+        return numbered
+
     def _refuse_seqs_above_insert(self) -> None:
         """CorruptLedgerError (the transaction rolls back) when the run holds an event with a
-        seq above the one just given: a hand-edited seq (SQLite gives random rowids once one
-        is 2**63-1; PostgreSQL's sequence ignores the table). Every fold stops at the run's
-        highest seq, so what was just appended would never be read by a live one."""
-        above = run_sql(self.conn, SEQ_ABOVE_INSERT[self.conn.dialect.name], run_id=self.run_id)
+        seq above the ones the ledger gives: a hand-edited seq (SQLite gives random rowids
+        once one is 2**63-1; on PostgreSQL, above the seqs of this transaction and of every
+        one committed; concurrent producers' seqs above ours are real). Every fold stops at the
+        run's highest seq, so what was just appended would never be read by a live one."""
+        statement = SEQ_ABOVE_INSERT[self.conn.dialect.name]
+        above = run_sql(self.conn, statement, run_id=self.run_id, end=self._end_seq)
         seq = above.scalar()
         if seq is not None:
             raise CorruptLedgerError(
