@@ -199,7 +199,8 @@ def test_a_zombie_consumer_is_fenced_and_changes_nothing(history, make_consumer,
     assert ids(replacement.lease(10)) == ["e", "f"]
     with pytest.raises(StaleEpochError):  # also when nothing is left to lease
         history.lease(1)
-    assert ledger.head_seq(run_id) == head + 1  # the replacement's lease: one batch row
+    # the replacement's lease: one batch row (seqs are not contiguous on PostgreSQL)
+    assert len(list(ledger.events(run_id, after_seq=head))) == 1
 
 
 def test_a_restarted_zombie_fences_its_replacement(history, make_consumer):

@@ -80,7 +80,7 @@ def test_the_reading_commands_read_a_ledger_on_a_read_only_mount(read_only_ledge
     assert SAYS_SO in verify.stderr
 
     status = dataflow(read_only_ledger, "status", "--run", "r1")
-    assert ok(status).startswith("run 'r1': 43 events") and "12 committed" in ok(status)
+    assert ok(status).startswith("run 'r1': 33 events") and "12 committed" in ok(status)
 
     events = [json.loads(line) for line in ok(dataflow(read_only_ledger, "events", "--run", "r1"))
               .splitlines()]  # fmt: skip

@@ -62,6 +62,13 @@ class FirstPutStore(LocalFeatureStore):
         self.first.setdefault(sample_id, {k: v.clone() for k, v in features.items()})
         return ref
 
+    def put_many(self, samples: Any) -> Any:  # what Producer.emit_many puts through
+        samples = list(samples)
+        refs = super().put_many(samples)
+        for sample_id, features, *_ in samples:
+            self.first.setdefault(sample_id, {k: v.clone() for k, v in features.items()})
+        return refs
+
     def get(self, ref: Any, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         super().get(ref, *args, **kwargs)  # the ref must still be readable
         return {k: v.clone() for k, v in self.first[ref.sample_id].items()}

@@ -675,7 +675,7 @@ def test_an_arrival_order_run_whose_last_batch_was_short_resumes(parts) -> None:
     second = _trainer(parts, loader_config=LoaderConfig(batch_size=3))
     second.resume()
     assert second.position == 8 and second.step == 3
-    acks = sum(1 for e in parts["led"].events(RUN) if e.kind == "ack")
+    acks = sum(len(e.sample_ids) for e in parts["led"].events(RUN) if e.kind == "ack")
     assert second.run() == 3  # everything was trained and checkpointed: no step left
-    assert sum(1 for e in parts["led"].events(RUN) if e.kind == "ack") == acks == 8
+    assert sum(len(e.sample_ids) for e in parts["led"].events(RUN) if e.kind == "ack") == acks == 8
     assert replay(parts["led"], RUN).verify() == []

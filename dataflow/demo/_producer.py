@@ -59,7 +59,7 @@ def _kill_in_commit(config: dict, index: int, store: Any) -> None:
     plan = config.get("kill_in_commit")
     if plan is None or plan["producer"] != index or Path(plan["marker"]).exists():
         return  # not this one, or this is the restarted producer
-    put, count = store.put, 0
+    put, put_many, count = store.put, store.put_many, 0
 
     def put_then_die(*args: Any, **kwargs: Any) -> Any:
         nonlocal count
@@ -69,7 +69,18 @@ def _kill_in_commit(config: dict, index: int, store: Any) -> None:
             kill_self(plan["marker"])
         return ref
 
+    def put_many_then_die(*args: Any, **kwargs: Any) -> Any:
+        # emit_many stores a batch in one put_many: the death comes after the batch that
+        # holds the n-th put, its features stored and its commit not written.
+        nonlocal count
+        refs = put_many(*args, **kwargs)
+        before, count = count, count + len(refs)
+        if before < plan["after_puts"] <= count:
+            kill_self(plan["marker"])
+        return refs
+
     store.put = put_then_die
+    store.put_many = put_many_then_die
 
 
 def main(config: dict, index: int) -> None:
