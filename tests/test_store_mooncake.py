@@ -6,6 +6,7 @@ session. Without Mooncake the tests skip, except under CI=true, where they fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -74,6 +75,28 @@ class TestMooncakeFeatureStore(FeatureStoreContract):
 
     def make_store(self, tmp_path):
         return self.cluster.store()
+
+    @contextlib.contextmanager
+    def failing_puts(self, store, after):
+        """The master stores the objects of ``after`` sample generations of a batch write
+        and refuses the next ones (WRITE_FAIL), as a server that breaks in the middle of
+        a batch: the real writes before the failure stay for the store to undo."""
+        io = store._puts._io
+        write, generations = io.write, []
+
+        def failing_write(writes):
+            taken, refused = [], []
+            for entry in writes:
+                kind, sample_id, generation = io.keys.parse(entry[0])
+                if kind in ("record", "tensor") and (sample_id, generation) not in generations:
+                    generations.append((sample_id, generation))
+                late = kind != "head" and generations.index((sample_id, generation)) >= after
+                (refused if late else taken).append(entry)
+            return write(taken) + [(entry[0], -500) for entry in refused]
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(io, "write", failing_write)
+            yield
 
     def rewrite_stored_bytes(self, store, ref, name, change):
         key = _data_key(store, ref, name)
