@@ -459,7 +459,7 @@ class FeatureLoader(_BatchReading):
         size = self.config.batch_size
         count = size * self.config.prefetch - len(short)
         try:
-            refs = short + self._lease_ready(acks, written is not None, count, size - len(short))
+            refs = short + self._lease_ready(acks, written is not None, count)
         except BaseException as exc:
             if written is not None:
                 written.set_exception(exc)
@@ -481,16 +481,15 @@ class FeatureLoader(_BatchReading):
         acks: list[tuple[list[SampleRef], int]],
         with_acks: bool,
         count: int,
-        rest: int,
     ) -> list[SampleRef]:
         """Up to ``count`` refs ready now, in the transaction of ``acks`` when ``with_acks``;
         again, after a log line, when a stream producer is found lost (that is raised
-        before anything is written). From a stream that trickles, when batches are filled,
+        before anything is written). From a stream still open, when batches are filled,
         the acks go first (their credits let the producers send) and the lease waits a
-        little for ``rest`` refs, the rest of the next batch: one lease row, not one per
-        trickle."""
+        little (``min(batch_wait_s, 0.5 s)``) for all ``count``: from a stream that
+        trickles, one lease row for the batches ahead, not one per trickle."""
         consumer = self.consumer
-        gather = self._fills_batches and consumer.stream is not None and rest > 1
+        gather = self._fills_batches and consumer.stream is not None and count > 1
         for attempt in range(_LOSSES_AT_ONCE + 1):
             try:
                 if gather and not consumer.stream.exhausted:
@@ -499,7 +498,7 @@ class FeatureLoader(_BatchReading):
                         with_acks = False  # written: a retry after a loss leases only
                     wait = self.config.batch_wait_s
                     wait = _POLL_S if wait is None else min(wait, _POLL_S)
-                    return consumer.lease(count, timeout=wait, min_refs=min(rest, count))
+                    return consumer.lease(count, timeout=wait, min_refs=count)
                 if with_acks:
                     return consumer.ack_and_lease(acks, count)
                 return consumer.lease(count, timeout=0)
