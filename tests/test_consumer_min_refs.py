@@ -1,5 +1,6 @@
 """``Consumer.lease(min_refs=...)``: from a stream that trickles, one lease of the refs a
-caller waits for, not one lease row per trickle.
+caller waits for, not one lease row per trickle; and the one ACK row of ``ack_many``'s
+several steps, as the readers of the log see it.
 
 Real SQLite files; the stream is the in-process MemoryStream, fed from another thread by a
 producer with its own ledger connection.
@@ -16,6 +17,9 @@ import torch
 
 from dataflow import Consumer, DataflowError, Kind, Ledger, Producer, replay
 from dataflow.streams import MemoryStream
+from dataflow.tools import final_lineage
+from dataflow.tools._samples import sample_history
+from dataflow.tools._time_travel import seq_at_step
 from stores import LocalFeatureStore
 
 RUN = "run"
@@ -108,3 +112,25 @@ def test_bad_min_refs_are_refused_and_nothing_is_leased(
     assert _leases(consumer) == []
     assert consumer.stream.stats().delivered == 0  # still on the stream
     assert [r.sample_id for r in consumer.lease(4, timeout=0)] == ["a"]
+
+
+def test_the_acks_of_several_steps_are_one_row_that_readers_give_each_sample_its_step(
+    tmp_path: Path,
+) -> None:
+    consumer, producer = _rig(tmp_path)
+    for sample_id in ("a", "b", "c", "d"):
+        producer.emit(sample_id, {"x": torch.tensor(1.0)})
+    refs = consumer.lease(4, timeout=60, min_refs=4)
+    consumer.ack_many([(refs[:2], 1), (refs[2:3], 2), (refs[3:], 3)])
+    producer.close()
+    ledger = consumer.ledger
+    (ack,) = [e for e in ledger.events(RUN) if e.kind == Kind.ACK]
+    assert ack.step == 3 and ack.payload["steps"] == [1, 1, 2, 3]
+    assert ack.sample_steps == [1, 1, 2, 3]
+    state = replay(ledger, RUN)
+    assert state.trained == {"a": 1, "b": 1, "c": 2, "d": 3} and state.verify() == []
+    assert [t[0] for t in final_lineage(ledger, RUN).trainings] == [1, 1, 2, 3]
+    (event,) = [e for e in sample_history(ledger, RUN, "c")["events"] if e["kind"] == Kind.ACK]
+    assert event["step"] == 2 and event["detail"] == "trained into step 2"
+    # Time travel reads the row at its highest step (the step column).
+    assert seq_at_step(ledger, RUN, 3) == ack.seq

@@ -245,7 +245,8 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
 
         A loader that leases ahead while the current batch trains writes the acks
         of the steps since its last lease with the next one: one write instead of
-        two. The acks are checked as ``ack_many`` checks them, and written whether
+        two (the acks of all its steps in one ACK row, the lease in one LEASE row).
+        The acks are checked as ``ack_many`` checks them, and written whether
         or not anything is leased; if the write fails, neither is in the ledger.
         While refs still come from a stream, those it holds now are taken before
         the transaction, as ``lease`` would take them. With leases reclaimed by

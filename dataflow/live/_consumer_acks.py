@@ -47,7 +47,8 @@ class _Acks(_FencedWrites):
 
         The same as :meth:`ack` of each in turn (steps in order, none lower than the
         one before), but all or nothing and one ledger write: a loader that acks a
-        few steps at once pays one transaction for them. A sample may appear once.
+        few steps at once pays one transaction for them, and one ACK row (it names each
+        sample's step; see docs/ledger.md "Batch rows"). A sample may appear once.
         """
         steps, ids = self._checked_acks(acks)
         if not steps:
