@@ -484,15 +484,16 @@ class FeatureLoader(_BatchReading):
     ) -> list[SampleRef]:
         """Up to ``count`` refs ready now, in the transaction of ``acks`` when ``with_acks``;
         again, after a log line, when a stream producer is found lost (that is raised
-        before anything is written). From a stream still open, when batches are filled,
-        the acks go first (their credits let the producers send) and the lease waits a
-        little (``min(batch_wait_s, 0.5 s)``) for all ``count``: from a stream that
-        trickles, one lease row for the batches ahead, not one per trickle."""
+        before anything is written). From a stream still open that does not hold all
+        ``count`` now, when batches are filled, the acks go first (their credits let the
+        producers send) and the lease waits a little (``min(batch_wait_s, 0.5 s)``) for
+        all ``count``: from a stream that trickles, one lease row for the batches ahead,
+        not one per trickle."""
         consumer = self.consumer
         gather = self._fills_batches and consumer.stream is not None and count > 1
         for attempt in range(_LOSSES_AT_ONCE + 1):
             try:
-                if gather and not consumer.stream.exhausted:
+                if gather and not consumer.stream.exhausted and not self._all_ready(count):
                     if with_acks:
                         consumer.ack_many(acks)
                         with_acks = False  # written: a retry after a loss leases only
@@ -507,6 +508,15 @@ class FeatureLoader(_BatchReading):
                     raise
                 self._producer_lost(exc)
         raise AssertionError("unreachable")
+
+    def _all_ready(self, count: int) -> bool:
+        """Whether the stream's receiver holds ``count`` refs now (its ``stats()``, where it
+        has one): then the lease ahead needs no wait, and its acks share its transaction."""
+        stats = getattr(self.consumer.stream, "stats", None)
+        if stats is None:
+            return False
+        now = stats()
+        return now.received - now.delivered >= count
 
     def _take_ahead(self, *, wait: bool = False) -> None:
         """Move what the lease ahead read into the ready batches: when none is left, or
