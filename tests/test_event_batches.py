@@ -22,12 +22,14 @@ from dataflow.model._events import (
     MAX_BATCH_SAMPLES,
     Event,
     Kind,
+    ack_payloads,
     batch_payloads,
     check_payload,
     dump_payload,
     expand_row,
     read_payload,
     row_samples,
+    row_steps,
 )
 from dataflow.model._fold import RunState
 
@@ -92,6 +94,27 @@ class TwoLogs:
         self.batched.append(batched)
         self.state.apply_rows(rows)
 
+    def acks(self, steps: list[tuple[list[str], int]], *, epoch: int, actor: str) -> None:
+        """The acks of several steps in one transaction (``Consumer.ack_many``): one row per
+        sample and step in the single log, one ACK row for them all in the batched one."""
+        first = self.seq + 1
+        rows = []
+        for ids, step in steps:
+            for sid in ids:
+                self.seq += 1
+                rows.append((self.seq, Kind.ACK, sid, None, epoch, step, actor, None, 0.0))
+        ids = [sid for batch, _ in steps for sid in batch]
+        (payload, top), *_ = ack_payloads(ids, [step for batch, step in steps for _ in batch])
+        batched = (self.seq, Kind.ACK, None, None, epoch, top, actor, payload, 0.0)
+        assert [r[2] for r in expand_row(batched)] == ids
+        assert [r[5] for r in expand_row(batched)] == row_steps(Kind.ACK, None, top, payload)
+        assert row_steps(Kind.ACK, None, top, payload) == [r[5] for r in rows]
+        for seq in range(first, self.seq + 1):
+            self.batch_seq[seq] = self.seq
+        self.single += rows
+        self.batched.append(batched)
+        self.state.apply_rows(rows)
+
     def violations(self, state: RunState, *, mapped: bool) -> list[str]:
         """verify() with each single row's seq named as its batch row's, duplicates once."""
         found = state.verify()
@@ -125,6 +148,8 @@ def runs(draw: st.DrawFn) -> TwoLogs:
                     "lease",
                     "ack",
                     "commit",
+                    "acks",
+                    "acks",
                 ]
             )
         )
@@ -155,6 +180,7 @@ def runs(draw: st.DrawFn) -> TwoLogs:
         likely = {
             "lease": list(state.pending),
             "ack": list(state.leased),
+            "acks": list(state.leased),
             "nack": list(state.leased),
             "release": list(state.trained) + list(state.dead),
         }[op]
@@ -166,6 +192,16 @@ def runs(draw: st.DrawFn) -> TwoLogs:
         elif op == "ack":
             step = draw(st.integers(0, 8))
             logs.batch(Kind.ACK, ids, epoch=row_epoch, actor=actor, step=step)
+        elif op == "acks":  # several steps in one transaction, in step order (or not)
+            steps = draw(st.lists(st.integers(1, 8), min_size=len(ids), max_size=len(ids)))
+            if draw(st.integers(0, 4)):
+                steps.sort()
+            cuts = sorted(draw(st.sets(st.integers(1, len(ids)), max_size=3)) | {len(ids)})
+            groups, start = [], 0
+            for cut in cuts:
+                groups.append((ids[start:cut], steps[start]))
+                start = cut
+            logs.acks(groups, epoch=row_epoch, actor=actor)
         elif op == "nack":
             fields: dict[str, Any] = {"retryable": draw(st.booleans()), "reason": "why"}
             if draw(st.booleans()):
@@ -223,6 +259,11 @@ def test_a_violation_inside_a_batch_names_the_row_and_the_sample() -> None:
         (Kind.LEASE, None, '{"samples":[""]}', "samples"),
         (Kind.RELEASE, None, '{"revisions":[0,1],"samples":["a"]}', "1 samples but 2 revisions"),
         (Kind.RELEASE, None, '{"samples":["a"]}', "both its `samples` and their `revisions`"),
+        (Kind.ACK, None, '{"samples":["a"],"steps":[1,1]}', "1 samples but 2 steps"),
+        (Kind.ACK, None, '{"samples":["a"],"steps":[0]}', "steps"),
+        (Kind.ACK, None, '{"samples":["a"],"steps":[true]}', "steps"),
+        (Kind.ACK, None, '{"steps":[1]}', "`steps` go with its `samples`"),
+        (Kind.ACK, None, '{"samples":["a"],"steps":[2]}', "must hold the highest, 2"),
     ],
 )
 def test_a_malformed_batch_row_is_a_violation_of_its_seq(
@@ -256,3 +297,43 @@ def test_the_samples_of_a_row_in_either_shape() -> None:
     event = Event(1, RUN, Kind.ACK, None, 1, 2, "c0", json.loads(ack))
     assert event.sample_ids == ["a", "b"]
     assert Event(1, RUN, Kind.ACK, "a", 1, 2, "c0").sample_ids == ["a"]
+
+
+def test_an_ack_row_of_several_steps_gives_each_sample_its_step() -> None:
+    state = RunState(RUN)
+    seq = commit(state, "a", "b", "c")
+    (lease,) = batch_payloads(Kind.LEASE, ["a", "b", "c"])
+    ((ack, top),) = ack_payloads(["a", "b", "c"], [1, 1, 2])
+    assert (json.loads(ack), top) == ({"samples": ["a", "b", "c"], "steps": [1, 1, 2]}, 2)
+    assert ack_payloads(["a", "b"], [3, 3]) == [('{"samples":["a","b"]}', 3)]  # one step
+    state.apply_rows(
+        [
+            (seq + 1, Kind.LEASE, None, None, 1, None, "c0", lease, 0.0),
+            (seq + 2, Kind.ACK, None, None, 1, top, "c0", ack, 0.0),
+        ]
+    )
+    assert state.trained == {"a": 1, "b": 1, "c": 2}
+    assert state.verify() == []
+    event = Event(seq + 2, RUN, Kind.ACK, None, 1, top, "c0", json.loads(ack))
+    assert event.sample_steps == [1, 1, 2]
+    assert row_steps(Kind.ACK, None, top, ack) == [1, 1, 2]
+    assert row_steps(Kind.ACK, "a", 4, None) == [4]
+
+
+def test_an_ack_row_whose_step_column_is_not_its_highest_step_is_a_violation() -> None:
+    state = RunState(RUN)
+    seq = commit(state, "a", "b")
+    (lease,) = batch_payloads(Kind.LEASE, ["a", "b"])
+    ack = '{"samples":["a","b"],"steps":[1,3]}'
+    state.apply_rows(
+        [
+            (seq + 1, Kind.LEASE, None, None, 1, None, "c0", lease, 0.0),
+            (seq + 2, Kind.ACK, None, None, 1, 2, "c0", ack, 0.0),
+        ]
+    )
+    (violation,) = state.violations
+    assert violation.startswith(f"seq {seq + 2}: unreadable ack event")
+    assert "step column" in violation and "must hold the highest, 3" in violation
+    assert state.trained == {}  # none of the row was applied
+    with pytest.raises(InvalidArgumentError, match="1 samples but 2 steps"):
+        check_payload(Kind.ACK, '{"samples":["a"],"steps":[1,2]}')

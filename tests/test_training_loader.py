@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import warnings
@@ -543,8 +544,10 @@ def test_ack_many_writes_several_steps_in_one_transaction_or_nothing(led, store)
     consumer.ack_many([(first, 1), (second, 1), (third, 3)])
     state = replay(led, RUN)
     assert state.trained == {"s00": 1, "s01": 1, "s02": 1, "s03": 1, "s04": 3, "s05": 3}
-    # One batch row per step (schema 4).
-    assert state.head_seq == head + 2 and state.verify() == []
+    # One ACK row for all the steps (schema 4): each sample's step in its `steps`.
+    assert state.head_seq == head + 1 and state.verify() == []
+    (row,) = [r for r in led.rows(RUN) if r[0] == head + 1]
+    assert row[5] == 3 and json.loads(row[7])["steps"] == [1, 1, 1, 1, 3, 3]
     assert consumer.finished
 
 

@@ -17,6 +17,8 @@ from training._config import LoaderConfig
 from training._reading import CollateFn, _BatchReading, _Read, collate, pinned
 
 _POLL_S = 0.5
+#: The longest one lease of the rest of a short batch waits (it returns once the rest came).
+_FILL_WAIT_S = 2.0
 #: Stream producers found lost in one lease ahead before the loader stops retrying it.
 _LOSSES_AT_ONCE = 64
 log = logging.getLogger("training")
@@ -318,8 +320,19 @@ class FeatureLoader(_BatchReading):
         refs, self._short = self._short, []
         deadline = None if timeout is None else time.monotonic() + timeout
         wait = 0.0
+        stream = self.consumer.stream
+        if self._fills_batches and len(refs) < size and stream is not None and not stream.exhausted:
+            # Wait for the whole rest in the first lease already (the acks first: a
+            # stream's credits come back with them), within batch_wait_s of now.
+            self._send_acks()
+            ends = [b for b in (timeout, self.config.batch_wait_s) if b is not None]
+            wait = min([_FILL_WAIT_S, *ends])
+            if self._short_since is not None and self._full_by() is not None:
+                wait = max(0.0, min(wait, self._full_by() - time.monotonic()))
         while True:
-            refs += self._lease_refs(size - len(refs), wait)
+            # A short batch waits for its rest in one lease (min_refs), not one per trickle.
+            rest = size - len(refs)
+            refs += self._lease_refs(rest, wait, min_refs=rest if self._fills_batches else 1)
             if len(refs) >= size or (refs and not self._fills_batches) or self._drained():
                 return self._handed_out(refs)
             if refs and self._short_since is None:
@@ -344,7 +357,7 @@ class FeatureLoader(_BatchReading):
                     stacklevel=3,
                 )
                 return []
-            wait = _POLL_S if remaining is None else min(_POLL_S, remaining)
+            wait = _POLL_S if remaining is None else min(_FILL_WAIT_S, remaining)
 
     @property
     def _fills_batches(self) -> bool:
@@ -378,10 +391,11 @@ class FeatureLoader(_BatchReading):
                 log.info("%s (short batch %d)", message, self.short_batches)
         return refs
 
-    def _lease_refs(self, count: int, wait: float) -> list[SampleRef]:
-        """``consumer.lease(count, timeout=wait)``; [] when it finds a stream producer lost."""
+    def _lease_refs(self, count: int, wait: float, *, min_refs: int = 1) -> list[SampleRef]:
+        """``consumer.lease(count, timeout=wait, min_refs=...)``; [] when it finds a stream
+        producer lost."""
         try:
-            return self.consumer.lease(count, timeout=wait)
+            return self.consumer.lease(count, timeout=wait, min_refs=min(min_refs, count))
         except ProducerLostError as exc:
             self._producer_lost(exc)
             return []
@@ -463,21 +477,46 @@ class FeatureLoader(_BatchReading):
         return reads, refs[full:]
 
     def _lease_ready(
-        self, acks: list[tuple[list[SampleRef], int]], with_acks: bool, count: int
+        self,
+        acks: list[tuple[list[SampleRef], int]],
+        with_acks: bool,
+        count: int,
     ) -> list[SampleRef]:
         """Up to ``count`` refs ready now, in the transaction of ``acks`` when ``with_acks``;
         again, after a log line, when a stream producer is found lost (that is raised
-        before anything is written)."""
+        before anything is written). From a stream still open that does not hold all
+        ``count`` now, when batches are filled, the acks go first (their credits let the
+        producers send) and the lease waits a little (``min(batch_wait_s, 0.5 s)``) for
+        all ``count``: from a stream that trickles, one lease row for the batches ahead,
+        not one per trickle."""
+        consumer = self.consumer
+        gather = self._fills_batches and consumer.stream is not None and count > 1
         for attempt in range(_LOSSES_AT_ONCE + 1):
             try:
+                if gather and not consumer.stream.exhausted and not self._all_ready(count):
+                    if with_acks:
+                        consumer.ack_many(acks)
+                        with_acks = False  # written: a retry after a loss leases only
+                    wait = self.config.batch_wait_s
+                    wait = _POLL_S if wait is None else min(wait, _POLL_S)
+                    return consumer.lease(count, timeout=wait, min_refs=count)
                 if with_acks:
-                    return self.consumer.ack_and_lease(acks, count)
-                return self.consumer.lease(count, timeout=0)
+                    return consumer.ack_and_lease(acks, count)
+                return consumer.lease(count, timeout=0)
             except ProducerLostError as exc:
                 if attempt == _LOSSES_AT_ONCE:
                     raise
                 self._producer_lost(exc)
         raise AssertionError("unreachable")
+
+    def _all_ready(self, count: int) -> bool:
+        """Whether the stream's receiver holds ``count`` refs now (its ``stats()``, where it
+        has one): then the lease ahead needs no wait, and its acks share its transaction."""
+        stats = getattr(self.consumer.stream, "stats", None)
+        if stats is None:
+            return False
+        now = stats()
+        return now.received - now.delivered >= count
 
     def _take_ahead(self, *, wait: bool = False) -> None:
         """Move what the lease ahead read into the ready batches: when none is left, or

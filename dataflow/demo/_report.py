@@ -45,7 +45,9 @@ def lineage_report(events: Iterable[Event]) -> Lineage:
             lineage.resume_ts.append(event.ts)
             final = event.epoch
         elif event.kind == Kind.ACK and event.sample_ids:
-            acks.setdefault(event.epoch, []).extend((event.step or 0, s) for s in event.sample_ids)
+            acks.setdefault(event.epoch, []).extend(
+                (step or 0, s) for s, step in zip(event.sample_ids, event.sample_steps, strict=True)
+            )
             lineage.last_ack_ts = event.ts
         elif event.kind == Kind.LEASE and lineage.first_lease_ts is None:
             lineage.first_lease_ts = event.ts

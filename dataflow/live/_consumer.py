@@ -154,7 +154,9 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
         )
 
     # -- leasing -------------------------------------------------------------
-    def lease(self, max_refs: int, *, timeout: float | None = 0.0) -> list[SampleRef]:
+    def lease(
+        self, max_refs: int, *, timeout: float | None = 0.0, min_refs: int = 1
+    ) -> list[SampleRef]:
         """Take up to ``max_refs`` samples: requeued work first, then new commits.
 
         After :meth:`rejoin` (or a rank > 0 :meth:`resume`), the leases this consumer
@@ -162,6 +164,11 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
 
         Waits up to ``timeout`` seconds (None: until something comes or this
         rank is drained) for at least one; returns [] when nothing came.
+        ``min_refs`` (1 to ``max_refs``): with a stream, once a ref came, go on
+        waiting (within ``timeout``) until ``min_refs`` refs came, the stream ended
+        or went idle, then lease them all in one transaction: a stream that trickles
+        then costs one lease row per ``min_refs`` refs, not one per trickle. Requeued
+        work and commits leased from the ledger are taken at once, as with 1.
         After ``NO_PRODUCER_WARNING_S`` (30 s) of waiting on a run to which no
         producer ever committed or closed, or for a producer named in ``producers``
         that never did, it warns once and goes on waiting (the wait counts across
@@ -174,10 +181,16 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
         with self._lock:
             self._fencing_epoch()
         _check_int("max_refs", max_refs, minimum=1)
+        _check_int("min_refs", min_refs, minimum=1)
+        if min_refs > max_refs:
+            raise InvalidArgumentError(
+                f"min_refs={min_refs} is more than max_refs={max_refs}: pass a min_refs "
+                "between 1 and max_refs"
+            )
         check_timeout(timeout, none_means="wait until something comes or this rank is drained")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            refs = self._lease_once(max_refs, deadline)
+            refs = self._lease_once(max_refs, deadline, min_refs)
             if refs or self.drained:
                 self._idle_since, self._idle_warned = None, False
                 return refs
@@ -232,7 +245,8 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
 
         A loader that leases ahead while the current batch trains writes the acks
         of the steps since its last lease with the next one: one write instead of
-        two. The acks are checked as ``ack_many`` checks them, and written whether
+        two (the acks of all its steps in one ACK row, the lease in one LEASE row).
+        The acks are checked as ``ack_many`` checks them, and written whether
         or not anything is leased; if the write fails, neither is in the ledger.
         While refs still come from a stream, those it holds now are taken before
         the transaction, as ``lease`` would take them. With leases reclaimed by

@@ -14,14 +14,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from dataflow.live._consumer_args import _check_step, _sample_ids
-from dataflow.live._consumer_writes import _FencedWrites, _locked
+from dataflow.live._consumer_writes import _BATCH_ROWS_SCHEMA, _FencedWrites, _locked
 from dataflow.model._errors import (
     ArgumentTypeError,
     CommitOutcomeUnknownError,
     InvalidArgumentError,
     LedgerStateError,
 )
-from dataflow.model._events import Kind, dump_payload
+from dataflow.model._events import Kind, ack_payloads, dump_payload
 from dataflow.model._refs import SampleRef
 from dataflow.recorder._ledger import NewEvent, WriteTransaction
 
@@ -47,7 +47,8 @@ class _Acks(_FencedWrites):
 
         The same as :meth:`ack` of each in turn (steps in order, none lower than the
         one before), but all or nothing and one ledger write: a loader that acks a
-        few steps at once pays one transaction for them. A sample may appear once.
+        few steps at once pays one transaction for them, and one ACK row (it names each
+        sample's step; see docs/ledger.md "Batch rows"). A sample may appear once.
         """
         steps, ids = self._checked_acks(acks)
         if not steps:
@@ -114,12 +115,25 @@ class _Acks(_FencedWrites):
         self._check_acks_allowed(steps, ids)
         if self.release_policy == "on_ack":
             release += ids
-        # One row per step: the batches of one step (they come in step order) are one batch.
-        acks = [
-            self._events(Kind.ACK, [s for batch, _ in same for s in batch], tx.epoch, step=step)
-            for step, same in itertools.groupby(steps, key=lambda pair: pair[1])
+        return [*self._ack_rows(tx.epoch, steps), *self._release_events(release)]
+
+    def _ack_rows(self, epoch: int, steps: list[tuple[list[str], int]]) -> list[NewEvent]:
+        """The ACK rows of ``steps``: one batch row for all of them (a row of several steps
+        names each sample's step), or on a ledger before schema 4 a row per sample."""
+        if self.ledger.schema_version < _BATCH_ROWS_SCHEMA:
+            return [
+                event
+                for step, same in itertools.groupby(steps, key=lambda pair: pair[1])
+                for event in self._events(
+                    Kind.ACK, [s for batch, _ in same for s in batch], epoch, step=step
+                )
+            ]
+        ids = [s for batch, _ in steps for s in batch]
+        own = [step for batch, step in steps for _ in batch]
+        return [
+            NewEvent(Kind.ACK, self.consumer_id, epoch=epoch, step=top, payload=payload)
+            for payload, top in ack_payloads(ids, own)
         ]
-        return [*itertools.chain.from_iterable(acks), *self._release_events(release)]
 
     def _acked(self, ids: list[str], release: list[str]) -> None:
         """After acks landed: delete what they released, give the stream its credits."""

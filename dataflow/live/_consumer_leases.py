@@ -93,8 +93,13 @@ class _Leasing(_FencedWrites):
         self._check_not_fenced()
 
     # -- one lease -------------------------------------------------------------
-    def _lease_once(self, max_refs: int, deadline: float | None) -> list[SampleRef]:
+    def _lease_once(
+        self, max_refs: int, deadline: float | None, min_refs: int = 1
+    ) -> list[SampleRef]:
         with self._lock:
+            if self._deferred_loss is not None:  # found while gathering the last lease
+                loss, self._deferred_loss = self._deferred_loss, None
+                raise loss
             self._catch_up()
             self._check_not_fenced()  # even with nothing to lease, so a zombie learns at once
             held = self._still_reclaimed()
@@ -124,8 +129,40 @@ class _Leasing(_FencedWrites):
             return []  # lease(timeout=...) answers an idle stream with no refs
         if not received:
             return []
+        received = self._gather(received, max_refs, deadline, min_refs)
         with self._lock:
             return self._lease_ids([r.sample_id for r in received], streamed=True)
+
+    #: An error the stream raised while a lease gathered refs (a producer found lost): the
+    #: refs gathered are leased, and the next lease raises it before anything is leased.
+    _deferred_loss: BaseException | None = None
+
+    def _gather(
+        self, received: list[SampleRef], max_refs: int, deadline: float | None, min_refs: int
+    ) -> list[SampleRef]:
+        """``received`` and more from the stream until ``min_refs`` came, ``deadline``
+        passed, or the stream ended or went idle (``lease(min_refs=...)``)."""
+        received = list(received)
+        stream = self.stream
+        assert stream is not None
+        while len(received) < min_refs:
+            wait = None if deadline is None else deadline - time.monotonic()
+            if wait is not None and wait <= 0:
+                break
+            with self._lock:
+                if self._stream_ended():
+                    break
+                if self._unmarked_closed():
+                    wait = _POLL_S if wait is None else min(wait, _POLL_S)
+            try:
+                more = stream.receive(max_refs - len(received), timeout=wait)
+            except StreamIdleError:
+                break
+            except Exception as exc:  # a lost producer: lease what came, raise it next
+                self._deferred_loss = exc
+                break
+            received += more
+        return received
 
     def _lease_ids(self, sample_ids: list[str], *, streamed: bool) -> list[SampleRef]:
         take: list[str] = []

@@ -99,6 +99,16 @@ class Event:
         samples = self.payload.get("samples") if self.kind in Kind.BATCHED else None
         return list(samples) if isinstance(samples, list) else []
 
+    @property
+    def sample_steps(self) -> list[int | None]:
+        """The step of each of :attr:`sample_ids`: a multi-step ACK row's ``steps``, else
+        the event's ``step`` for each."""
+        ids = self.sample_ids
+        steps = self.payload.get("steps") if self.kind == Kind.ACK else None
+        if isinstance(steps, list) and len(steps) == len(ids):
+            return list(steps)
+        return [self.step] * len(ids)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "seq": self.seq,
@@ -175,6 +185,8 @@ _Samples = Annotated[
     list[Annotated[str, Meta(min_length=1, max_length=256)]],
     Meta(min_length=1, max_length=MAX_BATCH_SAMPLES),
 ]
+#: The steps of a multi-step ACK row: one optimizer step (>= 1) per sample it names.
+_Steps = Annotated[list[_Count], Meta(min_length=1, max_length=MAX_BATCH_SAMPLES)]
 
 
 class _Payload(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -224,9 +236,21 @@ class LeasePayload(_Payload):
 
 class AckPayload(_Payload):
     """ACK: a batch row's ``samples``, trained into the row's step (the optimizer step); a row
-    of one sample has no payload."""
+    of one sample has no payload. A batch row of several steps names, in the same order,
+    each sample's ``steps`` (the row's step column is then the highest of them)."""
 
     samples: _Samples | UnsetType = UNSET
+    steps: _Steps | UnsetType = UNSET
+
+    def __post_init__(self) -> None:
+        if self.steps is UNSET:
+            return
+        if self.samples is UNSET:
+            raise ValueError("an ack's `steps` go with its `samples`")
+        if len(self.samples) != len(self.steps):
+            raise ValueError(
+                f"a batch ack names {len(self.samples)} samples but {len(self.steps)} steps"
+            )
 
 
 class NackPayload(_Payload):
@@ -417,6 +441,35 @@ def batch_payloads(kind: str, sample_ids: list[str], **fields: Any) -> list[str]
     return payloads
 
 
+def ack_payloads(sample_ids: list[str], steps: list[int]) -> list[tuple[str, int]]:
+    """The ACK batch rows of ``sample_ids`` trained into ``steps`` (one per sample, in the
+    same order): ``(payload, step column)`` per MAX_BATCH_SAMPLES of them. A row whose
+    samples share one step names no ``steps``; one of several names them, and its step
+    column is the highest."""
+    rows = []
+    for start in range(0, len(sample_ids), MAX_BATCH_SAMPLES):
+        end = start + MAX_BATCH_SAMPLES
+        body: dict[str, Any] = {"samples": sample_ids[start:end]}
+        chunk = steps[start:end]
+        if len(set(chunk)) > 1:
+            body["steps"] = chunk
+        rows.append((json.dumps(body, separators=(",", ":"), sort_keys=True), max(chunk)))
+    return rows
+
+
+def row_steps(kind: str, sample_id: str | None, step: Any, payload: str | None) -> list[Any]:
+    """The step of each sample a row names (:func:`row_samples`, same order): an ACK row's
+    ``steps`` when it has them, else its step column for each."""
+    samples = row_samples(kind, sample_id, payload)
+    if kind != Kind.ACK or sample_id is not None or not isinstance(payload, str):
+        return [step] * len(samples)
+    try:
+        steps = read_payload(kind, payload).steps
+    except ValueError:
+        return [step] * len(samples)
+    return [step] * len(samples) if steps is UNSET else list(steps)
+
+
 def row_samples(kind: str, sample_id: str | None, payload: str | None) -> list[str]:
     """The samples a row names, in order: its ``sample_id``, or a batch row's ``samples``.
 
@@ -466,11 +519,12 @@ def expand_row(row: tuple[Any, ...]) -> list[tuple[Any, ...]]:
     samples = fields.pop("samples", None)
     if not isinstance(samples, list):
         return [row]
+    steps = fields.pop("steps", None) if kind == Kind.ACK else None
     if kind == Kind.RELEASE:
         payloads = [dump_payload({"revision": r}) for r in fields["revisions"]]
     else:
         payloads = [dump_payload(fields)] * len(samples)
     return [
-        (seq, kind, sid, revision, epoch, step, actor, one, ts)
-        for sid, one in zip(samples, payloads, strict=True)
+        (seq, kind, sid, revision, epoch, own, actor, one, ts)
+        for sid, one, own in zip(samples, payloads, steps or [step] * len(samples), strict=True)
     ]

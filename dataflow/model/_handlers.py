@@ -4,7 +4,9 @@ Each reads its payload as the kind's declared type (``read_payload``): a payload
 not that type raises ValueError, which the fold records as a violation with its seq.
 A LEASE, ACK, NACK or RELEASE row names one sample (its sample id) or a batch (the payload's
 ``samples``, sample id NULL): a batch applies to each of its samples in order, exactly as
-their rows of one sample would, and a violation names the row's seq and the sample.
+their rows of one sample would, and a violation names the row's seq and the sample. An ACK
+batch row of several steps names each sample's step (``steps``); its step column is the
+highest of them.
 """
 
 from __future__ import annotations
@@ -265,9 +267,18 @@ class EventHandlers:
         payload: str | None,
     ) -> None:
         if sid is None:
-            ack, shared = self._ack_one, self._commits.get
-            for one in _batch(Kind.ACK, payload).samples:
-                ack(seq, shared(one, one), step, actor)
+            ack, shared, p = self._ack_one, self._commits.get, _batch(Kind.ACK, payload)
+            if p.steps is UNSET:
+                for one in p.samples:
+                    ack(seq, shared(one, one), step, actor)
+                return
+            if step != max(p.steps):
+                raise ValueError(
+                    f"an ack row of steps {min(p.steps)} to {max(p.steps)} has step "
+                    f"{step!r} in its step column: it must hold the highest, {max(p.steps)}"
+                )
+            for one, own in zip(p.samples, p.steps, strict=True):
+                ack(seq, shared(one, one), own, actor)
             return
         if payload is not None:  # a row of one sample has none; a forged one is refused
             _single(Kind.ACK, payload)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.live._view import Row, RunView
 from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
-from dataflow.model._events import Kind, row_samples
+from dataflow.model._events import Kind, row_samples, row_steps
 from dataflow.recorder._ledger import Ledger
 from dataflow.tools._time_travel import lineage
 
@@ -68,9 +68,11 @@ def final_lineage(ledger: Ledger, run_id: str) -> FinalLineage:
         if kind == Kind.RESUME and isinstance(epoch, int) and epoch > current:
             current = epoch
         elif kind == Kind.ACK and epoch == current and isinstance(row[5], int):
-            step = row[5]
+            # A row of several steps gives each sample its own (row_steps).
+            samples = row_samples(kind, row[2], row[7])
+            steps = row_steps(kind, row[2], row[5], row[7])
             acks.setdefault(epoch, []).extend(
-                (step, actor, sid) for sid in row_samples(kind, row[2], row[7])
+                (step, actor, sid) for sid, step in zip(samples, steps, strict=True)
             )
         batch.append(row)
         if kind == Kind.LEASE and (epoch, actor) not in ranks:

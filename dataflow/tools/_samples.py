@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from dataflow.live._replay import replay
 from dataflow.model._errors import DataflowError
-from dataflow.model._events import Kind, load_payload, read_payload, row_revisions, row_samples
+from dataflow.model._events import (
+    Kind,
+    load_payload,
+    read_payload,
+    row_revisions,
+    row_samples,
+    row_steps,
+)
 from dataflow.model._fold import RunState
 from dataflow.tools._progress import PROGRESS_EVERY, Progress
 from dataflow.tools._times import iso_time
@@ -164,6 +171,11 @@ def _history_event(state: RunState, sample_id: str, row: tuple[Any, ...]) -> dic
         freed = row_revisions(kind, sid, payload).get(sample_id, p.get("revision", 0))
         detail = f"revision {freed}"
     elif kind == Kind.ACK:
+        # A row of several steps names this sample's own among its ``steps``.
+        own = dict(
+            zip(row_samples(kind, sid, payload), row_steps(kind, sid, step, payload), strict=False)
+        )
+        step = own.get(sample_id, step)
         detail = f"trained into step {step}"
     elif kind == Kind.RESUME:
         detail = _resume_effect(state, sample_id, epoch)
