@@ -239,6 +239,7 @@ def build_report(ledger: Ledger, job: Job, reference: Job, *, wall_s: float) -> 
         "trained": len(trained),
         "lost": len(committed - trained),
         "duplicated": sum(1 for n in acks.values() if n > 1),
+        "acked": len(acks),  # samples acked in the final lineage, read from the ack rows
         "resumes": len(state.plans) - 1,
         "resumed_from_step": resumed.checkpoint_step,
         "regenerated": len(resumed.regenerate),
@@ -271,8 +272,12 @@ def lineage_acks(ledger: Ledger, run_id: str) -> tuple[Counter[str], float, floa
             seq = event.payload.get("checkpoint_seq")
             parent[event.epoch] = checkpoint_at.get(seq) if seq is not None else None
             final = event.epoch
-        elif event.kind == Kind.ACK and event.sample_id is not None:
-            acks.setdefault(event.epoch, []).append((event.step or 0, event.sample_id))
+        elif event.kind == Kind.ACK and event.sample_ids:
+            # An ack row names a batch, each sample at its own step.
+            steps = event.sample_steps
+            acks.setdefault(event.epoch, []).extend(
+                (step or 0, sid) for sid, step in zip(event.sample_ids, steps, strict=True)
+            )
             last_ack = event.ts
         elif event.kind == Kind.LEASE and first_lease is None:
             first_lease = event.ts
