@@ -24,14 +24,18 @@ def newest_commits(
     found: dict[str, tuple[int, str]] = {}
     for start in range(0, len(sample_ids), CHUNK):
         chunk = list(dict.fromkeys(sample_ids[start : start + CHUNK]))
-        stmt = select(events.c.sample_id, events.c.revision, events.c.payload).where(
+        stmt = select(events.c.seq, events.c.sample_id, events.c.revision, events.c.payload).where(
             events.c.run_id == run_id,
             events.c.kind == Kind.COMMIT,
             events.c.revision.isnot(None),  # lets the planner use the partial commit index
             events.c.sample_id.in_(chunk),
-            events.c.seq > 0,  # what no fold reads is no commit (see refuse_unseen_commits)
         )
-        for sample_id, revision, payload in conn.execute(stmt):
+        for seq, sample_id, revision, payload in conn.execute(stmt):
+            # What no fold reads is no commit (see refuse_unseen_commits). Tested here, not
+            # in the WHERE: with `seq > 0` there SQLite searched the run's seq index, a scan
+            # of the whole run for every emit (2.3 ms at 20,000 events, against 26 us).
+            if seq <= 0:
+                continue
             if sample_id not in found or revision > found[sample_id][0]:
                 found[sample_id] = (revision, payload)
     return found
