@@ -66,6 +66,7 @@ def test_an_excluded_sample_is_never_leased_and_replay_names_its_reason(
     rows = [e for e in ledger.events(run_id) if e.kind == Kind.EXCLUDE]
     assert len(rows) == 1 and rows[0].sample_id is None  # one row names the batch
     assert rows[0].payload == {"samples": ["s1", "s4"], "reason": "bad labels"}
+    assert rows[0].sample_ids == ["s1", "s4"]  # as a batch lease or ack names its samples
 
 
 def test_an_exclusion_after_a_checkpoint_holds_when_a_resume_goes_back_to_it(

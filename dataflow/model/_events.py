@@ -96,7 +96,8 @@ class Event:
         ([] for an event of no sample)."""
         if self.sample_id is not None:
             return [self.sample_id]
-        samples = self.payload.get("samples") if self.kind in Kind.BATCHED else None
+        batch = self.kind in Kind.BATCHED or self.kind in (Kind.EXCLUDE, Kind.INCLUDE)
+        samples = self.payload.get("samples") if batch else None
         return list(samples) if isinstance(samples, list) else []
 
     @property
