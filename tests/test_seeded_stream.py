@@ -172,3 +172,41 @@ def test_a_resume_from_an_older_checkpoint_continues_the_same_sequence(tmp_path)
         consumer.ack(got, step=step)
     assert again == straight
     assert consumer.drained and consumer.remaining() == 0
+
+
+def test_a_seeded_stream_checkpointed_before_its_producers_closed_resumes(tmp_path) -> None:
+    # The set-up check compared the dataset's size at the checkpoint (what was committed
+    # then, while the producers still committed) with its size at the resume.
+    from training import CheckpointConfig, CheckpointManager, LoaderConfig, Trainer, TrainerConfig
+
+    led = Ledger.open(f"sqlite:///{tmp_path / 'ledger.db'}")
+    store = LocalFeatureStore()
+    # A short send timeout: the refs the stopped first trainer's receiver holds are never
+    # credited back; the seeded order leases from the ledger whatever the stream carries.
+    stream = MemoryStream(window=64, expected_producers=1, send_timeout=0.5)
+    producer = Producer(led, store, run_id="r", producer_id="p0", stream=stream.sender("p0"))
+    producer.emit_many((f"s{i}", {"x": torch.zeros(1)}) for i in range(8))
+
+    def trainer(consumer_id: str, max_steps: int | None) -> Trainer:
+        consumer = Consumer(led, store, run_id="r", consumer_id=consumer_id,
+                            stream=stream.receiver(), order_seed=3, producers=["p0"])  # fmt: skip
+        return Trainer(
+            consumer,
+            step_fn=lambda batch: None,
+            state_fn=lambda: {"w": torch.zeros(1)},
+            checkpoints=CheckpointManager(CheckpointConfig(root=tmp_path / "ckpt")),
+            config=TrainerConfig(max_steps=max_steps, checkpoint_every=1),
+            loader_config=LoaderConfig(batch_size=4),
+        )
+
+    first = trainer("first", max_steps=1)
+    first.run()  # one step, checkpointed with 8 of the samples committed
+    producer.emit_many((f"s{i}", {"x": torch.zeros(1)}) for i in range(8, 12))
+    producer.close()
+    second = trainer("second", max_steps=None)
+    second.resume()  # the checkpoint at step 1: 12 samples committed now
+    assert second.step == 1
+    assert second.run() == 3
+    assert set(replay(led, "r").trained) == {f"s{i}" for i in range(12)}
+    store.close()
+    led.close()

@@ -54,12 +54,14 @@ class _Resuming:
     def _setup(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed by this trainer."""
         consumer = self.consumer
-        seeded = consumer.order_seed is not None
+        # A seeded dataset's size, once it is whole: a seeded stream trains while its
+        # producers still commit, and its size at a checkpoint says nothing then.
+        sized = consumer.order_seed is not None and consumer.producers_done
         return {
             "grad_accum": self.config.grad_accum,
             "world_size": consumer.world_size,
             "order_seed": consumer.order_seed,
-            "dataset_size": len(consumer.state.committed) if seeded else None,
+            "dataset_size": len(consumer.state.committed) if sized else None,
         }
 
     def _check_resumable(self, state: dict, rank_state: dict | None) -> None:
