@@ -1,0 +1,147 @@
+"""A producer or a rank on a simulated host, driven by JSON lines (for the ledger fault trials).
+
+Run inside a host's namespace by :mod:`dataflow.testing._host_faults_ledger`::
+
+    python -m dataflow.testing._ledger_actor ROLE LEDGER_URL STORE_DIR RUN_ID ACTOR_ID BUSY_TIMEOUT
+
+``ROLE`` is ``producer`` (a :class:`Producer` on a shared-dir store) or ``rank`` (a
+:class:`Consumer` that resumes). It says ``{"ready": true}``, then answers each command
+line on stdin with one line on stdout: ``{"ok": true, "result": ..., "at": T}`` or
+``{"error": NAME, "message": ..., "at": T}`` (``at``: ``time.monotonic()``, one clock for
+every process of the machine). Commands (``op``):
+
+- ``emit`` ``ids``: ``emit_many`` of those ids (the result: each id, or None when the
+  ledger already held it);
+- ``lease`` ``n``, ``ack`` ``ids`` ``step``, ``resume``, ``close``;
+- ``emit_loop`` ``first`` ``retry_s``: emit ``s-FIRST``, ``s-FIRST+1`` ... one at a time,
+  each retried (the same id, as the docs say) until it returns, at most ``retry_s``
+  seconds; stops before the next id once the file ``stop`` names exists. It says
+  ``{"looping": true}`` after its first emit, and at the end the ids emitted and the
+  errors seen.
+
+``"pause": true`` on a command holds its first write transaction just before its COMMIT:
+the actor says ``{"committing": true}`` and waits for a line on stdin, so that the
+caller can stall or cut the link at exactly that moment. Results go through stdout,
+never pickle.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy import event
+
+from dataflow.live._consumer import Consumer
+from dataflow.live._producer import Producer
+from dataflow.model._errors import DataflowError
+from dataflow.recorder._db import WRITE_OPTION
+from dataflow.recorder._ledger import Ledger
+from stores import SharedDirFeatureStore
+
+
+def say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+class _CommitPause:
+    """Holds the next write transaction's COMMIT until the caller says go (``pause``)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.armed = False
+        # The engine's commit event fires before the driver sends COMMIT.
+        event.listen(ledger._engine, "commit", self._before_commit)
+
+    def _before_commit(self, conn: Any) -> None:
+        if self.armed and conn.get_execution_options().get(WRITE_OPTION):
+            self.armed = False
+            say(committing=True)
+            sys.stdin.readline()
+
+
+def _tensors(sample_id: str) -> dict[str, torch.Tensor]:
+    return {"x": torch.full((4,), float(sum(map(ord, sample_id))))}
+
+
+def _answer(call: Any) -> dict[str, Any]:
+    try:
+        result = call()
+    except DataflowError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "at": time.monotonic()}
+    return {"ok": True, "result": result, "at": time.monotonic()}
+
+
+def _emit_one(producer: Producer, sample_id: str) -> bool:
+    return producer.emit(sample_id, _tensors(sample_id)) is not None
+
+
+def _emit_loop(producer: Producer, first: int, retry_s: float, stop: Path) -> dict[str, Any]:
+    emitted: list[str] = []
+    errors: list[dict[str, Any]] = []
+    index = first
+    while not stop.exists():
+        sample_id = f"s-{index}"
+        started = time.monotonic()
+        while True:
+            outcome = _answer(functools.partial(_emit_one, producer, sample_id))
+            if "ok" in outcome:
+                break
+            errors.append({"id": sample_id, **outcome})
+            if time.monotonic() - started > retry_s:
+                return {"ok": False, "emitted": emitted, "errors": errors, "gave_up": sample_id}
+            time.sleep(0.2)
+        emitted.append(sample_id)
+        if index == first:
+            say(looping=True)
+        index += 1
+    return {"ok": True, "emitted": emitted, "errors": errors, "at": time.monotonic()}
+
+
+def main(argv: list[str]) -> None:
+    role, url, root, run_id, actor, busy = argv
+    ledger = Ledger.open(url, busy_timeout=float(busy))
+    store = SharedDirFeatureStore(root)
+    pause = _CommitPause(ledger)
+    producer = consumer = None
+    if role == "producer":
+        producer = Producer(ledger, store, run_id=run_id, producer_id=actor)
+    else:
+        consumer = Consumer(ledger, store, run_id=run_id, consumer_id=actor)
+        consumer.resume()
+    say(ready=True)
+    while line := sys.stdin.readline():
+        command = json.loads(line)
+        op = command["op"]
+        pause.armed = bool(command.get("pause"))
+        if op == "emit_loop":
+            assert producer is not None
+            say(**_emit_loop(producer, command["first"], command["retry_s"], Path(command["stop"])))
+            continue
+        say(**_answer(functools.partial(_run, op, command, producer, consumer)))
+
+
+def _run(
+    op: str, command: dict[str, Any], producer: Producer | None, consumer: Consumer | None
+) -> Any:
+    """One command's result (JSON): what a producer or a consumer call returned."""
+    if producer is not None:
+        if op == "close":
+            return producer.close()
+        refs = producer.emit_many([(s, _tensors(s)) for s in command["ids"]])
+        return [None if ref is None else ref.sample_id for ref in refs]
+    assert consumer is not None
+    if op == "lease":
+        return [ref.sample_id for ref in consumer.lease(command["n"])]
+    if op == "ack":
+        return consumer.ack(command["ids"], step=command["step"])
+    consumer.resume()
+    return None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
