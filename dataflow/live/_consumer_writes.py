@@ -188,14 +188,32 @@ class _FencedWrites:
             self._sync(tx)
             yield tx
 
+    #: The samples of the last write whose COMMIT failed while the ledger could not be
+    #: read back either (a link cut after the server committed): the caller was told
+    #: CommitOutcomeUnknownError, and its retry of the same write is settled from the
+    #: ledger (:meth:`_repeats_landed`) instead of being refused as a second one.
+    _in_doubt: frozenset[str] = frozenset()
+
     def _landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
         """After a COMMIT of unknown outcome: whether the ledger holds the write, read
-        again; it did when every one of ``sample_ids`` ``shows`` it. False if unreadable."""
+        again; it did when every one of ``sample_ids`` ``shows`` it. False if unreadable
+        (and the write is in doubt until it is made again)."""
         try:
             self._catch_up()
         except DataflowError:
+            self._in_doubt = frozenset(sample_ids)
             return False
         return bool(sample_ids) and all(shows(s) for s in sample_ids)
+
+    def _repeats_landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
+        """Whether this write repeats the one in doubt (the same samples) and that one
+        landed after all: every sample ``shows`` it in the ledger, read now. Then the
+        retry is done, with nothing written twice. Only the next write asks."""
+        doubt, self._in_doubt = self._in_doubt, frozenset()
+        if not doubt or doubt != frozenset(sample_ids):
+            return False
+        self._catch_up()
+        return all(shows(s) for s in sample_ids)
 
     # -- rows ------------------------------------------------------------------
     def _events(
