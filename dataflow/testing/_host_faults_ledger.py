@@ -29,251 +29,41 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import random
-import select
 import signal
-import subprocess
-import sys
 import time
-import uuid
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from sqlalchemy.engine import make_url
 
-from dataflow.live._producer import Producer
-from dataflow.live._replay import replay
-from dataflow.model._errors import DataflowError
 from dataflow.model._events import Kind
-from dataflow.recorder._ledger import Ledger
-from dataflow.recorder._postgres import dead_peer_s
-from dataflow.testing._postgres import create_database
-from dataflow.tools._gc import collect_garbage
-from stores import SharedDirFeatureStore
+from dataflow.testing._ledger_trial import (
+    RUN,
+    LedgerFaultOutcome,
+    TrialError,
+    committed,
+    errors_of,
+    loop_recovery,
+    produce,
+    read_outcome,
+    short,
+    train_rest,
+    trial_on,
+    wait_until,
+)
 
-RUN = "run"
-#: A Python process importing torch on a loaded machine.
-STARTUP_S = 90.0
-
-
-class TrialError(DataflowError):
-    """A fault trial could not run as planned (a process said nothing in time, or
-    exited): not an outcome of the fault, a failure of the trial."""
-
-
-@dataclass(frozen=True)
-class LedgerFaultOutcome:
-    """What one fault trial did to the run, read back from the ledger and the store.
-
-    ``lost``: samples a client was told are committed (or trained) that the ledger
-    does not hold, or whose features the store no longer has; ``duplicated``:
-    samples committed or acked more than once; ``orphans``: store generations no
-    ledger ref keeps alive (what ``dataflow gc`` would remove); ``recovery_s``: from
-    the end of the fault to the first write that went through (0 when the fault
-    never failed one); ``seen``: the errors the clients raised, by class name;
-    ``problems``: ``replay(...).verify()``; ``detail``: a line on what happened.
-    """
-
-    kind: str
-    lost: int
-    duplicated: int
-    orphans: int
-    recovery_s: float
-    detail: str
-    seen: tuple[str, ...] = ()
-    problems: tuple[str, ...] = ()
-    results: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def clean(self) -> bool:
-        """Nothing lost, duplicated or orphaned, and the log verifies."""
-        return not (self.lost or self.duplicated or self.orphans or self.problems)
-
-
-class Actor:
-    """A producer or rank process on a host, answering JSON lines (see _ledger_actor)."""
-
-    def __init__(
-        self, cluster: Any, host: str, role: str, url: str, root: Path, actor: str, busy: float
-    ) -> None:
-        argv = [sys.executable, "-m", "dataflow.testing._ledger_actor", role, url, str(root)]
-        self.name = f"{role} {actor} on {host}"
-        self.log = root.parent / f"{actor}-{uuid.uuid4().hex[:6]}.log"
-        with open(self.log, "w") as log:
-            self.process: subprocess.Popen[str] = cluster[host].popen(
-                [*argv, RUN, actor, str(busy)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                bufsize=1,
-            )
-        self.host = cluster[host]
-        self.said(STARTUP_S, expect="ready")
-
-    def said(self, within: float, *, expect: str | None = None) -> dict[str, Any]:
-        """The next line the actor says; TrialError after ``within`` seconds."""
-        out = self.process.stdout
-        assert out is not None
-        ready, _, _ = select.select([out], [], [], within)
-        line = out.readline() if ready else ""
-        if not line:
-            tail = self.log.read_text(errors="replace")[-1500:]
-            raise TrialError(f"{self.name} said nothing within {within:.0f}s:\n{tail}")
-        answer = json.loads(line)
-        if expect is not None and expect not in answer:
-            raise TrialError(f"{self.name} said {answer}, expected {expect!r}")
-        return answer
-
-    def tell(self, **command: Any) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-
-    def call(self, within: float, **command: Any) -> dict[str, Any]:
-        self.tell(**command)
-        return self.said(within)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.host.kill(self.process)
-        self.process.wait(timeout=30)
-
-
-@dataclass
-class _Trial:
-    """One trial's database, store and processes; ``close`` ends the processes."""
-
-    cluster: Any
-    server: Any
-    busy: float
-    url: str  # the database at the pg host's address
-    root: Path
-    actors: list[Actor] = field(default_factory=list)
-
-    @property
-    def dead(self) -> float:
-        return dead_peer_s(self.busy)
-
-    @property
-    def call_within(self) -> float:
-        """How long one library call on a dead link may take, with room for a loaded host:
-        docs/reliability.md ("Timeouts") bounds it by 3 D + 2 s; a producer's commit
-        tries twice."""
-        return 2 * (3 * self.dead + 2) + 10
-
-    def start(self, host: str, role: str, actor: str, *, via: str | None = None) -> Actor:
-        url = self.url if via is None else _through(self.url, via)
-        started = Actor(self.cluster, host, role, url, self.root, actor, self.busy)
-        self.actors.append(started)
-        return started
-
-    def ledger(self) -> Ledger:
-        return Ledger.open(self.url, busy_timeout=self.busy)
-
-    def close(self) -> None:
-        for actor in self.actors:
-            actor.stop()
-
-
-@contextlib.contextmanager
-def _trial(cluster: Any, server: Any, kind: str, busy: float) -> Iterator[_Trial]:
-    name = f"{kind.replace('-', '_')}_{uuid.uuid4().hex[:10]}"
-    url = create_database(cluster.postgres_url(server), name)
-    url = make_url(url).set(host=cluster["pg"].address).render_as_string(hide_password=False)
-    root = Path(cluster.workdir) / name / "store"
-    root.mkdir(parents=True)
-    trial = _Trial(cluster, server, busy, url, root)
-    try:
-        yield trial
-    finally:
-        trial.close()
-
-
-def _through(url: str, address: str) -> str:
-    host, port = address.rsplit(":", 1)
-    return make_url(url).set(host=host, port=int(port)).render_as_string(hide_password=False)
-
-
-def _wait_until(what: str, check: Callable[[], bool], within: float) -> float:
-    """Poll ``check`` until true (the monotonic time then); TrialError after ``within``."""
-    deadline = time.monotonic() + within
-    while True:
-        with contextlib.suppress(DataflowError):
-            if check():
-                return time.monotonic()
-        if time.monotonic() > deadline:
-            raise TrialError(f"{what}: not within {within:.0f}s")
-        time.sleep(0.05)
-
-
-def _committed(ledger: Ledger, sample_ids: Sequence[str]) -> bool:
-    return set(ledger.commits(RUN, list(sample_ids))) == set(sample_ids)
-
-
-def _outcome(
-    trial: _Trial,
-    kind: str,
-    *,
-    told: Sequence[str],
-    detail: str,
-    recovery_s: float,
-    seen: Sequence[str] = (),
-    trained: Sequence[str] | None = None,
-    results: dict[str, Any] | None = None,
-) -> LedgerFaultOutcome:
-    """Read the run back: ``told`` the ids a producer was told are committed, ``trained``
-    those a rank acked (given, every committed sample must be trained: a rank trained
-    the run to its end)."""
-    with trial.ledger() as ledger, SharedDirFeatureStore(trial.root) as store:
-        events = list(ledger.events(RUN))
-        commits = Counter(e.sample_id for e in events if e.kind == Kind.COMMIT)
-        acks = Counter(s for e in events if e.kind == Kind.ACK for s in e.sample_ids or ())
-        state = replay(ledger, RUN)
-        live = [s for s in state.committed if s not in state.released and s not in state.lost]
-        refs = state.refs(live)
-        missing = {s for s, ref in refs.items() if not store.exists(ref)}
-        missing |= {s for s in told if s not in commits}
-        if trained is not None:
-            missing |= {s for s in trained if s not in state.trained}
-            missing |= {s for s in state.committed if s not in state.trained}
-        orphans = collect_garbage(ledger, store, grace=0, dry_run=True).removed
-        duplicated = sum(1 for c in commits.values() if c > 1) + sum(
-            1 for c in acks.values() if c > 1
-        )
-        return LedgerFaultOutcome(
-            kind=kind,
-            lost=len(missing),
-            duplicated=duplicated,
-            orphans=orphans,
-            recovery_s=round(max(recovery_s, 0.0), 3),
-            detail=detail,
-            seen=tuple(seen),
-            problems=tuple(state.verify()),
-            results={"url": trial.url, **(results or {})},
-        )
-
-
-def _errors(*answers: dict[str, Any]) -> list[str]:
-    return [a["error"] for a in answers if "error" in a]
-
-
-def _produce(trial: _Trial, sample_ids: Sequence[str]) -> None:
-    """Commit ``sample_ids`` from this process (the trial's data for a rank)."""
-    with trial.ledger() as ledger, SharedDirFeatureStore(trial.root) as store:
-        producer = Producer(ledger, store, run_id=RUN, producer_id="seed")
-        producer.emit_many([(s, {"x": _one()}) for s in sample_ids])
-        producer.close()
-
-
-def _one() -> torch.Tensor:
-    return torch.ones(4)
+__all__ = [
+    "RUN",
+    "LedgerFaultOutcome",
+    "TrialError",
+    "postgres_restart",
+    "producer_cut_at_random",
+    "producer_reply_lost",
+    "rank_cut",
+    "rank_fenced_after_cut",
+]
 
 
 # -- producers ------------------------------------------------------------------------------
@@ -301,7 +91,7 @@ def producer_reply_lost(
       reply let through: the emit returns, as if nothing happened.
     """
     kind = f"producer-reply-lost-{after}"
-    with _trial(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
+    with trial_on(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
         relay = cluster.relay("pg", make_url(trial.url).port)
         producer = trial.start(host, "producer", "p0", via=relay.address)
         first = producer.call(trial.call_within, op="emit", ids=["s-0"])
@@ -309,7 +99,7 @@ def producer_reply_lost(
         producer.said(trial.call_within, expect="committing")
         relay.stall("to_client")
         producer.tell(op="go")
-        _wait_until("the commit of s-1", lambda: _committed(ledger, ["s-1"]), trial.call_within)
+        wait_until("the commit of s-1", lambda: committed(ledger, ["s-1"]), trial.call_within)
         answers: dict[str, Any] = {}
         if after == "reset":
             relay.reset()
@@ -334,13 +124,13 @@ def producer_reply_lost(
         after_fault = producer.call(trial.call_within, op="emit", ids=["s-2"])
         relay.close()
         told = [s for a in (first, *answers.values(), after_fault) for s in a.get("result") or ()]
-        return _outcome(
+        return read_outcome(
             trial,
             kind,
             told=[s for s in told if s],
-            detail=f"the emit of s-1 answered {_short(answers)}; s-2 then {_short(after_fault)}",
+            detail=f"the emit of s-1 answered {short(answers)}; s-2 then {short(after_fault)}",
             recovery_s=recovery,
-            seen=_errors(*answers.values(), after_fault),
+            seen=errors_of(*answers.values(), after_fault),
             results={"first": first, **answers, "after": after_fault},
         )
 
@@ -362,19 +152,20 @@ def producer_cut_at_random(
     rng = random.Random(seed)
     quiet = "silent" if silent else "loud"
     kind = f"producer-cut-{quiet}-{'long' if long else 'short'}"
-    with _trial(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
+    with trial_on(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
         producer = trial.start(host, "producer", "p0")
         stop = trial.root.parent / "stop"
         producer.tell(op="emit_loop", first=0, retry_s=trial.call_within * 3, stop=str(stop))
         producer.said(trial.call_within, expect="looping")
-        time.sleep(rng.uniform(0.0, 0.6))
+        wait = rng.uniform(0.0, 0.6)
+        time.sleep(wait)
         cut_for = trial.dead * (rng.uniform(1.5, 2.5) if long else rng.uniform(0.1, 0.4))
         cluster.cut(host, "pg", silent=silent)
         time.sleep(cut_for)
         cluster.heal(host, "pg")
         healed = time.monotonic()
         count = len(list(ledger.commits(RUN, [f"s-{i}" for i in range(10_000)])))
-        _wait_until(
+        wait_until(
             "a commit after the heal",
             lambda: len(ledger.commits(RUN, [f"s-{i}" for i in range(count + 1)])) > count,
             trial.call_within * 2,
@@ -382,27 +173,20 @@ def producer_cut_at_random(
         stop.touch()
         end = producer.said(trial.call_within * 4)
         errors = end.get("errors", [])
-        after_heal = [e["at"] for e in errors if e["at"] >= healed]
-        recovery = 0.0 if not errors else max([healed, *after_heal]) - healed
-        return _outcome(
+        return read_outcome(
             trial,
             kind,
             told=end.get("emitted", []),
             detail=(
-                f"cut {quiet}ly for {cut_for:.2f}s after a {rng.random():.0%} draw: "
+                f"cut {quiet}ly for {cut_for:.2f}s, {wait:.2f}s into the emits: "
                 f"{len(end.get('emitted', []))} emitted, {len(errors)} failed tries "
                 f"({', '.join(sorted({e['error'] for e in errors})) or 'none'})"
                 + ("" if end.get("ok") else f"; gave up on {end.get('gave_up')}")
             ),
-            recovery_s=recovery,
+            recovery_s=loop_recovery(end, healed),
             seen=[e["error"] for e in errors],
             results=end,
         )
-
-
-def _short(answer: Any) -> str:
-    text = json.dumps(answer)
-    return text if len(text) < 300 else text[:297] + "..."
 
 
 # -- ranks ----------------------------------------------------------------------------------
@@ -425,9 +209,9 @@ def rank_cut(
     be trained exactly once."""
     mode = "reply-lost" if reply_lost else ("long" if long else "short")
     kind = f"rank-cut-{during}-{mode}"
-    with _trial(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
+    with trial_on(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
         samples = [f"s-{i}" for i in range(6)]
-        _produce(trial, samples)
+        produce(trial, samples)
         relay = cluster.relay("pg", make_url(trial.url).port) if reply_lost else None
         rank = trial.start(host, "rank", "r0", via=None if relay is None else relay.address)
         step, acked = 1, []
@@ -447,7 +231,7 @@ def rank_cut(
                 if during == "ack"
                 else (lambda: any(e.kind == Kind.LEASE for e in ledger.events(RUN)))
             )
-            _wait_until(f"the {during} landing", landed, trial.call_within)
+            wait_until(f"the {during} landing", landed, trial.call_within)
             cluster.cut(host, peer, silent=True)
         else:
             cluster.cut(host, peer, silent=True)
@@ -470,39 +254,23 @@ def rank_cut(
         elif during == "lease" and "ok" in retried:
             again = rank.call(trial.call_within, op="ack", ids=retried["result"], step=step)
             acked += retried["result"] if "ok" in again else []
-        rest = _train_rest(rank, trial, step + 1)
+        rest = train_rest(rank, trial, step + 1)
         if relay is not None:
             relay.close()
-        return _outcome(
+        return read_outcome(
             trial,
             kind,
             told=samples,
             trained=acked + rest["trained"],
             detail=(
-                f"the {during} answered {_short(answer)}, its retry {_short(retried)}; "
+                f"the {during} answered {short(answer)}, its retry {short(retried)}; "
                 f"then {len(rest['trained'])} more trained"
                 + (f", {rest['stuck']}" if rest["stuck"] else "")
             ),
             recovery_s=recovery,
-            seen=_errors(answer) + (_errors(retried) if retried is not answer else []),
+            seen=errors_of(answer) + (errors_of(retried) if retried is not answer else []),
             results={"during": answer, "retry": retried, "rest": rest},
         )
-
-
-def _train_rest(rank: Actor, trial: _Trial, step: int) -> dict[str, Any]:
-    """Lease and ack until the rank leases nothing (at most 50 batches)."""
-    trained: list[str] = []
-    for step in range(step, step + 50):  # noqa: B020 (the next step numbers)
-        leased = rank.call(trial.call_within, op="lease", n=4)
-        if "error" in leased:
-            return {"trained": trained, "stuck": f"a lease raised {_short(leased)}"}
-        if not leased["result"]:
-            return {"trained": trained, "stuck": None}
-        acked = rank.call(trial.call_within, op="ack", ids=leased["result"], step=step)
-        if "error" in acked:
-            return {"trained": trained, "stuck": f"an ack raised {_short(acked)}"}
-        trained += leased["result"]
-    return {"trained": trained, "stuck": "still leasing after 50 batches"}
 
 
 def rank_fenced_after_cut(
@@ -512,32 +280,32 @@ def rank_fenced_after_cut(
     away, a replacement (r1 on trainer1) resumes the run, fencing r0 off, and trains
     everything. Healed, r0's ack and lease must raise StaleEpochError and write nothing."""
     kind = "rank-fenced-after-cut"
-    with _trial(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
+    with trial_on(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
         samples = [f"s-{i}" for i in range(6)]
-        _produce(trial, samples)
+        produce(trial, samples)
         old = trial.start("trainer0", "rank", "r0")
         leased = old.call(trial.call_within, op="lease", n=2)["result"]
         cluster.cut("trainer0", "pg", silent=True)
         during = old.call(trial.call_within, op="ack", ids=leased, step=1)
         new = trial.start("trainer1", "rank", "r1")
-        rest = _train_rest(new, trial, 1)
+        rest = train_rest(new, trial, 1)
         head = ledger.head_seq(RUN)
         cluster.heal("trainer0", "pg")
         ack = old.call(trial.call_within, op="ack", ids=leased, step=2)
         lease = old.call(trial.call_within, op="lease", n=2)
         wrote = [e for e in ledger.events(RUN, after_seq=head) if e.actor == "r0"]
-        outcome = _outcome(
+        outcome = read_outcome(
             trial,
             kind,
             told=samples,
             trained=rest["trained"],
             detail=(
-                f"r0's ack on the cut link answered {_short(during)}; healed, its ack answered "
-                f"{_short(ack)} and its lease {_short(lease)}; r1 trained "
+                f"r0's ack on the cut link answered {short(during)}; healed, its ack answered "
+                f"{short(ack)} and its lease {short(lease)}; r1 trained "
                 f"{len(rest['trained'])}, r0 wrote {len(wrote)} events after"
             ),
             recovery_s=0.0,
-            seen=_errors(during, ack, lease),
+            seen=errors_of(during, ack, lease),
             results={"during": during, "ack": ack, "lease": lease, "rest": rest},
         )
         if wrote:
@@ -558,7 +326,7 @@ def postgres_restart(
     postmaster, then ``start()``). Then a rank trains the run: every sample is committed
     and trained exactly once."""
     kind = f"postgres-restart-{how}"
-    with _trial(cluster, server, kind, busy_timeout) as trial:
+    with trial_on(cluster, server, kind, busy_timeout) as trial:
         producer = trial.start("producer0", "producer", "p0")
         stop = trial.root.parent / "stop"
         producer.tell(op="emit_loop", first=0, retry_s=trial.call_within * 4, stop=str(stop))
@@ -572,7 +340,7 @@ def postgres_restart(
         restarted = time.monotonic()
         with trial.ledger() as ledger:
             count = len(ledger.commits(RUN, [f"s-{i}" for i in range(10_000)]))
-            _wait_until(
+            wait_until(
                 "a commit after the restart",
                 lambda: len(ledger.commits(RUN, [f"s-{i}" for i in range(count + 1)])) > count,
                 trial.call_within * 2,
@@ -581,10 +349,9 @@ def postgres_restart(
         end = producer.said(trial.call_within * 4)
         closed = producer.call(trial.call_within, op="close")
         rank = trial.start("trainer0", "rank", "r0")
-        rest = _train_rest(rank, trial, 1)
+        rest = train_rest(rank, trial, 1)
         errors = end.get("errors", [])
-        after = [e["at"] for e in errors if e["at"] >= restarted]
-        return _outcome(
+        return read_outcome(
             trial,
             kind,
             told=end.get("emitted", []),
@@ -592,28 +359,43 @@ def postgres_restart(
             detail=(
                 f"{len(end.get('emitted', []))} emitted, {len(errors)} failed tries "
                 f"({', '.join(sorted({e['error'] for e in errors})) or 'none'}); close "
-                f"{_short(closed)}; then r0 trained {len(rest['trained'])}"
+                f"{short(closed)}; then r0 trained {len(rest['trained'])}"
                 + (f", {rest['stuck']}" if rest["stuck"] else "")
             ),
-            recovery_s=(max([restarted, *after]) - restarted) if errors else 0.0,
+            recovery_s=loop_recovery(end, restarted),
             seen=[e["error"] for e in errors],
             results={"producer": end, "rest": rest},
         )
 
 
 def _kill_postmaster(server: Any) -> None:
-    """SIGKILL the server's postmaster (its pid is the first line of postmaster.pid); its
-    backends notice and exit on their own."""
-    directory = getattr(server, "data_directory", None) or Path(server.directory) / "data"
-    pid = int((Path(directory) / "postmaster.pid").read_text().split()[0])
+    """SIGKILL the server's postmaster alone (its pid is the first line of
+    postmaster.pid), as a crash of that process would; its backends notice and exit on
+    their own, then the server counts as stopped (``kill``: nothing left to kill)."""
+    data = Path(server.directory) / "data"
+    pid = int((data / "postmaster.pid").read_text().split()[0])
+    backends = [p for p in _children(pid)]
     os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while any(_alive(p) for p in (pid, *backends)):
+        if time.monotonic() > deadline:
+            raise TrialError(f"the postmaster {pid} or its backends outlived its SIGKILL for 30s")
         time.sleep(0.05)
-    raise TrialError(f"the postmaster {pid} outlived its SIGKILL for 30s")
+    server.kill()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

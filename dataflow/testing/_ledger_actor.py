@@ -16,8 +16,8 @@ every process of the machine). Commands (``op``):
 - ``emit_loop`` ``first`` ``retry_s``: emit ``s-FIRST``, ``s-FIRST+1`` ... one at a time,
   each retried (the same id, as the docs say) until it returns, at most ``retry_s``
   seconds; stops before the next id once the file ``stop`` names exists. It says
-  ``{"looping": true}`` after its first emit, and at the end the ids emitted and the
-  errors seen.
+  ``{"looping": true}`` after its first emit, and at the end the ids emitted, when each
+  returned (``done``) and the errors seen.
 
 ``"pause": true`` on a command holds its first write transaction just before its COMMIT:
 the actor says ``{"committing": true}`` and waits for a line on stdin, so that the
@@ -82,6 +82,7 @@ def _emit_one(producer: Producer, sample_id: str) -> bool:
 
 def _emit_loop(producer: Producer, first: int, retry_s: float, stop: Path) -> dict[str, Any]:
     emitted: list[str] = []
+    done: list[float] = []  # when each emitted one returned
     errors: list[dict[str, Any]] = []
     index = first
     while not stop.exists():
@@ -93,13 +94,15 @@ def _emit_loop(producer: Producer, first: int, retry_s: float, stop: Path) -> di
                 break
             errors.append({"id": sample_id, **outcome})
             if time.monotonic() - started > retry_s:
-                return {"ok": False, "emitted": emitted, "errors": errors, "gave_up": sample_id}
+                return {"ok": False, "emitted": emitted, "done": done, "errors": errors,
+                        "gave_up": sample_id}  # fmt: skip
             time.sleep(0.2)
         emitted.append(sample_id)
+        done.append(outcome["at"])
         if index == first:
             say(looping=True)
         index += 1
-    return {"ok": True, "emitted": emitted, "errors": errors, "at": time.monotonic()}
+    return {"ok": True, "emitted": emitted, "done": done, "errors": errors}
 
 
 def main(argv: list[str]) -> None:
