@@ -86,7 +86,8 @@ def test_a_rank_that_comes_back_after_it_was_fenced_writes_nothing(cluster, serv
 def test_a_run_rides_out_a_restart_of_the_postgres_host(cluster, server, how: str) -> None:
     outcome = postgres_restart(cluster, server, how=how)
     assert_clean(outcome)
-    assert outcome.results["producer"]["ok"], outcome
-    assert outcome.results["rest"]["stuck"] is None, outcome
+    assert outcome.results["producer"]["ok"], outcome  # each failed call went through, retried
+    assert outcome.results["rank"]["ok"], outcome
+    assert "ok" in outcome.results["close"], outcome
     for error in outcome.seen:
         assert error in ("OperationalError", "CommitOutcomeUnknownError"), outcome

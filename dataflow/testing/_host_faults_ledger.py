@@ -321,17 +321,21 @@ def _replace(outcome: LedgerFaultOutcome, **changes: Any) -> LedgerFaultOutcome:
 def postgres_restart(
     cluster: Any, server: Any, *, how: str = "stop", busy_timeout: float = 2.0
 ) -> LedgerFaultOutcome:
-    """The PostgreSQL server restarted while a producer emits (retrying each failed emit):
-    ``how`` ``"stop"`` (``server.stop()`` then ``start()``) or ``"kill"`` (SIGKILL of the
-    postmaster, then ``start()``). Then a rank trains the run: every sample is committed
-    and trained exactly once."""
+    """The PostgreSQL server restarted while a producer emits and a rank trains, each
+    retrying every call that fails (the same call again): ``how`` ``"stop"``
+    (``server.stop()`` then ``start()``) or ``"kill"`` (SIGKILL of the postmaster
+    alone, then ``start()``: crash recovery). Every sample must be committed and
+    trained exactly once."""
     kind = f"postgres-restart-{how}"
     with trial_on(cluster, server, kind, busy_timeout) as trial:
+        retry_s = trial.call_within * 4
         producer = trial.start("producer0", "producer", "p0")
-        stop = trial.root.parent / "stop"
-        producer.tell(op="emit_loop", first=0, retry_s=trial.call_within * 4, stop=str(stop))
+        rank = trial.start("trainer0", "rank", "r0")
+        stops = trial.root.parent / "stop-producer", trial.root.parent / "stop-rank"
+        producer.tell(op="emit_loop", first=0, retry_s=retry_s, stop=str(stops[0]))
         producer.said(trial.call_within, expect="looping")
-        time.sleep(0.3)
+        rank.tell(op="train_loop", retry_s=retry_s, stop=str(stops[1]))
+        rank.said(trial.call_within, expect="looping")
         if how == "kill":
             _kill_postmaster(server)
         else:
@@ -345,26 +349,26 @@ def postgres_restart(
                 lambda: len(ledger.commits(RUN, [f"s-{i}" for i in range(count + 1)])) > count,
                 trial.call_within * 2,
             )
-        stop.touch()
-        end = producer.said(trial.call_within * 4)
+        stops[0].touch()
+        made = producer.said(retry_s + trial.call_within)
         closed = producer.call(trial.call_within, op="close")
-        rank = trial.start("trainer0", "rank", "r0")
-        rest = train_rest(rank, trial, 1)
-        errors = end.get("errors", [])
+        stops[1].touch()
+        trained = rank.said(retry_s + trial.call_within)
+        errors = made.get("errors", []) + trained.get("errors", [])
         return read_outcome(
             trial,
             kind,
-            told=end.get("emitted", []),
-            trained=rest["trained"],
+            told=made.get("emitted", []),
+            trained=trained.get("trained", []),
             detail=(
-                f"{len(end.get('emitted', []))} emitted, {len(errors)} failed tries "
-                f"({', '.join(sorted({e['error'] for e in errors})) or 'none'}); close "
-                f"{short(closed)}; then r0 trained {len(rest['trained'])}"
-                + (f", {rest['stuck']}" if rest["stuck"] else "")
+                f"{len(made.get('emitted', []))} emitted, {len(trained.get('trained', []))} "
+                f"trained, {len(errors)} failed calls "
+                f"({', '.join(sorted({e['error'] for e in errors})) or 'none'}); the close "
+                f"answered {short(closed)}"
             ),
-            recovery_s=loop_recovery(end, restarted),
+            recovery_s=max(loop_recovery(made, restarted), loop_recovery(trained, restarted)),
             seen=[e["error"] for e in errors],
-            results={"producer": end, "rest": rest},
+            results={"producer": made, "rank": trained, "close": closed},
         )
 
 

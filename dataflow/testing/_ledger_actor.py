@@ -13,7 +13,11 @@ every process of the machine). Commands (``op``):
 - ``emit`` ``ids``: ``emit_many`` of those ids (the result: each id, or None when the
   ledger already held it);
 - ``lease`` ``n``, ``ack`` ``ids`` ``step``, ``resume``, ``close``;
-- ``emit_loop`` ``first`` ``retry_s``: emit ``s-FIRST``, ``s-FIRST+1`` ... one at a time,
+- ``train_loop`` ``retry_s`` ``stop``: lease 4 and ack them, again and again, each call
+  retried until it returns (at most ``retry_s`` seconds); ends once the file ``stop``
+  names exists and a lease finds nothing. It says ``{"looping": true}`` after its first
+  ack, and at the end the ids trained and the errors seen;
+- ``emit_loop`` ``first`` ``retry_s`` ``stop``: emit ``s-FIRST``, ``s-FIRST+1`` ... one at a time,
   each retried (the same id, as the docs say) until it returns, at most ``retry_s``
   seconds; stops before the next id once the file ``stop`` names exists. It says
   ``{"looping": true}`` after its first emit, and at the end the ids emitted, when each
@@ -80,6 +84,20 @@ def _emit_one(producer: Producer, sample_id: str) -> bool:
     return producer.emit(sample_id, _tensors(sample_id)) is not None
 
 
+def _retrying(call: Any, retry_s: float, errors: list[dict[str, Any]], **what: Any) -> Any:
+    """``call()`` until it returns (its answer), at most ``retry_s`` seconds (then None);
+    each error it raises meanwhile goes into ``errors``."""
+    started = time.monotonic()
+    while True:
+        outcome = _answer(call)
+        if "ok" in outcome:
+            return outcome
+        errors.append({**what, **outcome})
+        if time.monotonic() - started > retry_s:
+            return None
+        time.sleep(0.2)
+
+
 def _emit_loop(producer: Producer, first: int, retry_s: float, stop: Path) -> dict[str, Any]:
     emitted: list[str] = []
     done: list[float] = []  # when each emitted one returned
@@ -87,22 +105,48 @@ def _emit_loop(producer: Producer, first: int, retry_s: float, stop: Path) -> di
     index = first
     while not stop.exists():
         sample_id = f"s-{index}"
-        started = time.monotonic()
-        while True:
-            outcome = _answer(functools.partial(_emit_one, producer, sample_id))
-            if "ok" in outcome:
-                break
-            errors.append({"id": sample_id, **outcome})
-            if time.monotonic() - started > retry_s:
-                return {"ok": False, "emitted": emitted, "done": done, "errors": errors,
-                        "gave_up": sample_id}  # fmt: skip
-            time.sleep(0.2)
+        call = functools.partial(_emit_one, producer, sample_id)
+        outcome = _retrying(call, retry_s, errors, id=sample_id)
+        if outcome is None:
+            return {"ok": False, "emitted": emitted, "done": done, "errors": errors,
+                    "gave_up": sample_id}  # fmt: skip
         emitted.append(sample_id)
         done.append(outcome["at"])
         if index == first:
             say(looping=True)
         index += 1
     return {"ok": True, "emitted": emitted, "done": done, "errors": errors}
+
+
+def _lease_ids(consumer: Consumer, n: int) -> list[str]:
+    return [ref.sample_id for ref in consumer.lease(n)]
+
+
+def _train_loop(consumer: Consumer, retry_s: float, stop: Path) -> dict[str, Any]:
+    """Lease 4 and ack them, step after step, each call retried (the same ack again)
+    until it returns; ends once ``stop`` exists and a lease finds nothing."""
+    trained: list[str] = []
+    done: list[float] = []
+    errors: list[dict[str, Any]] = []
+    step = 1
+    while True:
+        leased = _retrying(functools.partial(_lease_ids, consumer, 4), retry_s, errors)
+        if leased is None:
+            return {"ok": False, "trained": trained, "done": done, "errors": errors}
+        if not leased["result"]:
+            if stop.exists():
+                return {"ok": True, "trained": trained, "done": done, "errors": errors}
+            time.sleep(0.05)
+            continue
+        ids = leased["result"]
+        acked = _retrying(functools.partial(consumer.ack, ids, step=step), retry_s, errors)
+        if acked is None:
+            return {"ok": False, "trained": trained, "done": done, "errors": errors}
+        trained += ids
+        done.append(acked["at"])
+        if step == 1:
+            say(looping=True)
+        step += 1
 
 
 def main(argv: list[str]) -> None:
@@ -124,6 +168,10 @@ def main(argv: list[str]) -> None:
         if op == "emit_loop":
             assert producer is not None
             say(**_emit_loop(producer, command["first"], command["retry_s"], Path(command["stop"])))
+            continue
+        if op == "train_loop":
+            assert consumer is not None
+            say(**_train_loop(consumer, command["retry_s"], Path(command["stop"])))
             continue
         say(**_answer(functools.partial(_run, op, command, producer, consumer)))
 
