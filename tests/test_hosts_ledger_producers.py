@@ -77,6 +77,26 @@ def test_a_commit_whose_reply_is_held_for_less_than_the_timeouts_returns(cluster
 
 
 @settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(dead_peers=st.floats(0.1, 3.0))
+def test_a_commit_whose_reply_is_lost_for_any_time_is_committed_once_with_its_features(
+    cluster, server, dead_peers: float
+) -> None:
+    """The link cut for 0.1 to 3 dead-peer bounds D after the server committed: the held
+    reply arrives, or the emit fails and its retry (its own, or emitting again) settles it
+    from the ledger; around D the two race, and either way one commit, features kept."""
+    outcome = producer_reply_lost(cluster, server, cut_s=2.0 * dead_peers)  # D = 2 s
+    assert_clean(outcome)
+    last = outcome.results.get("retry", outcome.results["during"])
+    assert last["result"] in (["s-1"], [None]), outcome
+    assert outcome.results["after"]["result"] == ["s-2"], outcome
+
+
+@settings(
     max_examples=8,
     deadline=None,
     derandomize=True,

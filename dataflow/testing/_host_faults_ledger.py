@@ -39,6 +39,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 from dataflow.model._events import Kind
+from dataflow.recorder._postgres import dead_peer_s
 from dataflow.testing._ledger_trial import (
     RUN,
     LedgerFaultOutcome,
@@ -72,6 +73,7 @@ def producer_reply_lost(
     server: Any,
     *,
     after: str = "cut",
+    cut_s: float | None = None,
     host: str = "producer0",
     busy_timeout: float = 2.0,
 ) -> LedgerFaultOutcome:
@@ -81,16 +83,21 @@ def producer_reply_lost(
     out, the relay holds every reply, and the trial waits until the commit is visible
     from another connection. Then, ``after``:
 
-    - ``"cut"``: the producer's host is cut from the gateway, silently, for longer
-      than its timeouts: the emit raises CommitOutcomeUnknownError (its own retry
-      cannot connect either) and keeps the features; emitted again once the link
-      heals, it answers None (the ledger holds it);
+    - ``"cut"``: the producer's host is cut from the gateway, silently, until the
+      emit fails (longer than its timeouts): the emit raises CommitOutcomeUnknownError
+      (its own retry cannot connect either) and keeps the features; emitted again
+      once the link heals, it answers None (the ledger holds it). With ``cut_s``,
+      healed after ``cut_s`` seconds instead, whatever the emit did meanwhile: the
+      held reply arrives (the emit returns), or the emit failed first (then it is
+      emitted again, as above) or its own retry found its ref (it returns);
     - ``"reset"``: the relay resets the connection: the producer's own second try
       finds its very ref committed and the emit returns it;
-    - ``"short"``: the host is cut for half the dead-peer bound, then healed and the
-      reply let through: the emit returns, as if nothing happened.
+    - ``"short"``: the cut lasts half the dead-peer bound: the emit returns, as if
+      nothing happened.
     """
-    kind = f"producer-reply-lost-{after}"
+    kind = f"producer-reply-lost-{after}" if cut_s is None else "producer-reply-lost-timed"
+    if after == "short":
+        after, cut_s = "cut", dead_peer_s(busy_timeout) / 2
     with trial_on(cluster, server, kind, busy_timeout) as trial, trial.ledger() as ledger:
         relay = cluster.relay("pg", make_url(trial.url).port)
         producer = trial.start(host, "producer", "p0", via=relay.address)
@@ -108,16 +115,16 @@ def producer_reply_lost(
             answers["during"] = producer.said(trial.call_within)
         else:
             cluster.cut(host, "gateway", silent=True)
-            if after == "short":
-                time.sleep(trial.dead / 2)
-            else:
+            if cut_s is None:
                 answers["during"] = producer.said(trial.call_within)
+            else:
+                time.sleep(cut_s)
             cluster.heal(host, "gateway")
             relay.resume()
             healed = time.monotonic()
-            if after == "short":
+            if "during" not in answers:
                 answers["during"] = producer.said(trial.call_within)
-            elif "error" in answers["during"]:
+            if "error" in answers["during"]:
                 answers["retry"] = producer.call(trial.call_within, op="emit", ids=["s-1"])
         last = answers.get("retry", answers["during"])
         recovery = last["at"] - healed if "ok" in last else float("inf")
