@@ -21,8 +21,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from dataflow.testing._host_faults_ledger import postgres_restart, rank_cut, rank_fenced_after_cut
+from dataflow.testing._host_faults_ledger import (
+    postgres_restart,
+    rank_cut,
+    rank_cut_at_random,
+    rank_fenced_after_cut,
+)
 from tests._hosts_ledger import assert_clean, started_cluster
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -73,6 +80,23 @@ def test_a_rank_whose_committed_write_lost_its_reply_retries_without_loss_or_a_s
     assert outcome.results["rest"]["stuck"] is None, outcome
 
 
+@settings(
+    max_examples=6,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(seed=st.integers(0, 2**16), silent=st.booleans(), long=st.booleans())
+def test_a_rank_cut_off_at_random_moments_trains_every_sample_once(
+    cluster, server, seed: int, silent: bool, long: bool
+) -> None:
+    outcome = rank_cut_at_random(cluster, server, seed=seed, silent=silent, long=long)
+    assert_clean(outcome)  # every sample trained, none twice
+    assert outcome.results["ok"], outcome  # every failed call went through, made again
+    for error in outcome.seen:
+        assert error in ("OperationalError", "CommitOutcomeUnknownError"), outcome
+
+
 def test_a_rank_that_comes_back_after_it_was_fenced_writes_nothing(cluster, server) -> None:
     outcome = rank_fenced_after_cut(cluster, server)
     assert_clean(outcome)
@@ -82,7 +106,7 @@ def test_a_rank_that_comes_back_after_it_was_fenced_writes_nothing(cluster, serv
 
 
 # -- the PostgreSQL host restarted ----------------------------------------------------------
-@pytest.mark.parametrize("how", ["stop", "kill"])
+@pytest.mark.parametrize("how", ["stop", "kill", "reboot"])
 def test_a_run_rides_out_a_restart_of_the_postgres_host(cluster, server, how: str) -> None:
     outcome = postgres_restart(cluster, server, how=how)
     assert_clean(outcome)

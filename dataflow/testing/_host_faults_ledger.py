@@ -16,6 +16,8 @@ The faults (docs/reliability.md, "Faults across hosts"):
   random moment of a run of emits;
 - :func:`rank_cut`: a rank cut off while its lease or ack commits (or with the
   reply lost), for less or longer than its timeouts;
+- :func:`rank_cut_at_random`: a link cut, silent or loud, short or long, at a
+  random moment of a rank's leases and acks;
 - :func:`rank_fenced_after_cut`: a rank cut off long enough that a new consumer
   resumed the run; healed, it writes nothing more;
 - :func:`postgres_restart`: the PostgreSQL host restarted (stopped, or its
@@ -63,6 +65,7 @@ __all__ = [
     "producer_cut_at_random",
     "producer_reply_lost",
     "rank_cut",
+    "rank_cut_at_random",
     "rank_fenced_after_cut",
 ]
 
@@ -280,6 +283,56 @@ def rank_cut(
         )
 
 
+def rank_cut_at_random(
+    cluster: Any,
+    server: Any,
+    *,
+    seed: int,
+    silent: bool,
+    long: bool,
+    host: str = "trainer0",
+    busy_timeout: float = 2.0,
+) -> LedgerFaultOutcome:
+    """A rank leasing and acking step after step is cut from the pg host at a random
+    moment (``seed``), ``silent``-ly or loudly, for less than its dead-peer bound D or
+    (``long``) longer; it makes every failed call again (the same ack) until it returns.
+    Every sample must be trained exactly once."""
+    rng = random.Random(seed)
+    quiet = "silent" if silent else "loud"
+    kind = f"rank-cut-{quiet}-{'long' if long else 'short'}"
+    with trial_on(cluster, server, kind, busy_timeout) as trial:
+        samples = [f"s-{i}" for i in range(600)]
+        produce(trial, samples)
+        rank = trial.start(host, "rank", "r0")
+        stop = trial.root.parent / "stop"
+        rank.tell(op="train_loop", n=2, retry_s=trial.call_within * 3, stop=str(stop))
+        rank.said(trial.call_within, expect="looping")
+        wait = rng.uniform(0.0, 0.6)
+        time.sleep(wait)
+        cut_for = trial.dead * (rng.uniform(1.5, 2.5) if long else rng.uniform(0.1, 0.4))
+        cluster.cut(host, "pg", silent=silent)
+        time.sleep(cut_for)
+        cluster.heal(host, "pg")
+        healed = time.monotonic()
+        stop.touch()
+        end = rank.said(trial.call_within * 4)
+        errors = end.get("errors", [])
+        return read_outcome(
+            trial,
+            kind,
+            told=samples,
+            trained=end.get("trained", []),
+            detail=(
+                f"cut {quiet}ly for {cut_for:.2f}s, {wait:.2f}s into training: "
+                f"{len(end.get('trained', []))} trained, {len(errors)} failed calls "
+                f"({', '.join(sorted({e['error'] for e in errors})) or 'none'})"
+            ),
+            recovery_s=loop_recovery(end, healed),
+            seen=[e["error"] for e in errors],
+            results=end,
+        )
+
+
 def rank_fenced_after_cut(
     cluster: Any, server: Any, *, busy_timeout: float = 2.0
 ) -> LedgerFaultOutcome:
@@ -330,8 +383,10 @@ def postgres_restart(
 ) -> LedgerFaultOutcome:
     """The PostgreSQL server restarted while a producer emits and a rank trains, each
     retrying every call that fails (the same call again): ``how`` ``"stop"``
-    (``server.stop()`` then ``start()``) or ``"kill"`` (SIGKILL of the postmaster
-    alone, then ``start()``: crash recovery). Every sample must be committed and
+    (``server.stop()`` then ``start()``), ``"kill"`` (SIGKILL of the postmaster
+    alone, then ``start()``: crash recovery) or ``"reboot"`` (the pg host silently
+    isolated and every server process SIGKILLed; after 1.5 D the host answers again,
+    refusing connections until the server has started). Every sample must be committed and
     trained exactly once."""
     kind = f"postgres-restart-{how}"
     with trial_on(cluster, server, kind, busy_timeout) as trial:
@@ -345,6 +400,11 @@ def postgres_restart(
         rank.said(trial.call_within, expect="looping")
         if how == "kill":
             _kill_postmaster(server)
+        elif how == "reboot":  # the machine goes silent, and comes back without a server
+            cluster.isolate("pg", silent=True)
+            server.kill()
+            time.sleep(trial.dead * 1.5)
+            cluster.heal()
         else:
             server.stop()
         server.start()

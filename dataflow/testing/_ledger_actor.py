@@ -13,10 +13,11 @@ every process of the machine). Commands (``op``):
 - ``emit`` ``ids``: ``emit_many`` of those ids (the result: each id, or None when the
   ledger already held it);
 - ``lease`` ``n``, ``ack`` ``ids`` ``step``, ``resume``, ``close``;
-- ``train_loop`` ``retry_s`` ``stop``: lease 4 and ack them, again and again, each call
-  retried until it returns (at most ``retry_s`` seconds); ends once the file ``stop``
-  names exists and a lease finds nothing. It says ``{"looping": true}`` after its first
-  ack, and at the end the ids trained and the errors seen;
+- ``train_loop`` ``n`` ``retry_s`` ``stop``: lease ``n`` (4) and ack them, again
+  and again, each call retried until it returns (at most ``retry_s`` seconds); ends
+  once the file ``stop`` names exists and a lease finds nothing. It says
+  ``{"looping": true}`` after its first ack, and at the end the ids trained and the
+  errors seen;
 - ``emit_loop`` ``first`` ``retry_s`` ``stop``: emit ``s-FIRST``, ``s-FIRST+1`` ... one at a time,
   each retried (the same id, as the docs say) until it returns, at most ``retry_s``
   seconds; stops before the next id once the file ``stop`` names exists. It says
@@ -122,17 +123,20 @@ def _lease_ids(consumer: Consumer, n: int) -> list[str]:
     return [ref.sample_id for ref in consumer.lease(n)]
 
 
-def _train_loop(consumer: Consumer, retry_s: float, stop: Path) -> dict[str, Any]:
-    """Lease 4 and ack them, step after step, each call retried (the same ack again)
-    until it returns; ends once ``stop`` exists and a lease finds nothing."""
+def _train_loop(consumer: Consumer, n: int, retry_s: float, stop: Path) -> dict[str, Any]:
+    """Lease ``n`` and ack them, step after step, each call retried (the same ack again)
+    until it returns; ends once ``stop`` exists and a lease finds nothing. ``done``: when
+    each ack returned, and each first call that returned after an error."""
     trained: list[str] = []
     done: list[float] = []
     errors: list[dict[str, Any]] = []
     step = 1
     while True:
-        leased = _retrying(functools.partial(_lease_ids, consumer, 4), retry_s, errors)
+        leased = _retrying(functools.partial(_lease_ids, consumer, n), retry_s, errors)
         if leased is None:
             return {"ok": False, "trained": trained, "done": done, "errors": errors}
+        if errors and (not done or done[-1] < errors[-1]["at"]):
+            done.append(leased["at"])
         if not leased["result"]:
             if stop.exists():
                 return {"ok": True, "trained": trained, "done": done, "errors": errors}
@@ -171,7 +175,8 @@ def main(argv: list[str]) -> None:
             continue
         if op == "train_loop":
             assert consumer is not None
-            say(**_train_loop(consumer, command["retry_s"], Path(command["stop"])))
+            stop = Path(command["stop"])
+            say(**_train_loop(consumer, command.get("n", 4), command["retry_s"], stop))
             continue
         say(**_answer(functools.partial(_run, op, command, producer, consumer)))
 
