@@ -59,7 +59,9 @@ GROUPED_MODULES = frozenset(
     {
         "test_cli_inspect.py",
         "test_cli_subprocess.py",
+        "test_clocks.py",
         "test_diff.py",
+        "test_doctor.py",
         "test_eval_distributed.py",
         "test_faults_postgres_network.py",
         "test_ledger_concurrency.py",
