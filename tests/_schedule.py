@@ -47,9 +47,11 @@ LONG_MODULES = (
     "test_store_shared_dir.py",
     "test_mooncake_restart.py",
     "test_streams_processes.py",
+    "test_doctor.py",
     "test_cli.py",
     "test_metrics.py",
     "test_ledger_lineage.py",
+    "test_clocks.py",
 )
 
 
