@@ -302,3 +302,12 @@ def test_no_ledger_named_or_a_bad_url_exits_2():
     assert done.returncode == 2 and "--ledger URL or $DATAFLOW_LEDGER" in done.stderr
     done = _doctor("--ledger", "nosuchdb://x")
     assert done.returncode == 2, done.stderr
+
+
+@pytest.mark.mooncake
+def test_a_healthy_mooncake_store_exits_0(sqlite_ledger, mooncake_master):
+    # The doctor's own client lends the memory its probe goes into (segment_size).
+    uri = mooncake_master.store_uri(namespace="doctor") + "&segment_size=16M"
+    done = _doctor("--ledger", sqlite_ledger, "--store", uri, *NO_DISK_LIMITS, "--timeout", "30")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert any(line.startswith("ok      store") for line in done.stdout.splitlines())

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from dataflow.interfaces._store import FeatureStore
 from dataflow.model._errors import ArgumentTypeError, DataflowError, InvalidArgumentError
@@ -389,8 +389,6 @@ def _mooncake_servers(uri: str, limits: DoctorLimits) -> list[Finding]:
     its HTTP metadata server); none when both answer."""
     parts = urlsplit(uri)
     servers = [("master", parts.hostname, parts.port)]
-    from urllib.parse import parse_qs
-
     metadata = parse_qs(parts.query).get("metadata", [None])[0]
     if metadata and metadata.startswith(("http://", "https://")):
         meta = urlsplit(metadata)
@@ -436,9 +434,9 @@ def _probe(uri: str, open_store: Callable[[str], FeatureStore], limits: DoctorLi
                 if not torch.equal(back, sent):
                     raise DataflowError(f"the probe read back differs from what was put: {back}")
             finally:
+                # Not checked with exists(): Mooncake frees an object once the read
+                # lease of the get above ends, so it may still be there for a moment.
                 store.delete(ref)
-            if store.exists(ref):
-                raise DataflowError("the probe is still there after its delete")
         finally:
             store.close()
         return time.perf_counter() - started
@@ -453,7 +451,7 @@ def _probe(uri: str, open_store: Callable[[str], FeatureStore], limits: DoctorLi
             f"the probe (put, read back, remove) took too long: {exc}",
             "check that the store's server or file system answers from this host",
         )
-    except (DataflowError, OSError, ValueError) as exc:
+    except Exception as exc:  # whatever a plugin store raises is a finding
         return Finding(
             "store",
             uri,
