@@ -27,8 +27,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
-from dataflow import Ledger
+from dataflow import Ledger, Producer
 from dataflow.testing._postgres import create_database, drop_database
 from tests._cli import run_cli
 from tests.conftest import unavailable
@@ -159,3 +160,12 @@ def test_a_skewed_ranks_lease_timeout_is_a_duration(skewed_run):
     # nothing and returned, neither at once nor hours later.
     assert rank["more"] == 0
     assert rank["waited"] >= 1.0
+
+
+def test_the_ledger_clock_is_the_clock_that_stamps_its_events(ledger, store):
+    before = ledger.clock()
+    Producer(ledger, store, run_id="stamped").emit("s", {"x": torch.ones(1)})
+    after = ledger.clock()
+    (commit,) = [e for e in ledger.events("stamped") if e.kind == "commit"]
+    assert before <= commit.ts <= after
+    assert abs(after - time.time()) < NEAR_S  # this machine's clock, or its server's
