@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from typing import Any
 
@@ -29,21 +30,22 @@ def _store_uri(text: str) -> str:
     return text
 
 
-def _fraction(text: str) -> float:
-    value = seconds(text) if text.replace(".", "", 1).isdigit() else -1.0
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"expected a percentage from 0 to 100, got {text!r}")
-    return value / 100
-
-
-def _gib(text: str) -> int:
+def _number(text: str, high: float, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value < 1 << 30:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB >= 0, got {text!r}")
-    return int(value * (1 << 30))
+        value = math.nan
+    if not 0 <= value <= high:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    return _number(text, 100, "a percentage from 0 to 100") / 100
+
+
+def _gib(text: str) -> int:
+    return int(_number(text, 1 << 30, "a number of GiB >= 0") * (1 << 30))
 
 
 def add_doctor(sub: Any) -> None:
