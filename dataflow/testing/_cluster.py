@@ -76,10 +76,10 @@ class Host:
 
         The prefix execs in place: the process id is the command's own.
         """
-        prefix = ["ip", "netns", "exec", self.netns]
+        prefix = [_netns.IP, "netns", "exec", self.netns]
         if self.skew_s:
             prefix += [
-                "env",
+                _netns.ENV,
                 f"LD_PRELOAD={_netns.libfaketime()}",
                 f"FAKETIME={self.skew_s:+.3f}",
                 "DONT_FAKE_MONOTONIC=1",
@@ -168,6 +168,7 @@ class Cluster:
         self.hosts: dict[str, Host] = {}
         self.gateway = ""
         self._lock: IO[bytes] | None = None
+        self._owner = os.getpid()
         self._processes: list[subprocess.Popen[Any]] = []
         self._services: list[Any] = []
         self._relays: list[Relay] = []
@@ -199,6 +200,7 @@ class Cluster:
             raise ClusterError(f"{self!r} is already started")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.slot, self._lock = _netns.take_slot()
+        self._owner = os.getpid()
         atexit.register(self.stop)
         try:
             self._build()
@@ -232,9 +234,9 @@ class Cluster:
 
     def stop(self) -> None:
         """Kill every process started here, remove namespaces, bridge and routes. Idempotent."""
+        if self._lock is None or os.getpid() != self._owner:
+            return  # a forked child's copy of the cluster is not its to tear down
         lock, self._lock = self._lock, None
-        if lock is None:
-            return
         atexit.unregister(self.stop)
         try:
             for relay in self._relays:
