@@ -282,6 +282,45 @@ def test_relay_reset_gives_the_client_a_connection_reset(cluster: Cluster) -> No
         relay.stall()
 
 
+# A client that sends COMMIT through a relay, then (on a line on stdin) one more message, and
+# prints how its wait for the reply ended; TCP_USER_TIMEOUT of 1 s bounds unacknowledged data.
+LOST_REPLY = """
+import errno, socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+sock = socket.create_connection((host, int(port)), timeout=60)
+sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 1000)
+sock.sendall(b"COMMIT")
+print("sent", flush=True)
+sys.stdin.readline()
+try:
+    sock.sendall(b"more")
+    print(sock.recv(100))
+except OSError as exc:
+    print(errno.errorcode.get(exc.errno, str(exc.errno)))
+"""
+
+
+def test_a_stalled_reply_and_a_cut_link_end_the_client_by_its_own_timeout(
+    cluster: Cluster,
+) -> None:
+    relay = cluster.relay("pg", ECHO_PORT)
+    relay.stall("to_client")  # the server answers; the answer is held
+    client = cluster["trainer0"].popen(
+        [sys.executable, "-c", LOST_REPLY, relay.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert client.stdin is not None and client.stdout is not None
+    assert client.stdout.readline().strip() == "sent"
+    cluster.cut("trainer0", "gateway")
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    assert client.stdout.readline().strip() == "ETIMEDOUT"
+    client.wait(60)
+    relay.close()
+
+
 # -- servers -----------------------------------------------------------------------------
 
 
