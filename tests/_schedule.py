@@ -62,6 +62,7 @@ GROUPED_MODULES = frozenset(
         "test_cli_inspect.py",
         "test_cli_subprocess.py",
         "test_clocks.py",
+        "test_cluster.py",
         "test_diff.py",
         "test_doctor.py",
         "test_eval_distributed.py",
