@@ -20,6 +20,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -311,3 +312,80 @@ def test_a_healthy_mooncake_store_exits_0(sqlite_ledger, mooncake_master):
     done = _doctor("--ledger", sqlite_ledger, "--store", uri, *NO_DISK_LIMITS, "--timeout", "30")
     assert done.returncode == 0, done.stdout + done.stderr
     assert any(line.startswith("ok      store") for line in done.stdout.splitlines())
+
+
+# -- across simulated hosts -------------------------------------------------------------
+RECEIVER = """
+import sys
+from dataflow.streams import ReceiverConfig, ZmqRefReceiver
+with ZmqRefReceiver(ReceiverConfig(endpoint=sys.argv[1], expected_producers=1)):
+    print("ready", flush=True)
+    sys.stdin.read()  # until the cluster stops it
+"""
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    """A cluster: PostgreSQL on host pg, a rank's receiver on trainer0, doctors on producer0
+    and on producer1, whose clock is 2 h ahead; the store on the directory every host sees."""
+    from dataflow.testing import Cluster, cluster_unavailable
+
+    reason = cluster_unavailable()
+    if reason is not None:
+        unavailable(f"no simulated cluster here: {reason}")
+    workdir = tmp_path_factory.mktemp("doctor_cluster")
+    hosts = ["pg", "producer0", "producer1", "trainer0"]
+    with Cluster(hosts, workdir=workdir, skew={"producer1": 7200.0}) as cluster:
+        server = cluster.start_postgres()
+        server.create_database("doctor")
+        ledger = cluster.postgres_url(server, "doctor")
+        Ledger.open(ledger).close()
+        store = f"dir://{workdir}/store"
+        open_store(store).close()
+        stream = f"tcp://{cluster['trainer0'].address}:5555"
+        receiver = cluster["trainer0"].popen(
+            [sys.executable, "-c", RECEIVER, stream],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert receiver.stdout.readline().strip() == "ready"
+        yield SimpleNamespace(cluster=cluster, ledger=ledger, store=store, stream=stream)
+
+
+def _doctor_on(deployment: SimpleNamespace, host: str, *args: str) -> Any:
+    argv = [sys.executable, "-m", "dataflow.cli", "doctor", "--ledger", deployment.ledger, *args]
+    return deployment.cluster[host].run(
+        argv, check=False, timeout=120, capture_output=True, text=True
+    )
+
+
+def test_a_producer_host_checks_the_ledger_store_and_stream_by_address(deployment):
+    done = _doctor_on(
+        deployment, "producer0", "--store", deployment.store, "--stream", deployment.stream,
+        "--json",
+        *NO_DISK_LIMITS,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = {c["check"]: c for c in json.loads(done.stdout)["checks"]}
+    assert deployment.cluster["pg"].address in checks["ledger"]["target"]
+    assert abs(checks["clock"]["offset_s"]) < 1.0
+
+
+def test_a_host_cut_off_silently_finds_every_link_down_in_bounded_time(deployment):
+    # Frames vanish, no FIN, RST or ICMP: only the doctor's own timeouts end each check.
+    cluster, stream = deployment.cluster, deployment.stream
+    with cluster.partition("producer0", "pg"), cluster.partition("producer0", "trainer0"):
+        done = _doctor_on(deployment, "producer0", "--stream", stream, *QUICK)
+    assert done.returncode == 1, done.stdout + done.stderr
+    to_ledger, to_rank = _problems(done)
+    assert to_ledger.startswith("PROBLEM ledger") and "cannot be reached" in to_ledger
+    assert to_rank.startswith(f"PROBLEM stream {stream}") and "no answer in 2 s" in to_rank
+
+
+def test_a_host_whose_clock_is_2_hours_ahead_is_found(deployment):
+    done = _doctor_on(deployment, "producer1", "--json", *NO_DISK_LIMITS)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (problem,) = [c for c in json.loads(done.stdout)["checks"] if not c["ok"]]
+    assert problem["check"] == "clock"
+    assert 7200 - 60 < -problem["offset_s"] < 7200 + 60
