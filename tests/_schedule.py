@@ -49,9 +49,11 @@ LONG_MODULES = (
     "test_store_shared_dir.py",
     "test_mooncake_restart.py",
     "test_streams_processes.py",
+    "test_doctor.py",
     "test_cli.py",
     "test_metrics.py",
     "test_ledger_lineage.py",
+    "test_clocks.py",
 )
 
 
@@ -61,8 +63,10 @@ GROUPED_MODULES = frozenset(
     {
         "test_cli_inspect.py",
         "test_cli_subprocess.py",
+        "test_clocks.py",
         "test_cluster.py",
         "test_diff.py",
+        "test_doctor.py",
         "test_eval_distributed.py",
         "test_faults_postgres_network.py",
         "test_hosts_ledger_producers.py",
