@@ -54,8 +54,10 @@ def test_a_lease_that_landed_unseen_is_handed_out_by_the_next_lease(
     emit("a", "b", "c")
     failing_commits(1, landed=True)
     unreadable(consumer)
-    with pytest.raises(CommitOutcomeUnknownError):
+    with pytest.raises(CommitOutcomeUnknownError) as raised:
         consumer.lease(2)
+    # What to do is said with the error (a note: its message is the ledger's).
+    assert any("make the same call again" in note for note in raised.value.__notes__)
     assert [r.sample_id for r in consumer.lease(2)] == ["a", "b"]  # the retry gets them
     assert [r.sample_id for r in consumer.lease(2)] == ["c"]
     assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c"]  # each leased once

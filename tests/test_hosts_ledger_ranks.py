@@ -76,6 +76,7 @@ def test_a_rank_whose_committed_write_lost_its_reply_retries_without_loss_or_a_s
     outcome = rank_cut(cluster, server, during=during, long=True, reply_lost=True)
     assert_clean(outcome)
     assert outcome.results["during"]["error"] == "CommitOutcomeUnknownError", outcome
+    assert any("make the same call again" in n for n in outcome.results["during"]["notes"])
     assert "ok" in outcome.results["retry"], outcome
     assert outcome.results["rest"]["stuck"] is None, outcome
 

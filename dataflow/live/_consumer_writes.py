@@ -22,7 +22,12 @@ from typing import Any, TypeVar
 from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefReceiver
 from dataflow.live._view import RunView
-from dataflow.model._errors import DataflowError, LedgerStateError, StaleEpochError
+from dataflow.model._errors import (
+    CommitOutcomeUnknownError,
+    DataflowError,
+    LedgerStateError,
+    StaleEpochError,
+)
 from dataflow.model._events import Kind, batch_payloads, dump_payload
 from dataflow.model._fold import RunState
 from dataflow.recorder._ledger import Ledger, NewEvent, WriteTransaction
@@ -34,6 +39,12 @@ _T = TypeVar("_T")
 _POLL_S = 0.02
 #: The first schema version whose readers read batch rows (dataflow.model._events).
 _BATCH_ROWS_SCHEMA = 4
+#: Said with a CommitOutcomeUnknownError that the consumer could not settle itself.
+_IN_DOUBT = (
+    "the consumer could not read the ledger back to settle this write: make the same "
+    "call again once the ledger answers (a lease then hands out first what this one "
+    "leased; the same ack returns without writing a second one)"
+)
 
 
 def batch_events(
@@ -175,8 +186,11 @@ class _FencedWrites:
             if transaction is not None and transaction.appended:
                 self._view.stale = True
                 if isinstance(exc, Exception):  # not on KeyboardInterrupt: later then
-                    with contextlib.suppress(DataflowError):  # the ledger is away: later
+                    try:
                         self._view.refold()
+                    except DataflowError:  # the ledger is away: rebuilt on the next read
+                        if isinstance(exc, CommitOutcomeUnknownError):
+                            exc.add_note(_IN_DOUBT)
             raise
 
     @contextlib.contextmanager

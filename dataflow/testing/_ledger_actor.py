@@ -77,7 +77,9 @@ def _answer(call: Any) -> dict[str, Any]:
     try:
         result = call()
     except DataflowError as exc:
-        return {"error": type(exc).__name__, "message": str(exc), "at": time.monotonic()}
+        notes = getattr(exc, "__notes__", [])
+        return {"error": type(exc).__name__, "message": str(exc), "notes": notes,
+                "at": time.monotonic()}  # fmt: skip
     return {"ok": True, "result": result, "at": time.monotonic()}
 
 
