@@ -26,6 +26,7 @@ from dataflow import Kind, Ledger
 from dataflow.testing._host_faults_ledger import (
     RUN,
     producer_cut_at_random,
+    producer_replaced_after_cut,
     producer_reply_lost,
 )
 from tests._hosts_ledger import assert_clean, started_cluster
@@ -74,6 +75,16 @@ def test_a_commit_whose_reply_is_held_for_less_than_the_timeouts_returns(cluster
     assert_clean(outcome)
     assert outcome.seen == (), outcome
     assert outcome.results["during"]["result"] == ["s-1"], outcome
+
+
+def test_a_producer_replaced_while_cut_off_writes_nothing_once_healed(cluster, server) -> None:
+    outcome = producer_replaced_after_cut(cluster, server)
+    assert_clean(outcome)  # s-3's features, put by the fenced one, deleted again
+    assert outcome.results["during"]["error"] in ("OperationalError", "CommitOutcomeUnknownError")
+    assert outcome.results["new"]["result"] == ["s-1", "s-2"], outcome
+    for late in ("again", "fresh", "close"):
+        assert outcome.results[late]["error"] == "ProducerFencedError", outcome
+        assert "another process took the id" in outcome.results[late]["message"], outcome
 
 
 @settings(

@@ -14,6 +14,8 @@ The faults (docs/reliability.md, "Faults across hosts"):
   reset (``"reset"``), or cut and healed before any timeout (``"short"``);
 - :func:`producer_cut_at_random`: a link cut, silent or loud, short or long, at a
   random moment of a run of emits;
+- :func:`producer_replaced_after_cut`: a producer cut off and replaced by a new
+  process with its id; healed, the old one writes nothing;
 - :func:`rank_cut`: a rank cut off while its lease or ack commits (or with the
   reply lost), for less or longer than its timeouts;
 - :func:`rank_cut_at_random`: a link cut, silent or loud, short or long, at a
@@ -63,6 +65,7 @@ __all__ = [
     "TrialError",
     "postgres_restart",
     "producer_cut_at_random",
+    "producer_replaced_after_cut",
     "producer_reply_lost",
     "rank_cut",
     "rank_cut_at_random",
@@ -196,6 +199,48 @@ def producer_cut_at_random(
             recovery_s=loop_recovery(end, healed),
             seen=[e["error"] for e in errors],
             results=end,
+        )
+
+
+def producer_replaced_after_cut(
+    cluster: Any, server: Any, *, busy_timeout: float = 2.0
+) -> LedgerFaultOutcome:
+    """Producer p0 on producer0 is cut off from the pg host mid-emit; a replacement
+    with the same id starts on producer1 (its claim fences the old one off) and emits
+    the same sample and a new one. Healed, the old process's every emit (of a sample
+    the ledger holds, or of a new one, whose features it deletes again) and its close
+    raise ProducerFencedError. One commit per sample, no orphan."""
+    kind = "producer-replaced-after-cut"
+    with trial_on(cluster, server, kind, busy_timeout) as trial:
+        old = trial.start("producer0", "producer", "p0")
+        first = old.call(trial.call_within, op="emit", ids=["s-0"])
+        cluster.cut("producer0", "pg", silent=True)
+        during = old.call(trial.call_within, op="emit", ids=["s-1"])
+        new = trial.start("producer1", "producer", "p0")
+        replaced = new.call(trial.call_within, op="emit", ids=["s-1", "s-2"])
+        cluster.heal("producer0", "pg")
+        again = old.call(trial.call_within, op="emit", ids=["s-1"])
+        fresh = old.call(trial.call_within, op="emit", ids=["s-3"])
+        closed = old.call(trial.call_within, op="close")
+        told = [s for a in (first, replaced, again, fresh) for s in a.get("result") or () if s]
+        return read_outcome(
+            trial,
+            kind,
+            told=told,
+            detail=(
+                f"cut off, the old p0's emit answered {short(during)}; the new p0's "
+                f"{short(replaced)}; healed, the old one's emit of s-1 {short(again)}, of "
+                f"s-3 {short(fresh)}, its close {short(closed)}"
+            ),
+            recovery_s=0.0,
+            seen=errors_of(during, again, fresh, closed),
+            results={
+                "during": during,
+                "new": replaced,
+                "again": again,
+                "fresh": fresh,
+                "close": closed,
+            },
         )
 
 
