@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -155,8 +157,22 @@ def _train_loop(consumer: Consumer, n: int, retry_s: float, stop: Path) -> dict[
         step += 1
 
 
+def _end_with_parent() -> None:
+    """Exit once the process that started this one is gone, however it ended (a trial
+    SIGKILLed mid-loop leaves no actor emitting on its own)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def main(argv: list[str]) -> None:
     role, url, root, run_id, actor, busy = argv
+    _end_with_parent()
     ledger = Ledger.open(url, busy_timeout=float(busy))
     store = SharedDirFeatureStore(root)
     pause = _CommitPause(ledger)
