@@ -19,13 +19,13 @@ from dataflow import CommitOutcomeUnknownError, Kind, LedgerStateError, Operatio
 
 @pytest.fixture
 def unreadable(monkeypatch):
-    """``unreadable(consumer)``: its reads of the ledger after a failed COMMIT (the refold
-    and the read-back, two reads) raise OperationalError, as on a link that just died."""
+    """``unreadable(consumer, reads=2)``: its reads of the ledger after a failed COMMIT (the
+    refold and the read-back: two) raise OperationalError, as on a link that just died."""
 
-    def make(consumer) -> None:
+    def make(consumer, reads: int = 2) -> None:
         view = consumer._view
         real = {name: getattr(view, name) for name in ("catch_up", "refold")}
-        left = {"reads": 2}
+        left = {"reads": reads}
 
         def failing(name):
             def read(*args, **kwargs):
@@ -97,6 +97,24 @@ def test_the_same_ack_made_again_settles_an_ack_whose_outcome_was_unseen(
     state = replay(ledger, run_id)
     assert state.verify() == []
     assert set(state.trained) == {"a", "b"}
+
+
+def test_an_ack_retried_while_the_ledger_is_still_away_stays_in_doubt_until_it_answers(
+    ledger, run_id, emit, make_consumer, failing_commits, unreadable
+):
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b")
+    refs = consumer.lease(2)
+    failing_commits(1, landed=True)
+    unreadable(consumer, reads=3)
+    with pytest.raises(CommitOutcomeUnknownError):
+        consumer.ack(refs, step=1)
+    with pytest.raises(OperationalError, match="unreachable"):
+        consumer.ack(refs, step=1)  # too early: the ledger still cannot say
+    consumer.ack(refs, step=1)  # it answers: the ack had landed
+    assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
+    assert replay(ledger, run_id).verify() == []
 
 
 def test_only_the_same_ack_is_settled_another_is_checked_as_ever(

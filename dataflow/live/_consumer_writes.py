@@ -222,11 +222,15 @@ class _FencedWrites:
     def _repeats_landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
         """Whether this write repeats the one in doubt (the same samples) and that one
         landed after all: every sample ``shows`` it in the ledger, read now. Then the
-        retry is done, with nothing written twice. Only the next write asks."""
-        doubt, self._in_doubt = self._in_doubt, frozenset()
-        if not doubt or doubt != frozenset(sample_ids):
+        retry is done, with nothing written twice. Another write ends the doubt; one
+        that cannot read the ledger yet raises and leaves it."""
+        if not self._in_doubt:
+            return False
+        if self._in_doubt != frozenset(sample_ids):
+            self._in_doubt = frozenset()
             return False
         self._catch_up()
+        self._in_doubt = frozenset()
         return all(shows(s) for s in sample_ids)
 
     # -- rows ------------------------------------------------------------------
