@@ -320,8 +320,8 @@ def test_a_batch_encoded_at_once_decodes_to_what_to_json_gives(batch: list[Sampl
     fast = decode([encode_refs("r", 1, bodies)])
     slow = decode([encode_refs("r", 1, [encode_ref_body(ref) for ref in batch])])
     assert fast == slow
-    pairs = zip(*(f.refs if isinstance(f, RefsFrame) else [f.ref] for f in (fast, slow)))  # type: ignore[union-attr]
-    assert all(same(a, b) for a, b in pairs)
+    got, want = (f.refs if isinstance(f, RefsFrame) else [f.ref] for f in (fast, slow))  # type: ignore[union-attr]
+    assert all(same(a, b) for a, b in zip(got, want, strict=True))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

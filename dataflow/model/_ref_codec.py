@@ -150,6 +150,7 @@ _Body = msgspec.defstruct(
         ("specs", msgspec.Raw),
         ("store", str),
     ],
+    gc=False,
 )
 _BODY = msgspec.json.Encoder(order="sorted").encode
 
@@ -285,6 +286,7 @@ def ref_struct(
             ("store", Annotated[str, Meta(min_length=1, max_length=max_store_chars)]),
         ],
         forbid_unknown_fields=True,
+        gc=False,  # it holds no cycle; untracked, it does not bring the next collection nearer
     )
 
 

@@ -310,8 +310,11 @@ def frame_fit(bodies: Sequence[bytes], start: int, count: int, max_frame_bytes: 
     Every body fits alone (``ref_body`` leaves REF_OVERHEAD bytes for the frame).
     """
     room = max_frame_bytes - REF_OVERHEAD
+    chunk = bodies[start : start + count]
+    if sum(map(len, chunk)) + len(chunk) <= room:  # the usual: all of them
+        return max(len(chunk), 1)
     taken = 0
-    for body in bodies[start : start + count]:
+    for body in chunk:
         room -= len(body) + 1
         if room < 0:
             break
