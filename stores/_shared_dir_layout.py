@@ -20,7 +20,7 @@ import os
 import re
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dataflow import StoreError
@@ -111,6 +111,15 @@ class _Directory:
     @contextlib.contextmanager
     def locked(self, sample_id: str) -> Iterator[None]:
         """Hold the lock of the bucket of ``sample_id``, against threads and processes."""
+        unlock = self.lock(sample_id)
+        try:
+            yield
+        finally:
+            unlock()
+
+    def lock(self, sample_id: str) -> Callable[[], None]:
+        """Take the lock of ``locked`` (without a generator's cost, for each put); returns
+        the function that releases it."""
         # One fd per bucket and process, flocked, plus a thread lock per bucket:
         # a flock belongs to the open file, so it cannot keep apart our own
         # threads (they share the fd), and a forked child must open fds of its
@@ -119,7 +128,9 @@ class _Directory:
             self._lock_fds, self._pid = {}, os.getpid()
             self._bucket_locks = {b: threading.Lock() for b in self._bucket_locks}
         bucket = _bucket(sample_id)
-        with self._bucket_locks[bucket]:
+        thread_lock = self._bucket_locks[bucket]
+        thread_lock.acquire()
+        try:
             fd = self._lock_fds.get(bucket)
             if fd is None:
                 path = f"{self.locks}/{bucket}.lock"
@@ -130,10 +141,17 @@ class _Directory:
                     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                 self._lock_fds[bucket] = fd
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            thread_lock.release()
+            raise
+
+        def unlock() -> None:
             try:
-                yield
-            finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                thread_lock.release()
+
+        return unlock
 
     def close(self) -> None:
         """Close the lock files (a forked child leaves its parent's alone)."""

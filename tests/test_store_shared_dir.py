@@ -15,9 +15,11 @@ import textwrap
 import pytest
 import torch
 import xxhash
+from hypothesis import HealthCheck, given, settings
 
 from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError, StoreError
-from stores import SharedDirFeatureStore, open_store
+from dataflow.testing import feature_dicts
+from stores import SharedDirFeatureStore, _tensors, open_store
 from stores._shared_dir_format import MAGIC
 from stores._shared_dir_layout import sample_file_name
 from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_same_tensor
@@ -438,3 +440,32 @@ def test_a_put_recreates_a_removed_bucket_tmp_or_locks_directory(store):
         d = fresh.put("d", {"x": torch.full((2,), 3.0)})
         assert_same_tensor(fresh.get(d)["x"], torch.full((2,), 3.0))
         assert (store.root / "locks").is_dir() and not list((store.root / "tmp").iterdir())
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(features=feature_dicts(max_features=4))
+def test_a_file_lays_its_tensors_out_as_the_specs_say(tmp_path, features) -> None:
+    """The format's layout (stores._tensors.layout of the ref's specs), and the whole file
+    as long as the header says, with every pad zero."""
+    store = SharedDirFeatureStore(tmp_path / "layout")
+    try:
+        ref = store.put("s", features)
+        data = store.path_for("s").read_bytes()
+    finally:
+        store.close()
+    length = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[32 : 32 + length])
+    start = -(-(32 + length) // 64) * 64
+    spans = _tensors.layout(ref.specs)
+    assert {name: (t["offset"], t["nbytes"]) for name, t in header["tensors"].items()} == spans
+    assert header["data_bytes"] == _tensors.end_of(spans.values())
+    assert len(data) == start + header["data_bytes"]
+    used = bytearray(len(data))
+    used[: 32 + length] = b"\1" * (32 + length)
+    for name, (offset, nbytes) in spans.items():
+        got = data[start + offset : start + offset + nbytes]
+        assert got == _tensors.byte_view(features[name].contiguous()).numpy().tobytes()
+        used[start + offset : start + offset + nbytes] = b"\1" * nbytes
+    assert all(byte == 0 for byte, mark in zip(data, used, strict=True) if not mark)
