@@ -2,11 +2,17 @@
 
 Layout under the root::
 
-    samples/<bucket 00..ff>/<name of the sample id>   the sample's current generation
+    samples/all/<name of the sample id>              the sample's current generation
     tmp/                                             files being written
-    locks/<bucket>.lock                              flock per bucket, never deleted
+    locks/<bucket 00..ff>.lock                       flock per bucket, never deleted
 
-Buckets are fixed, so a put costs the fsyncs of a plain atomic file write, no more.
+Every sample file lies in one directory, so that a batch of puts (``put_many``) makes
+its renames durable with one directory fsync. Stores made before spread their files
+over 256 bucket directories, ``samples/<bucket 00..ff>/``, by the bucket of the sample
+id (its lock's); a store with those (and no ``samples/all``) keeps that layout.
+``samples/`` appears whole (made aside and renamed into place), so every process that
+opens the root sees the same layout. The directory fsyncs of a batch of 64 were a
+fifth of a producer's CPU on ext4 with the buckets (57 directories on average).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from dataflow import StoreError
 from dataflow.interfaces import fsync_path
 
 BUCKETS = 256
+#: The one directory of the sample files (``samples/all``); bucket directories before.
+ONE_DIR = "all"
 _PLAIN_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 _ESCAPE_RE = re.compile(r"[^A-Za-z0-9._-]|^\.")
 _MAX_NAME = 200
@@ -66,6 +74,8 @@ class _Directory:
         self.samples = str(root / "samples")
         self.tmp = str(root / "tmp")
         self.locks = str(root / "locks")
+        #: The one directory of the sample files; None in a store of bucket directories.
+        self.one: str | None = None
         self._lay_out()
         self._lock_fds: dict[str, int] = {}
         self._bucket_locks = {f"{b:02x}": threading.Lock() for b in range(BUCKETS)}
@@ -81,7 +91,12 @@ class _Directory:
         try:
             for directory in (self.tmp, self.locks):
                 os.makedirs(directory, exist_ok=True)
-            created = False
+            if not os.path.isdir(self.samples):
+                self._make_samples()
+            if os.path.isdir(f"{self.samples}/{ONE_DIR}"):
+                self.one = f"{self.samples}/{ONE_DIR}"
+                return
+            created = False  # a store of bucket directories (made before): mend it
             for bucket in range(BUCKETS):
                 with contextlib.suppress(FileExistsError):
                     os.makedirs(f"{self.samples}/{bucket:02x}")
@@ -93,8 +108,28 @@ class _Directory:
                 f"cannot lay out the shared directory store under {str(root)!r}: {exc}"
             ) from exc
 
+    def _make_samples(self) -> None:
+        """Make ``samples/`` with its one directory, aside, and rename it into place.
+
+        So no process sees ``samples/`` without ``samples/all`` and takes the store
+        for one of bucket directories; of processes that race, one rename wins.
+        """
+        aside = f"{self.root}/samples.{os.getpid()}-{threading.get_ident()}.new"
+        os.makedirs(f"{aside}/{ONE_DIR}")
+        fsync_path(aside, directory=True)
+        try:
+            os.rename(aside, self.samples)
+        except OSError:  # another process made it first (ENOTEMPTY, EEXIST): take theirs
+            os.rmdir(f"{aside}/{ONE_DIR}")
+            os.rmdir(aside)
+            if not os.path.isdir(self.samples):
+                raise
+        fsync_path(str(self.root), directory=True)
+
     def file(self, sample_id: str) -> str:
         """The path of the file that holds the current generation of ``sample_id``."""
+        if self.one is not None:
+            return f"{self.one}/{sample_file_name(sample_id)}"
         return f"{self.samples}/{_bucket(sample_id)}/{sample_file_name(sample_id)}"
 
     def open_tmp(self) -> tuple[int, str]:
