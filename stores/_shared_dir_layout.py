@@ -40,6 +40,7 @@ _ESCAPE_RE = re.compile(r"[^A-Za-z0-9._-]|^\.")
 _MAX_NAME = 200
 #: The name of a file in tmp/ (``{pid}-{thread}-{count}.tmp``).
 TMP_NAME_RE = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.tmp")
+_BUCKET_NAME_RE = re.compile(r"[0-9a-f]{2}")
 _tmp_names = itertools.count()
 log = logging.getLogger("stores._shared_dir")  # the store's logger, as documented
 
@@ -93,8 +94,14 @@ class _Directory:
                 os.makedirs(directory, exist_ok=True)
             if not os.path.isdir(self.samples):
                 self._make_samples()
-            if os.path.isdir(f"{self.samples}/{ONE_DIR}"):
-                self.one = f"{self.samples}/{ONE_DIR}"
+            one = f"{self.samples}/{ONE_DIR}"
+            if not os.path.isdir(one) and not self._has_buckets():
+                # samples/all removed by hand: its store had no bucket directories
+                log.warning("%s: recreating the missing directory %s", self.uri, one)
+                os.makedirs(one, exist_ok=True)
+                fsync_path(self.samples, directory=True)
+            if os.path.isdir(one):
+                self.one = one
                 return
             created = False  # a store of bucket directories (made before): mend it
             for bucket in range(BUCKETS):
@@ -107,6 +114,14 @@ class _Directory:
             raise StoreError(
                 f"cannot lay out the shared directory store under {str(root)!r}: {exc}"
             ) from exc
+
+    def _has_buckets(self) -> bool:
+        """Whether ``samples/`` holds a bucket directory (a store made before samples/all)."""
+        with os.scandir(self.samples) as entries:
+            return any(
+                _BUCKET_NAME_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+                for e in entries
+            )
 
     def _make_samples(self) -> None:
         """Make ``samples/`` with its one directory, aside, and rename it into place.

@@ -527,3 +527,16 @@ def test_processes_opening_a_new_root_at_once_agree_on_its_layout(tmp_path):
     assert sorted(os.listdir(root / "samples")) == ["all"]
     with SharedDirFeatureStore(root) as store:
         assert len(list(store.scan())) == 24
+
+
+def test_a_new_handle_keeps_the_one_directory_when_it_was_removed(store, caplog):
+    store.put("gone", {"x": torch.ones(2)})
+    shutil.rmtree(store.root / "samples" / "all")
+    with caplog.at_level("WARNING", logger="stores._shared_dir"):
+        fresh = SharedDirFeatureStore(store.root)
+    with fresh:
+        ref = fresh.put("back", {"x": torch.zeros(2)})
+        assert fresh.path_for("back").parent == store.root / "samples" / "all"
+        assert_same_tensor(store.get(ref)["x"], torch.zeros(2))  # the old handle agrees
+    assert sorted(os.listdir(store.root / "samples")) == ["all"]
+    assert "recreating the missing directory" in caplog.text
