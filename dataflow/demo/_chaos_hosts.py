@@ -32,7 +32,6 @@ from dataflow.demo._chaos_hosts_plan import (
     HOSTS_SIZE,
     SKEW_S,
     SKEWED_HOST,
-    STREAM_ONLY,
     HostsChaosOptions,
     assign,
     plan_faults,
@@ -101,14 +100,9 @@ class HostsChaos:
             _write_json(Path(self.options.json_path), summary)
         return summary
 
-    def _streams(self, trial: int, kinds: tuple[str, ...]) -> bool:
-        if self.options.trials == 1 and any(k in STREAM_ONLY for k in kinds):
-            return True
-        return streaming(trial)
-
     def trial(self, trial: int, kinds: tuple[str, ...]) -> dict[str, Any]:
         seed = self.options.seed + trial
-        stream = self._streams(trial, kinds)
+        stream = streaming(trial, kinds)
         plans = plan_faults(seed, kinds)
         ambient = tuple(k for k in kinds if k in AMBIENT)
         out: dict[str, Any] = {
@@ -212,6 +206,7 @@ def summarize_hosts(
         "orphans": sum(r.get("orphans", 0) for r in results),
         "verify_failures": sum(1 for r in results if r.get("verify")),
         "failures": sum(1 for r in results if "failure" in r),
+        "payloads_lost": sum(r.get("payloads_lost", 0) for r in results),
         "unexercised": [k for k, v in faults.items() if not v["trials"]],
         "faults": faults,
         "wall_s": round(wall_s, 1),

@@ -117,10 +117,11 @@ def parse_faults(text: str) -> tuple[str, ...]:
     return kinds
 
 
-def streaming(trial: int) -> bool:
+def streaming(trial: int, kinds: tuple[str, ...] = ()) -> bool:
     """Even trials stream refs over ZeroMQ; odd ones train a committed dataset in the
-    seeded order (their weights are compared with an uninterrupted run's)."""
-    return trial % 2 == 0
+    seeded order (their weights are compared with an uninterrupted run's), unless a kind
+    of theirs needs the stream (a partition)."""
+    return trial % 2 == 0 or any(k in STREAM_ONLY for k in kinds)
 
 
 def assign(trials: int, kinds: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -128,8 +129,7 @@ def assign(trials: int, kinds: tuple[str, ...]) -> list[tuple[str, ...]]:
 
     With at least as many trials as kinds, trial ``i`` injects kind ``i mod K``; with
     fewer, kind ``j`` goes to trial ``j mod N`` (a trial injects several, one after
-    another), so ``--trials 6`` covers all nine kinds. A stream-only kind (partition)
-    goes to a streaming trial: the next even trial when its turn lands on an odd one.
+    another), so ``--trials 6`` covers all nine kinds.
     """
     slots: list[list[str]] = [[] for _ in range(trials)]
     if trials >= len(kinds):
@@ -138,13 +138,6 @@ def assign(trials: int, kinds: tuple[str, ...]) -> list[tuple[str, ...]]:
     else:
         for j, kind in enumerate(kinds):
             slots[j % trials].append(kind)
-    for i, slot in enumerate(slots):
-        for kind in [k for k in slot if k in STREAM_ONLY and not streaming(i)]:
-            target = i - 1 if i > 0 else (i + 1 if i + 1 < trials else None)
-            if target is None:
-                continue  # one trial: it streams (see HostsChaos)
-            slot.remove(kind)
-            slots[target].append(kind)
     return [tuple(slot) for slot in slots]
 
 
@@ -189,7 +182,7 @@ def plan_faults(trial_seed: int, kinds: tuple[str, ...]) -> list[FaultPlan]:
             if long
             else rng.uniform(0.3, 0.6 * BUSY_TIMEOUT_S),
             "gloo-cut": GLOO_TIMEOUT_S + 15.0,  # at most: healed once both ranks stopped
-            "stall-reset": rng.uniform(3.0, 6.0),
+            "stall-reset": rng.uniform(2.0, 4.0),
             "pg-restart": rng.uniform(0.5, 2.0),
         }[kind]
         plans.append(
