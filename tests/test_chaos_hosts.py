@@ -65,7 +65,7 @@ def test_every_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> None:
     assert trials[1]["mismatch"] is False  # torch.equal to the uninterrupted run
     records = [f for t in trials for f in t["faults"]]
     lost_reply = next(f for f in records if f["kind"] == "pg-cut-producer")
-    assert lost_reply["caught"]["samples"] > 0  # the server committed, the reply was held
+    assert lost_reply["caught"]["reply_bytes_held"] > 0  # committed, the reply held
     gloo = next(f for f in records if f["kind"] == "gloo-cut")
     assert len(gloo["rank_errors"]) == 2
     assert "verdict: clean" in result.stdout

@@ -53,7 +53,7 @@ BUSY_TIMEOUT_S = 3.0
 #: The ranks' gloo timeout: how long a rank cut from its peer waits before it fails.
 GLOO_TIMEOUT_S = 20.0
 #: (samples, checkpoint_every, eval_every): optimizer steps of 16 samples.
-HOSTS_SIZE = (128, 2, 2)
+HOSTS_SIZE = (256, 4, 4)
 
 
 class HostsPlanError(ValueError):
@@ -182,7 +182,7 @@ def plan_faults(trial_seed: int, kinds: tuple[str, ...]) -> list[FaultPlan]:
             if long
             else rng.uniform(0.3, 0.6 * BUSY_TIMEOUT_S),
             "gloo-cut": GLOO_TIMEOUT_S + 15.0,  # at most: healed once both ranks stopped
-            "stall-reset": rng.uniform(2.0, 4.0),
+            "stall-reset": rng.uniform(1.5, 3.0),
             "pg-restart": rng.uniform(0.5, 2.0),
         }[kind]
         plans.append(

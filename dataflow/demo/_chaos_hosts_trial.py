@@ -39,7 +39,7 @@ STREAM_PORT = 5600
 #: loses: the reply is in the relay for that long, the conductor's window to stall it.
 #: (Set once the producer is connected: a new connection's handshake would take several
 #: round trips of it, past the connect timeout.)
-REPLY_DELAY_S = 0.5
+REPLY_DELAY_S = 1.0
 #: pg-cut-producer gives up on its commit (the producer finished first) after this long.
 ARM_S = 60.0
 #: A fault's successor waits at most this long for its recovery.
@@ -372,7 +372,13 @@ class HostsTrial(ChaosTrial):
                     continue
                 relay.stall("to_client")
                 self.cluster.cut(host, "gateway")
-                record["caught"] = {"seq": event.seq, "samples": len(event.sample_ids)}
+                held = _held_bytes(relay, "to_client")
+                if held == 0:  # the reply got through before the stall: try the next commit
+                    self.cluster.heal(host, "gateway")
+                    relay.resume()
+                    record["tries"] = record.get("tries", 0) + 1
+                    continue
+                record["caught"] = {"seq": event.seq, "reply_bytes_held": held}
                 active["until"] = time.monotonic() + plan.hold_s
                 break
             return False
@@ -422,6 +428,28 @@ class HostsTrial(ChaosTrial):
         result["ambient"] = list(self.ambient)
         result["casualties"] = self._casualties
         return result
+
+
+def _held_bytes(relay: Any, direction: str) -> int | None:
+    """Bytes ``relay`` holds in ``direction`` (None where it cannot say).
+
+    The Relay has no public count of what it holds, so this reads its connections from
+    its own thread; a later Relay without them answers None.
+    """
+    counted: dict[str, int] = {}
+
+    def count() -> None:
+        counted["n"] = sum(
+            sum(len(data or b"") for _, data in c.pipes[direction].queue)
+            + len(c.pipes[direction].out)
+            for c in relay._live
+        )
+
+    try:
+        relay._call(count)
+    except Exception:  # a probe of another module's internals
+        return None
+    return counted.get("n")
 
 
 def _affected(wanted: str | None, actor: str) -> bool:
