@@ -29,6 +29,9 @@ LOCK_DIR = Path("/run/dataflow-cluster")
 SLOTS = range(1, 201)
 NOWHERE_MAC = "02:00:00:00:00:{:02x}"  # locally administered, owned by no interface
 FAKETIME_PACKAGE = "faketime"  # the Debian/Ubuntu package that brings libfaketime
+# Absolute paths: a caller's env without PATH (or with another PATH) still finds them.
+IP = shutil.which("ip") or "/usr/sbin/ip"
+ENV = shutil.which("env") or "/usr/bin/env"
 _CAP_NET_ADMIN = 12
 _LIBFAKETIME = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -44,7 +47,7 @@ class ClusterError(DataflowError):
 
 def ip(*args: str, netns: str | None = None, check: bool = True) -> str:
     """Run ``ip [-n NETNS] ARGS``; return its stdout, or raise ClusterError with its stderr."""
-    argv = ["ip", *args] if netns is None else ["ip", "-n", netns, *args]
+    argv = [IP, *args] if netns is None else [IP, "-n", netns, *args]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if check and result.returncode != 0:
         raise ClusterError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
@@ -148,11 +151,12 @@ def kill_namespace(netns: str, *, grace_s: float = 0.0) -> None:
                 os.kill(pid, sig)
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 3.0)
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
+            pids = [p for p in pids if alive(p)]
             time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -186,7 +190,7 @@ def libfaketime() -> str:
         ).stdout
         candidates = [line for line in listing.split() if line.endswith("libfaketime.so.1")]
         candidates += list(_LIBFAKETIME)
-    candidates += glob.glob("/usr/lib*/**/libfaketime.so.1", recursive=True)
+    candidates += glob.glob("/usr/lib*/*/faketime/libfaketime.so.1")
     for candidate in candidates:
         if os.path.isfile(candidate):
             return candidate
