@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 
 from dataflow.cli import main
-from dataflow.demo._chaos_hosts import clean_hosts, format_hosts_table, summarize_hosts
+from dataflow.demo._chaos_hosts import (
+    clean_hosts,
+    format_hosts_table,
+    mooncake_available,
+    summarize_hosts,
+)
 from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
     FAULTS,
@@ -36,23 +41,38 @@ def _chaos(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow
-def test_every_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> None:
+def _hosts_available() -> None:
     reason = cluster_unavailable()
     if reason is not None:
         unavailable(reason)
-    # Three trials, three kinds each (the nine spread over them), one offline trial whose
-    # weights are compared with an uninterrupted run on a cluster of its own.
+
+
+def _run_hosts(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path / "chaos.json"
-    args = ("--hosts", "--trials", "3", "--seed", "0", "--workdir", str(tmp_path / "chaos"))
-    result = _chaos(*args, "--json", str(out), cwd=tmp_path)
+    workdir = tmp_path / "chaos"
+    result = _chaos("--hosts", "--seed", "0", "--workdir", str(workdir), *args, "--json",
+                    str(out), cwd=tmp_path)  # fmt: skip
+    assert out.exists(), result.stdout + result.stderr[-3000:]
+    return result, json.loads(out.read_text())
+
+
+# Every kind but clock-skew (its own test below): a producer host 3 h ahead leaves
+# Mooncake generations that gc cannot collect yet (the store records the writer's clock).
+NETWORK_KINDS = tuple(k for k in FAULTS if k != "clock-skew")
+
+
+@pytest.mark.slow
+def test_every_network_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> None:
+    _hosts_available()
+    # Three trials, two or three kinds each, one of them offline (its weights compared
+    # with an uninterrupted run on a cluster of its own); Mooncake where installed.
+    kinds = NETWORK_KINDS if mooncake_available() else NETWORK_KINDS[:-1]
+    result, summary = _run_hosts(tmp_path, "--trials", "3", "--faults", ",".join(kinds))
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    summary = json.loads(out.read_text())
-    kinds = set(FAULTS) if summary["store"] == "mooncake" else set(FAULTS) - {"mooncake-cut"}
-    assert set(summary["faults"]) == kinds
+    assert set(summary["faults"]) == set(kinds)
     for key in ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"):
         assert summary[key] == 0, (key, summary)
-    assert summary["unexercised"] == []
+    assert summary["unexercised"] == [] and summary["payloads_lost"] == 0
     for kind, figures in summary["faults"].items():
         assert figures["trials"] >= 1, kind
         for key in ("lost", "duplicated", "mismatches", "orphans"):
@@ -67,8 +87,39 @@ def test_every_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> None:
     lost_reply = next(f for f in records if f["kind"] == "pg-cut-producer")
     assert lost_reply["caught"]["reply_bytes_held"] > 0  # committed, the reply held
     gloo = next(f for f in records if f["kind"] == "gloo-cut")
-    assert len(gloo["rank_errors"]) == 2
+    assert len(gloo["rank_errors"]) == 2  # both ranks stopped, each with its error
     assert "verdict: clean" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_producer_host_hours_ahead_loses_nothing_on_the_shared_dir(tmp_path: Path) -> None:
+    _hosts_available()
+    result, summary = _run_hosts(
+        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "dir://"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert summary["faults"]["clock-skew"]["trials"] == 1
+    for key in ("lost", "duplicated", "orphans", "failures"):
+        assert summary[key] == 0, (key, summary)
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.xfail(
+    strict=True,
+    reason="gc judges a Mooncake generation's age by the 'created' its writer recorded "
+    "(time.time() of the producer's host): one 3 h ahead looks younger than any grace, and "
+    "its released generations stay until its clock is passed (docs/reliability.md)",
+)
+def test_a_producer_host_hours_ahead_leaves_no_orphans_on_mooncake(
+    tmp_path: Path, mooncake_installed: None
+) -> None:
+    _hosts_available()
+    _, summary = _run_hosts(
+        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "mooncake://"
+    )
+    assert summary["lost"] == summary["duplicated"] == summary["failures"] == 0
+    assert summary["orphans"] == 0
 
 
 @pytest.mark.parametrize(

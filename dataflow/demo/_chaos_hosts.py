@@ -30,8 +30,6 @@ from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
     FAULTS,
     HOSTS_SIZE,
-    SKEW_S,
-    SKEWED_HOST,
     HostsChaosOptions,
     assign,
     plan_faults,
@@ -139,8 +137,7 @@ class HostsChaos:
         from dataflow.testing._postgres import create_database
 
         where = self.workdir / name
-        skew = {SKEWED_HOST: SKEW_S} if "clock-skew" in ambient else {}
-        with Cluster(workdir=where / "cluster", skew=skew) as cluster:
+        with Cluster(workdir=where / "cluster") as cluster:
             try:
                 postgres = cluster.start_postgres(durable=True)
             except RuntimeError as exc:

@@ -22,7 +22,7 @@ FAULTS: dict[str, str] = {
     "pg-restart": "the PostgreSQL host's server stopped and started again mid-run",
     "latency": "100 ms round trip (50 ms +- 20 ms each way) on every PostgreSQL and stream "
     "link, through relays, for the whole trial",
-    "clock-skew": "producer1's wall clock 3 hours ahead (libfaketime) for the whole trial",
+    "clock-skew": "producer1's wall clock 3 hours ahead (its Python time.time) for the whole trial",
     "mooncake-cut": "a producer cut silently from the Mooncake master host (its RPC and "
     "the keeper's memory), healed after a few seconds",
 }
@@ -53,7 +53,7 @@ BUSY_TIMEOUT_S = 3.0
 #: The ranks' gloo timeout: how long a rank cut from its peer waits before it fails.
 GLOO_TIMEOUT_S = 20.0
 #: (samples, checkpoint_every, eval_every): optimizer steps of 16 samples.
-HOSTS_SIZE = (256, 4, 4)
+HOSTS_SIZE = (768, 8, 8)
 
 
 class HostsPlanError(ValueError):
@@ -182,7 +182,7 @@ def plan_faults(trial_seed: int, kinds: tuple[str, ...]) -> list[FaultPlan]:
             if long
             else rng.uniform(0.3, 0.6 * BUSY_TIMEOUT_S),
             "gloo-cut": GLOO_TIMEOUT_S + 15.0,  # at most: healed once both ranks stopped
-            "stall-reset": rng.uniform(1.5, 3.0),
+            "stall-reset": rng.uniform(1.0, 2.5),
             "pg-restart": rng.uniform(0.5, 2.0),
         }[kind]
         plans.append(

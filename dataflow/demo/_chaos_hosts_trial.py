@@ -22,11 +22,13 @@ from dataflow.demo._chaos_hosts_plan import (
     GLOO_TIMEOUT_S,
     JITTER_S,
     LATENCY_S,
+    SKEW_S,
+    SKEWED_HOST,
     FaultPlan,
 )
 from dataflow.demo._chaos_trial import ChaosTrial
 from dataflow.demo._child import write_config
-from dataflow.demo._hosts import ExecProcess, host_of, run_on_host
+from dataflow.demo._hosts import host_of, run_on_host
 from dataflow.demo._model import producer_id
 from dataflow.demo._options import DemoError, DemoOptions
 from dataflow.demo._run import PRODUCERS, RANKS, _with_query
@@ -67,6 +69,7 @@ class HostsTrial(ChaosTrial):
         super().__init__(options, plan=None, streaming=streaming, size=size, postgres=postgres)
         self.cluster, self.master = cluster, master
         self.plans, self.ambient = faults, ambient
+        self.skew = {SKEWED_HOST: SKEW_S} if "clock-skew" in ambient else {}
         self.rng = random.Random(seed)
         kinds = {p.kind for p in faults} | set(ambient)
         self.relay_pg = bool(kinds & {"latency", "stall-reset", "pg-cut-producer"})
@@ -176,10 +179,10 @@ class HostsTrial(ChaosTrial):
     def _spawn(self, name: str, role: str, log: str, *args: Any) -> Any:
         host = self.cluster[host_of(role, args)]
         config = str(self.run_dir / f"config-{host.name}.json")
-        if host.skew_s:  # libfaketime takes a new program, not a fork
-            return ExecProcess(host, role, config, log, args)
         process = self._context.Process(
-            target=run_on_host, args=(host.netns, role, config, log, *args), name=name
+            target=run_on_host,
+            args=(host.netns, self.skew.get(host.name, 0.0), role, config, log, *args),
+            name=name,
         )
         process.start()
         return process
@@ -348,42 +351,45 @@ class HostsTrial(ChaosTrial):
 
     def _inject_pg_cut_producer(self, plan: FaultPlan, active: dict, now: float) -> None:
         """Once the producer committed through its relay (it is connected), delay the
-        relay by REPLY_DELAY_S each way; once the server committed the producer's next
-        commit (the conductor reads it in the ledger while the reply is still in the
-        relay), hold the reply and cut the producer from the gateway: the reply is lost."""
+        relay by REPLY_DELAY_S each way; as soon as the server committed the producer's
+        next commit (the conductor counts its rows while the reply is still in the
+        relay), hold the reply and cut the producer from the gateway: the reply is lost.
+        A reply that got through first (the relay holds nothing) heals at once, and the
+        next commit is tried."""
         record = active["record"]
         actor = producer_id(plan.index)
         record["actors"] = actor
         relay = self.pg_relays[f"producer{plan.index}"]
         host = f"producer{plan.index}"
-        seen = {"after": self._head(), "delayed": False}
+        commits = _CommitCounter(self.ledger_url, self.run_id, actor)
+        seen = {"rows": commits.count(), "delayed": False}
         active["until"] = now + ARM_S
 
         def watch() -> bool:
             if "caught" in record:
                 return False
-            for event in self.ledger.events(self.run_id, after_seq=seen["after"]):
-                if event.kind != Kind.COMMIT or event.actor != actor:
-                    continue
-                seen["after"] = event.seq
-                if not seen["delayed"]:
-                    relay.set_delay(REPLY_DELAY_S)
-                    seen["delayed"] = True
-                    continue
-                relay.stall("to_client")
-                self.cluster.cut(host, "gateway")
-                held = _held_bytes(relay, "to_client")
-                if held == 0:  # the reply got through before the stall: try the next commit
-                    self.cluster.heal(host, "gateway")
-                    relay.resume()
-                    record["tries"] = record.get("tries", 0) + 1
-                    continue
-                record["caught"] = {"seq": event.seq, "reply_bytes_held": held}
-                active["until"] = time.monotonic() + plan.hold_s
-                break
+            rows = commits.count()
+            if rows == seen["rows"]:
+                return False
+            seen["rows"] = rows
+            if not seen["delayed"]:
+                relay.set_delay(REPLY_DELAY_S)
+                seen["delayed"] = True
+                return False
+            relay.stall("to_client")
+            self.cluster.cut(host, "gateway")
+            held = _held_bytes(relay, "to_client")
+            if held == 0:  # the reply got through before the stall: try the next commit
+                self.cluster.heal(host, "gateway")
+                relay.resume()
+                record["tries"] = record.get("tries", 0) + 1
+                return False
+            record["caught"] = {"commit_rows": rows, "reply_bytes_held": held}
+            active["until"] = time.monotonic() + plan.hold_s
             return False
 
         def undo() -> None:
+            commits.close()
             if "caught" in record:
                 relay.reset()  # the held reply goes nowhere: the connection ends
                 self.cluster.heal(host, "gateway")
@@ -410,7 +416,8 @@ class HostsTrial(ChaosTrial):
         return None  # per fault: see _check_recoveries
 
     def _finish(self) -> dict[str, Any]:
-        if self._active is not None:
+        if self._active is not None:  # the run ended under the fault: nothing to recover
+            self._active["record"]["run_ended_first"] = True
             self._heal(self._active, time.monotonic())
         self.cluster.heal()
         for record in self.records:
@@ -428,6 +435,31 @@ class HostsTrial(ChaosTrial):
         result["ambient"] = list(self.ambient)
         result["casualties"] = self._casualties
         return result
+
+
+class _CommitCounter:
+    """Counts a producer's commit rows straight from the events table: a row is there
+    the moment the server committed it (the ledger's own reads wait for the horizon of
+    every open transaction, later than a reply in flight)."""
+
+    def __init__(self, url: str, run_id: str, actor: str) -> None:
+        from sqlalchemy import create_engine, func, select
+
+        from dataflow.recorder._schema import events
+
+        self._engine = create_engine(url)
+        self._query = (
+            select(func.count())
+            .select_from(events)
+            .where(events.c.run_id == run_id, events.c.actor == actor, events.c.kind == Kind.COMMIT)
+        )
+
+    def count(self) -> int:
+        with self._engine.connect() as conn:
+            return int(conn.execute(self._query).scalar_one())
+
+    def close(self) -> None:
+        self._engine.dispose()
 
 
 def _held_bytes(relay: Any, direction: str) -> int | None:

@@ -5,8 +5,8 @@ Each child runs on a host of its own (a network namespace of
 keeper on ``master``, producer ``i`` on ``producer{i}``, rank ``r`` on ``trainer{r}``.
 A child forked from the demo's fork server (torch imported once) joins its host's
 namespace first thing, before it opens a socket (``setns``, as ``ip netns exec`` does);
-a child on a host whose clock is skewed is started through ``Host.popen`` instead, as
-a new program under libfaketime (a fork cannot change its clock).
+a child on a host whose clock is skewed reads Python's wall clock that far off
+(:func:`skew_clock`).
 
 Every address a child uses is its host's view: the ledger at the PostgreSQL host's
 address (or a relay's, on the gateway), the stream at the trainer hosts' addresses,
@@ -15,15 +15,10 @@ gloo between the trainer hosts' interfaces. Nothing binds or connects to loopbac
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import json
 import os
-import signal
-import subprocess
-import sys
+import time
 from pathlib import Path
-from typing import Any
 
 from dataflow.demo._child import run_child
 
@@ -45,48 +40,30 @@ def join_netns(netns: str) -> None:
         os.close(fd)
 
 
-def run_on_host(netns: str, role: str, config_path: str, log_path: str, *args: object) -> None:
-    """A forked child's entry point: join ``netns``, then run as ``run_child`` does."""
+def run_on_host(
+    netns: str, skew_s: float, role: str, config_path: str, log_path: str, *args: object
+) -> None:
+    """A forked child's entry point: join ``netns``, move its wall clock ``skew_s``
+    seconds, then run as ``run_child`` does."""
     join_netns(netns)
+    if skew_s:
+        skew_clock(skew_s)
     run_child(role, config_path, log_path, *args)
 
 
-_EXEC = (
-    "import json, sys; from dataflow.demo._child import run_child; "
-    "run_child(sys.argv[1], sys.argv[2], sys.argv[3], *json.loads(sys.argv[4]))"
-)
+def skew_clock(skew_s: float) -> None:
+    """Move this process's wall clock, as Python reads it (``time.time``,
+    ``time.time_ns``: every clock read of dataflow, its stores and training), by
+    ``skew_s`` seconds; the monotonic clock stays.
 
-
-class ExecProcess:
-    """A child started as a new program on a host (``Host.popen``), with the parts of
-    ``multiprocessing.Process`` the conductor uses: ``pid``, ``exitcode``, ``join``,
-    ``kill`` and ``terminate`` (an exit code is negative for a signal, as there)."""
-
-    def __init__(self, host: Any, role: str, config: str, log: str, args: tuple) -> None:
-        argv = [sys.executable, "-c", _EXEC, role, config, log, json.dumps(list(args))]
-        self._popen: subprocess.Popen[bytes] = host.popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        self.pid = self._popen.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        return self._popen.poll()
-
-    def join(self, timeout: float | None = None) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._popen.wait(timeout)
-
-    def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
-
-    def _signal(self, sig: int) -> None:
-        if self._popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+    Why not the cluster's libfaketime (``Host.command`` of a skewed host): with
+    ``DONT_FAKE_MONOTONIC=1`` Python's ``time.sleep`` fails with EINVAL (libfaketime
+    0.9.10 mangles its absolute CLOCK_MONOTONIC deadline), and without it every timed
+    lock or event wait sleeps for the skew, so a producer's threads cannot run there.
+    """
+    wall, wall_ns, offset_ns = time.time, time.time_ns, round(skew_s * 1e9)
+    time.time = lambda: wall() + skew_s  # type: ignore[assignment]
+    time.time_ns = lambda: wall_ns() + offset_ns  # type: ignore[assignment]
 
 
 def host_of(role: str, args: tuple) -> str:
