@@ -220,3 +220,15 @@ def test_any_loss_or_a_kind_never_injected_fails_the_run() -> None:
     summary = summarize_hosts([missed], kinds, 1.0)
     assert summary["unexercised"] == ["partition"] and not clean_hosts(summary)
     assert "never injected: partition" in format_hosts_table(summary)
+
+
+def test_a_skewed_host_reads_its_wall_clock_that_far_off_and_its_monotonic_clock_not() -> None:
+    code = (
+        "import time; from dataflow.demo._hosts import skew_clock; "
+        "w, m = time.time(), time.monotonic(); skew_clock(3 * 3600.0); "
+        "print(round(time.time() - w), round(time.time_ns() / 1e9 - w), "
+        "round(time.monotonic() - m))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["10800", "10800", "0"]

@@ -109,6 +109,7 @@ class HostsChaos:
             "mode": "streaming" if stream else "offline",
             "kinds": list(kinds),
         }
+        started = time.monotonic()
         try:
             reference = None if stream else self.reference()
             out.update(self._run_trial(f"trial-{trial:03d}", plans, ambient, stream, seed))
@@ -118,6 +119,7 @@ class HostsChaos:
             raise
         except DemoError as exc:
             out["failure"] = str(exc)
+        out["wall_s"] = round(time.monotonic() - started, 1)  # the reference's too, once
         return out
 
     def reference(self) -> str:
