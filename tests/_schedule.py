@@ -27,6 +27,7 @@ import pytest
 
 # The modules whose tests take longest in all (from ``--durations=0``), longest first.
 LONG_MODULES = (
+    "test_chaos_hosts.py",
     "test_example_eagle3.py",
     "test_hosts_ledger_producers.py",
     "test_hosts_ledger_ranks.py",

@@ -147,6 +147,24 @@ def add_pipeline_commands(sub: Any) -> None:
         "(default: all of them that the other options allow)",
     )
 
+    p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run each trial on a simulated cluster (a network namespace per host: "
+        "PostgreSQL, the Mooncake master, 2 producers, 2 trainers; needs root) and inject "
+        "network faults instead of SIGKILLs (see --faults); exit 2 where namespaces cannot "
+        "be made. The trials spread over the fault kinds: with fewer trials than kinds, "
+        "each injects several",
+    )
+    p.add_argument(
+        "--faults",
+        type=fault_kinds,
+        default=None,
+        metavar="KIND,...",
+        help="with --hosts: only these fault kinds (default: all; mooncake-cut only with "
+        "Mooncake installed): " + "; ".join(f"{k}: {v}" for k, v in _faults().items()),
+    )
+
     p = add_command(
         sub,
         "mooncake-keeper",
@@ -183,8 +201,58 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if clean else 1
 
 
+def _faults() -> dict[str, str]:
+    from dataflow.demo._chaos_hosts_plan import FAULTS
+
+    return FAULTS
+
+
+def fault_kinds(text: str) -> tuple[str, ...]:
+    from dataflow.demo._chaos_hosts_plan import parse_faults
+
+    try:
+        return parse_faults(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--faults ")) from None
+
+
+def cmd_chaos_hosts(args: argparse.Namespace) -> int:
+    from dataflow.demo._chaos_hosts import HostsUnavailable, clean_hosts, run_hosts_chaos
+    from dataflow.demo._chaos_hosts_plan import HostsChaosOptions
+
+    for name in ("ledger", "start_postgres", "targets", "quick"):
+        if getattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            raise Usage(f"{flag} does not go with --hosts: the cluster runs its own PostgreSQL")
+    if args.mode != "alternate":
+        raise Usage("--mode does not go with --hosts: even trials stream, odd ones are offline")
+    if args.store not in (None, "mooncake://", "dir://"):
+        raise Usage(
+            f"--store {args.store!r}: with --hosts, pass mooncake:// (the master on host "
+            "'master') or dir:// (a shared directory under --workdir); the hosts set the rest"
+        )
+    options = HostsChaosOptions(
+        trials=args.trials,
+        seed=args.seed,
+        faults=args.faults,
+        workdir=args.workdir,
+        json_path=args.json,
+        mooncake=None if args.store is None else args.store == "mooncake://",
+    )
+    try:
+        summary = run_hosts_chaos(options)
+    except HostsUnavailable as exc:
+        raise Usage(str(exc)) from None
+    return 0 if clean_hosts(summary) else 1
+
+
 def cmd_chaos(args: argparse.Namespace) -> int:
     from dataflow.demo._chaos import ChaosOptions, clean, run_chaos
+
+    if args.hosts:
+        return cmd_chaos_hosts(args)
+    if args.faults is not None:
+        raise Usage("--faults names network faults, injected with --hosts only: add --hosts")
 
     options = ChaosOptions(
         trials=args.trials,

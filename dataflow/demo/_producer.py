@@ -11,7 +11,7 @@ import torch
 from dataflow import Ledger, Producer
 from dataflow.demo._child import kill_self
 from dataflow.demo._model import TargetNetwork, producer_id, sample_id
-from dataflow.streams import SenderConfig, ZmqRefSender
+from dataflow.streams import CurveClientConfig, SenderConfig, ZmqRefSender
 from stores import open_store
 
 CHUNK = 8  # samples per emit_many: one ledger transaction
@@ -21,7 +21,7 @@ def produce(config: dict, index: int) -> None:
     torch.set_num_threads(1)
     target = TargetNetwork(config["seed"])
     this = producer_id(index)
-    ledger = Ledger.open(config["ledger_url"])
+    ledger = Ledger.open(config["ledger_url"], busy_timeout=config.get("busy_timeout_s", 30.0))
     store = open_store(config["store_uri"])
     # Without a stream (a committed dataset, trained in a seeded order) the ranks lease
     # from the ledger alone.
@@ -29,7 +29,12 @@ def produce(config: dict, index: int) -> None:
         ZmqRefSender(
             # Long enough to wait out a restart of both ranks; a ref that still finds no
             # credit stays pending in the ledger, and the ranks lease it from there.
-            SenderConfig(endpoints=tuple(config["endpoints"]), producer_id=this, send_timeout=60)
+            SenderConfig(
+                endpoints=tuple(config["endpoints"]),
+                producer_id=this,
+                send_timeout=60,
+                curve=_curve(config),
+            )
         )
         if config.get("stream", True)
         else None
@@ -51,6 +56,16 @@ def produce(config: dict, index: int) -> None:
     producer.close()  # 'close' in the ledger (the stream is closed already)
     store.close()
     ledger.close()
+
+
+def _curve(config: dict) -> CurveClientConfig | None:
+    """The sender's CURVE keys, when the config names them (chaos --hosts)."""
+    curve = config.get("curve")
+    if curve is None:
+        return None
+    return CurveClientConfig(
+        secret_key_file=curve["secret"], server_public_key_file=curve["server_public"]
+    )
 
 
 def _kill_in_commit(config: dict, index: int, store: Any) -> None:

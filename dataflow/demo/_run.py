@@ -245,14 +245,18 @@ class Demo:
 
     def _start(self, name: str, role: str, *args: Any) -> _Child:
         log = self.run_dir / "logs" / f"{name}.log"
-        config = str(self.run_dir / "config.json")
-        process = self._context.Process(
-            target=run_child, args=(role, config, str(log), *args), name=name
-        )
-        process.start()
-        child = _Child(name, process, log)
+        child = _Child(name, self._spawn(name, role, str(log), *args), log)
         self.children.append(child)
         return child
+
+    def _spawn(self, name: str, role: str, log: str, *args: Any) -> BaseProcess:
+        """Start child ``name`` (a fork of the fork server); ``chaos --hosts`` places it."""
+        config = str(self.run_dir / "config.json")
+        process = self._context.Process(
+            target=run_child, args=(role, config, log, *args), name=name
+        )
+        process.start()
+        return process
 
     def _start_keeper(self) -> None:
         """Start the process that lends the Mooncake store its memory; wait until it does."""

@@ -17,6 +17,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from dataflow.demo._model import (
     sample_index,
 )
 from dataflow.live._collectives import join_loopback_gloo
-from dataflow.streams import ReceiverConfig, ZmqRefReceiver
+from dataflow.streams import CurveServerConfig, ReceiverConfig, ZmqRefReceiver
 from eval import Evaluator
 from stores import open_store
 from training import (
@@ -94,7 +95,11 @@ class DyingCheckpointManager(CheckpointManager):
 
 def train(config: dict, rank: int, attempt: int, port: int) -> None:
     torch.set_num_threads(1)
-    join_loopback_gloo(rank, WORLD_SIZE, port, timeout_s=60)
+    gloo = config.get("gloo")  # chaos --hosts: between the trainer hosts' addresses
+    if gloo is None:
+        join_loopback_gloo(rank, WORLD_SIZE, port, timeout_s=60)
+    else:
+        _join_gloo(rank, port, **gloo)
     logging.getLogger("dataflow.demo").info("rank %d: in the gloo group", rank)
     run_dir = Path(config["run_dir"])
     target = TargetNetwork(config["seed"])
@@ -142,13 +147,14 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
                 endpoint=config["endpoints"][rank],
                 window=config["window"],
                 expected_producers=config["producers"],
+                curve=_curve(config),
             )
         )
         if streaming
         else None
     )
     consumer = Consumer(
-        Ledger.open(config["ledger_url"]),
+        Ledger.open(config["ledger_url"], busy_timeout=config.get("busy_timeout_s", 30.0)),
         open_store(config["store_uri"]),
         run_id=config["run_id"],
         consumer_id=f"rank{rank}-attempt{attempt}",
@@ -213,6 +219,28 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
     dist.barrier()  # neither rank tears its group down while the other still talks to it
     dist.destroy_process_group()
     consumer.close()
+
+
+def _join_gloo(rank: int, port: int, *, master_addr: str, ifname: str, timeout_s: float) -> None:
+    """Join the gloo group whose rank 0 listens on ``master_addr``, over ``ifname``."""
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{master_addr}:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def _curve(config: dict) -> CurveServerConfig | None:
+    """The receiver's CURVE keys, when the config names them (chaos --hosts)."""
+    curve = config.get("curve")
+    if curve is None:
+        return None
+    return CurveServerConfig(
+        secret_key_file=curve["secret"], authorized_keys_dir=curve["authorized"]
+    )
 
 
 def _any_rank(flag: bool) -> bool:
