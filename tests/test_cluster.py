@@ -376,15 +376,16 @@ def test_skew_moves_the_wall_clock_of_its_host_only(cluster: Cluster, tmp_path: 
     except ClusterError as exc:  # libfaketime is not installed
         unavailable(str(exc))
     code = (
-        "import time; t = time.monotonic(); time.sleep(0.2); "
-        "print(time.time(), time.monotonic() - t)"
+        "import threading, time; t = time.monotonic(); time.sleep(0.2); "
+        "threading.Event().wait(0.1); lock = threading.Lock(); lock.acquire(); "
+        "lock.acquire(timeout=0.1); print(time.time(), time.monotonic() - t)"
     )
     with skewed:
         for host, skew_s in (("early", -90.5), ("late", 3600.0), ("plain", 0.0)):
             shown = skewed[host].run([sys.executable, "-c", code], capture_output=True, text=True)
             wall, slept = map(float, shown.stdout.split())
             assert abs(wall - time.time() - skew_s) < 30  # generous: process start-up
-            assert slept >= 0.2  # time.sleep works there, and durations stay true
+            assert slept >= 0.4  # sleeps and timed waits work there; durations stay true
 
 
 def test_stop_leaves_no_namespace_bridge_route_or_process(cluster: Cluster, tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ address on ``10.213.S.0/24`` and a default route through the *gateway*: the
 bridge's address in the root namespace, where the test process itself and its
 :class:`Relay` s live. The hosts share the filesystem (``workdir`` is seen by
 all) and the clock, unless ``skew`` moves a host's wall clock (libfaketime;
-CLOCK_MONOTONIC moves by the same constant, so durations stay true: libfaketime
-0.9.10 with ``DONT_FAKE_MONOTONIC`` makes ``time.sleep`` fail with EINVAL).
+CLOCK_MONOTONIC stays true; Python's ``time.sleep`` there waits in ``select``,
+since libfaketime 0.9.10 makes its ``clock_nanosleep`` fail; see :meth:`Host.command`).
 
 Faults: :meth:`Cluster.cut` (silent: permanent neighbour entries to a MAC
 nobody has, so frames vanish; loud: unreachable routes, so sends fail at
@@ -73,17 +73,27 @@ class Host:
         """The root namespace's end of this host's veth (a port of the bridge)."""
         return self.netns
 
-    def command(self, argv: Sequence[str]) -> list[str]:
+    def command(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
         """``argv`` prefixed to run on this host (``ip netns exec``, libfaketime if skewed).
 
-        The prefix execs in place: the process id is the command's own.
+        The prefix execs in place: the process id is the command's own. ``env``:
+        the environment the command will get (``os.environ`` when None), whose
+        ``PYTHONPATH`` a skewed host extends.
         """
         prefix = [_netns.IP, "netns", "exec", self.netns]
         if self.skew_s:
+            # libfaketime 0.9.10 cannot fake the wall clock alone for Python: with
+            # CLOCK_MONOTONIC faked too, timed lock and event waits sleep for the skew;
+            # without, time.sleep fails with EINVAL. So the monotonic clock stays true
+            # and a sitecustomize makes time.sleep wait in select(), which works.
+            site = _skew_site(self._cluster.workdir)
+            inherited = (os.environ if env is None else env).get("PYTHONPATH")
             prefix += [
                 _netns.ENV,
                 f"LD_PRELOAD={_netns.libfaketime()}",
                 f"FAKETIME={self.skew_s:+.3f}",
+                "FAKETIME_DONT_FAKE_MONOTONIC=1",
+                f"PYTHONPATH={os.pathsep.join(filter(None, [str(site), inherited]))}",
             ]
         return [*prefix, *map(str, argv)]
 
@@ -99,7 +109,7 @@ class Host:
     ) -> subprocess.Popen[Any]:
         """Start ``argv`` on this host in its own process group; :meth:`Cluster.stop` kills it."""
         process = subprocess.Popen(
-            self.command(argv),
+            self.command(argv, env),
             env=env,
             cwd=cwd,
             stdout=stdout,
@@ -114,7 +124,8 @@ class Host:
         self, argv: Sequence[str], *, check: bool = True, timeout: float = 60, **kw: Any
     ) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` on this host to its end (``subprocess.run``)."""
-        return subprocess.run(self.command(argv), check=check, timeout=timeout, **kw)
+        command = self.command(argv, kw.get("env"))
+        return subprocess.run(command, check=check, timeout=timeout, **kw)
 
     def kill(self, proc: subprocess.Popen[Any], sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to ``proc``'s whole process group (a crash of all it started)."""
@@ -123,6 +134,40 @@ class Host:
         if sig == signal.SIGKILL:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+
+
+_SKEW_SITE = '''"""Written by dataflow.testing.Cluster for its skewed hosts (see Host.command).
+
+libfaketime 0.9.10, leaving CLOCK_MONOTONIC alone, makes time.sleep fail with
+EINVAL; a timeout of select() works, so time.sleep waits in select().
+"""
+
+import select
+import time
+
+
+def _sleep(seconds: float) -> None:
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        select.select([], [], [], left)
+
+
+time.sleep = _sleep
+'''
+
+
+def _skew_site(workdir: Path) -> Path:
+    """The directory holding the skewed hosts' ``sitecustomize`` (written once)."""
+    site = workdir / ".skewed-host-site"
+    target = site / "sitecustomize.py"
+    if not target.exists():
+        site.mkdir(parents=True, exist_ok=True)
+        temp = site / f".sitecustomize.{os.getpid()}.tmp"
+        temp.write_text(_SKEW_SITE)
+        os.replace(temp, target)
+    return site
 
 
 class Cluster:
