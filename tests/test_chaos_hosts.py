@@ -106,12 +106,6 @@ def test_a_producer_host_hours_ahead_loses_nothing_on_the_shared_dir(tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.mooncake
-@pytest.mark.xfail(
-    strict=True,
-    reason="gc judges a Mooncake generation's age by the 'created' its writer recorded "
-    "(time.time() of the producer's host): one 3 h ahead looks younger than any grace, and "
-    "its released generations stay until its clock is passed (docs/reliability.md)",
-)
 def test_a_producer_host_hours_ahead_leaves_no_orphans_on_mooncake(
     tmp_path: Path, mooncake_installed: None
 ) -> None:

@@ -76,11 +76,22 @@ def test_gc_removes_orphans_and_released_leftovers_only(leftovers) -> None:
     assert collect_garbage(led, store, grace=60).removed == 0  # nothing left to collect
 
 
-def test_a_generous_grace_keeps_everything_recent(leftovers) -> None:
+def test_a_generous_grace_keeps_everything_recent_but_released_leftovers(leftovers) -> None:
     led, store, sizes = leftovers
     report = collect_garbage(led, store, grace=2 * HOUR)
-    assert (report.removed, report.kept, report.young) == (0, 2, 4)
-    assert {o.sample_id for o in store.scan()} == set(sizes)
+    # s0 and s1 were committed, then released: no put of them is on its way, whatever
+    # their age (their writer's clock may run ahead of this host's)
+    assert (report.removed, report.kept, report.young) == (2, 2, 2)
+    assert {o.sample_id for o in store.scan()} == set(sizes) - {"s0", "s1"}
+
+
+def test_released_leftovers_of_a_writer_hours_ahead_go_and_its_orphan_waits(leftovers) -> None:
+    led, store, sizes = leftovers
+    for sample_id in ("s0", "orphan"):
+        _age(store, sample_id, -3 * HOUR)  # put by a host whose clock is 3 h ahead
+    report = collect_garbage(led, store, grace=60)
+    assert (report.removed, report.young) == (2, 2)  # s0, s1 go; orphan and fresh wait
+    assert {o.sample_id for o in store.scan()} == {"s2", "s3", "orphan", "fresh"}
 
 
 @pytest.mark.parametrize("grace", [-1, float("nan"), float("inf"), "60", True])

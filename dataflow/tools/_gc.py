@@ -54,7 +54,10 @@ def collect_garbage(
     loses nothing; a store shared with another ledger must not be collected against
     this one. Generations younger than ``grace`` seconds are never touched (a put whose
     commit is on its way), so a collection is safe while the run is live, as long as
-    ``grace`` exceeds the longest gap between a producer's put and its commit. A
+    ``grace`` exceeds the longest gap between a producer's put and its commit, and the
+    hosts' clocks agree within it (a store records its writer's clock, or its file
+    server's). The generation of a commit whose features were since released or
+    lost is removed whatever its age: no put of it can be on its way. A
     generation put again meanwhile is never freed (``delete_stored``).
 
     The ledger's refs name their store by URI. A store that no ref names but that
@@ -73,6 +76,9 @@ def collect_garbage(
         raise InvalidArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
     live: set[tuple[str, int]] = set()
     elsewhere: dict[tuple[str, int], str] = {}  # kept alive in a store of another URI
+    # Committed, then released or lost: no put of it is on its way, so no grace. Its
+    # `created` is its writer's clock, which may run hours ahead of this host's.
+    settled: set[tuple[str, int]] = set()
     for run_id in ledger.runs():
         state = replay(ledger, run_id)
         stored = [s for s in state.committed if s not in state.released and s not in state.lost]
@@ -82,6 +88,11 @@ def collect_garbage(
                     live.add((sample_id, ref.generation))
                 else:
                     elsewhere[(sample_id, ref.generation)] = ref.store
+        gone = [s for s in state.committed if s in state.released or s in state.lost]
+        for start in range(0, len(gone), _CHUNK):
+            for sample_id, ref in state.refs(gone[start : start + _CHUNK]).items():
+                if ref.store == store.uri:
+                    settled.add((sample_id, ref.generation))
     horizon = time.time() - grace
     removed = nbytes = kept = young = 0
     for obj in store.scan():
@@ -96,7 +107,7 @@ def collect_garbage(
                 "path (moved, or mounted elsewhere). Stopped before removing anything the "
                 f"ledger keeps alive; collect it by the URI its refs name ({elsewhere[key]})"
             )
-        elif obj.created > horizon:
+        elif obj.created > horizon and key not in settled:
             young += 1
         elif dry_run or store.delete_stored(obj):
             removed += 1
