@@ -86,7 +86,7 @@ def test_a_generous_grace_keeps_everything_recent_but_released_leftovers(leftove
 
 
 def test_released_leftovers_of_a_writer_hours_ahead_go_and_its_orphan_waits(leftovers) -> None:
-    led, store, sizes = leftovers
+    led, store, _ = leftovers
     for sample_id in ("s0", "orphan"):
         _age(store, sample_id, -3 * HOUR)  # put by a host whose clock is 3 h ahead
     report = collect_garbage(led, store, grace=60)
