@@ -59,6 +59,7 @@ GROUPED_MODULES = frozenset(
     {
         "test_cli_inspect.py",
         "test_cli_subprocess.py",
+        "test_cluster.py",
         "test_diff.py",
         "test_eval_distributed.py",
         "test_faults_postgres_network.py",
