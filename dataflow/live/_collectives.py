@@ -194,7 +194,8 @@ def agree(
             )
             described = _described(error)
         text = json.dumps({"error": described, "payload": None})
-    replies = [json.loads(r) for r in exchange(text, group)]
+    with _meeting(what):
+        replies = [json.loads(r) for r in _exchange(text, group)]
     if error is not None:
         raise error
     failed = [(r, m["error"]) for r, m in enumerate(replies) if m["error"] is not None]
@@ -219,29 +220,37 @@ def join_gloo(
     *,
     timeout_s: float,
     interface: str | None = None,
+    join_timeout_s: float = 120.0,
 ) -> None:
     """Join a gloo group whose rank 0 listens on ``address``:``port`` (rank 0's own
     address, reachable from every rank's machine).
 
     ``timeout_s`` bounds every collective: a peer that died, or whose link is cut
     without a word, fails each rank's next collective after that long (with
-    :class:`PeerFailedError` from this module's collectives). ``interface``: the network
-    interface gloo's connections use on this machine (``GLOO_SOCKET_IFNAME``), e.g.
-    ``"eth0"``; None leaves the environment's, or gloo's choice from the host name.
+    :class:`PeerFailedError` from this module's collectives). ``join_timeout_s`` bounds
+    the wait for every rank to join (processes that start seconds apart), apart from
+    it, so that a short collective timeout does not fail a slow start. ``interface``:
+    the network interface gloo's connections use on this machine
+    (``GLOO_SOCKET_IFNAME``), e.g. ``"eth0"``; None leaves the environment's, or gloo's
+    choice from the host name.
     """
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise InvalidArgumentError(
-            f"timeout_s must be a positive number of seconds, got {timeout_s!r}"
-        )
+    for name, value in (("timeout_s", timeout_s), ("join_timeout_s", join_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidArgumentError(
+                f"{name} must be a positive number of seconds, got {value!r}"
+            )
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
+    store = dist.TCPStore(
+        address, port, world_size, rank == 0, timeout=timedelta(seconds=join_timeout_s)
+    )
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://{address}:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
