@@ -381,7 +381,8 @@ class Cluster:
         from dataflow.testing._cluster_services import ClusterPostgres
 
         self._require_started()
-        server = ClusterPostgres(self[host], trust=[f"{_netns.subnet(self.slot)}.0/24"], **kwargs)
+        trust = [f"{_netns.subnet(self.slot)}.0/24", *kwargs.pop("trust", ())]
+        server = ClusterPostgres(self[host], trust=trust, **kwargs)
         self._services.append(server)
         server.start()
         return server

@@ -148,11 +148,12 @@ def kill_namespace(netns: str, *, grace_s: float = 0.0) -> None:
                 os.kill(pid, sig)
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 3.0)
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
+            pids = [p for p in pids if alive(p)]
             time.sleep(0.02)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -186,7 +187,7 @@ def libfaketime() -> str:
         ).stdout
         candidates = [line for line in listing.split() if line.endswith("libfaketime.so.1")]
         candidates += list(_LIBFAKETIME)
-    candidates += glob.glob("/usr/lib*/**/libfaketime.so.1", recursive=True)
+    candidates += glob.glob("/usr/lib*/*/faketime/libfaketime.so.1")
     for candidate in candidates:
         if os.path.isfile(candidate):
             return candidate
