@@ -14,7 +14,7 @@ scenario is about the network path to PostgreSQL (:func:`latency_run`).
   the producer has closed.
 * :func:`gloo_partition`: two trainer hosts cut from each other mid-run; both ranks
   stop within the collective timeout, are restarted and resume from the ledger.
-* :func:`mooncake_partition` and :func:`latency_run` (``_host_faults_paths``): a
+* :func:`mooncake_partition` and :func:`latency_run` (``_host_faults_services``): a
   producer cut off from the Mooncake master; latency, stalls and resets on every link.
 """
 
@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
 #: Stream heartbeats of both ends: a producer silent for a second is lost.
 HEARTBEATS = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0}
-_RANK = "dataflow.testing._net_rank"
-_PRODUCER = "dataflow.testing._net_producer"
+RANK_MODULE = "dataflow.testing._net_rank"
+PRODUCER_MODULE = "dataflow.testing._net_producer"
 _POLL_S = 0.05
 
 
@@ -339,7 +339,7 @@ def _stream_partition(
     endpoint_file = trial.dir / "endpoint"
     rank = trial.start(
         trainer,
-        _RANK,
+        RANK_MODULE,
         trial.config(
             "rank0",
             rank=0,
@@ -356,7 +356,7 @@ def _stream_partition(
     trial.wait_for("the rank's receiver", endpoint_file.exists, 30)
     sender = trial.start(
         producer,
-        _PRODUCER,
+        PRODUCER_MODULE,
         trial.config(
             "p0",
             producer_id="p0",
@@ -453,7 +453,7 @@ def _gloo_partition(
         return [
             trial.start(
                 host,
-                _RANK,
+                RANK_MODULE,
                 trial.config(
                     f"rank{r}-attempt{attempt}",
                     rank=r,

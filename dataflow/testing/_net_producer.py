@@ -1,7 +1,8 @@
 """A producer on a host of its own, for the network fault scenarios (``python -m``).
 
 ``python -m dataflow.testing._net_producer CONFIG_JSON`` emits ``samples`` samples
-(``s00000``...; small tensors that name their index) ``interval_s`` apart, to its ledger
+(``s00000``...; small tensors that name their index), ``batch`` per ``emit_many``
+(default 1), ``interval_s`` apart, to its ledger
 and store, through a ZeroMQ stream (CURVE) when the config names one, then closes.
 
 An emit that fails with a ledger ``OperationalError`` or a ``StoreError`` (a link that
@@ -26,6 +27,7 @@ import torch
 
 from dataflow import Ledger, OperationalError, Producer, StoreError
 from dataflow.streams import CurveClientConfig, SenderConfig, ZmqRefSender
+from dataflow.testing._net_rank import RETRIED, retrying
 from stores import open_store
 
 
@@ -54,9 +56,13 @@ def features(index: int) -> dict[str, torch.Tensor]:
 def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     """Emit, then close; fills ``result`` as it goes."""
     retry_s = config.get("retry_s", 0.0)
-    ledger = Ledger.open(config["ledger_url"], busy_timeout=config.get("busy_timeout", 30.0))
+    ledger = retrying(
+        retry_s, Ledger.open, config["ledger_url"], busy_timeout=config.get("busy_timeout", 30.0)
+    )
     store = open_store(config["store_uri"])
-    producer = Producer(
+    producer = retrying(
+        retry_s,
+        Producer,
         ledger,
         store,
         run_id=config["run_id"],
@@ -66,14 +72,14 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     progress = Path(config["progress"])
     failures: dict[str, int] = result.setdefault("failures", {})
     messages: dict[str, str] = result.setdefault("messages", {})
-    first = config.get("first", 0)
-    for index in range(first, first + config["samples"]):
-        sample_id = f"s{index:05d}"
+    first, batch = config.get("first", 0), config.get("batch", 1)
+    for start in range(first, first + config["samples"], batch):
+        indices = range(start, min(start + batch, first + config["samples"]))
         deadline = time.monotonic() + retry_s
         while True:
             started = time.monotonic()
             try:
-                producer.emit(sample_id, features(index))
+                producer.emit_many((f"s{i:05d}", features(i)) for i in indices)
                 break
             except (OperationalError, StoreError) as exc:
                 kind = type(exc).__name__
@@ -83,10 +89,11 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
                     raise
                 time.sleep(0.1)
         with progress.open("a") as file:
-            file.write(f"{index - first + 1} {time.monotonic()}\n")
+            file.write(f"{indices[-1] - first + 1} {time.monotonic()}\n")
         time.sleep(config.get("interval_s", 0.0))
     producer.close()
     result["emitted"] = config["samples"]
+    result["retried"] = dict(RETRIED)
     hold = config.get("hold")
     if hold is not None:
         deadline = time.monotonic() + config.get("hold_s", 60.0)

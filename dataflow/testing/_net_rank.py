@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,9 +31,11 @@ from dataflow.streams import CurveServerConfig, ReceiverConfig, ZmqRefReceiver
 from stores import open_store
 
 _T = TypeVar("_T")
+#: The failures :func:`retrying` retried past, by the error's type (this process's).
+RETRIED: Counter[str] = Counter()
 
 
-def _retrying(retry_s: float, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+def retrying(retry_s: float, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
     """``call(*args, **kwargs)``, again after an ``OperationalError`` until ``retry_s``
     passed (a lease or ack that landed before its reply was lost returns as if it had
     not failed: the consumer settles it from the ledger)."""
@@ -40,7 +43,8 @@ def _retrying(retry_s: float, call: Callable[..., _T], *args: Any, **kwargs: Any
     while True:
         try:
             return call(*args, **kwargs)
-        except OperationalError:
+        except OperationalError as exc:
+            RETRIED[type(exc).__name__] += 1
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.1)
@@ -83,8 +87,12 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
             interface=gloo.get("interface"),
         )
     receiver = _receiver(config)
-    ledger = Ledger.open(config["ledger_url"], busy_timeout=config.get("busy_timeout", 30.0))
-    consumer = Consumer(
+    ledger = retrying(
+        retry_s, Ledger.open, config["ledger_url"], busy_timeout=config.get("busy_timeout", 30.0)
+    )
+    consumer = retrying(
+        retry_s,
+        Consumer,
         ledger,
         open_store(config["store_uri"]),
         run_id=config["run_id"],
@@ -93,7 +101,7 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
         world_size=world_size,
         stream=receiver,
     )
-    plan = _retrying(retry_s, consumer.resume, "latest")
+    plan = retrying(retry_s, consumer.resume, "latest")
     step = plan.checkpoint_step or 0
     batch, every = config.get("batch", 4), config.get("checkpoint_every", 0)
     checkpoints = Path(config["checkpoint_dir"])
@@ -105,7 +113,7 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
             refs = []
             if not consumer.drained:
                 try:
-                    refs = _retrying(retry_s, consumer.lease, batch, timeout=0.2)
+                    refs = retrying(retry_s, consumer.lease, batch, timeout=0.2)
                 except ProducerLostError:
                     result["producer_lost"] += 1
             for ref in refs:
@@ -114,7 +122,7 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
             if gloo is not None:  # the step's reduction: every rank goes on while one has work
                 [more] = reduce_max([int(more)])
             if refs:
-                _retrying(retry_s, consumer.ack, refs, step=step)
+                retrying(retry_s, consumer.ack, refs, step=step)
                 ids = [ref.sample_id for ref in refs]
                 result["acked"] += ids
                 with progress.open("a") as file:
@@ -127,6 +135,7 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
             if not more:
                 break
     finally:
+        result["retried"] = dict(RETRIED)
         if receiver is not None:
             result["receiver"] = dataclasses.asdict(receiver.stats())
     consumer.close()
