@@ -61,7 +61,8 @@ class NetFaultOutcome:
     orphans: int
     """Store objects no run keeps alive, left after a garbage collection (``dataflow gc``)."""
     recovery_s: float | None
-    """From the end of the fault (the heal, or the restart) to the next sample trained."""
+    """From the end of the fault (the heal, or the restart) to the next sample trained;
+    None when nothing was left to train by then (the run got around the fault)."""
     detail: str
     """What happened, in words: the errors raised, the stream's losses, the durations."""
     committed: int = 0
