@@ -198,13 +198,20 @@ class Trial:
         errors: Sequence[str] = (),
         store_uri: str | None = None,
         facts: dict[str, Any] | None = None,
+        gc_host: str | None = None,
     ) -> NetFaultOutcome:
-        """Settle the trial from its ledger: lost, duplicated, verify, then gc's orphans."""
+        """Settle the trial from its ledger: lost, duplicated, verify, then gc's orphans
+        (``dataflow gc`` run on ``gc_host`` when given: a store reached through this
+        process's relays cannot be opened here, see :func:`collect_orphans_on`)."""
+        uri = store_uri or self.store_uri
         with Ledger.open(self.ledger_url) as ledger:
             state = replay(ledger, self.run_id)
             committed = set(state.committed)
             trained = final_lineage_acks(ledger.events(self.run_id))
-            orphans = collect_orphans(ledger, store_uri or self.store_uri, self.run_id)
+            if gc_host is None:
+                orphans = collect_orphans(ledger, uri, self.run_id)
+        if gc_host is not None:
+            orphans = collect_orphans_on(self.cluster[gc_host], self.ledger_url, uri, self.run_id)
         return NetFaultOutcome(
             kind=self.kind,
             lost=len(committed - set(trained)),
@@ -265,6 +272,20 @@ def collect_orphans(ledger: Ledger, store_uri: str, run_id: str) -> int:
         return sum(1 for obj in store.scan() if (obj.sample_id, obj.generation) not in live)
     finally:
         store.close()
+
+
+def collect_orphans_on(host: Host, ledger_url: str, store_uri: str, run_id: str) -> int:
+    """``dataflow gc --grace 0`` on ``host``, then what a dry run would still remove.
+
+    For a store whose URI names one of this process's relays: a Mooncake client holds
+    the interpreter's lock in its calls, so one in this process would stop the relay
+    it talks through.
+    """
+    base = [sys.executable, "-m", "dataflow", "gc", "--ledger", ledger_url, "--run", run_id,
+            "--store", store_uri, "--grace", "0", "--json"]  # fmt: skip
+    host.run(base, capture_output=True, timeout=120)
+    dry = host.run([*base, "--dry-run"], capture_output=True, text=True, timeout=120)
+    return int(json.loads(dry.stdout.strip().splitlines()[-1])["removed"])
 
 
 def curve_keys(directory: Path) -> tuple[dict[str, str], dict[str, str]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import urllib.parse
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +168,7 @@ def latency_run(
     producer: str = "producer0",
     ranks: tuple[str, str] = ("trainer0", "trainer1"),
     pg_host: str = "pg",
+    master_host: str | None = None,
     timeout_s: float = 55.0,
 ) -> NetFaultOutcome:
     """A whole run with ``delay_s`` (+/- ``jitter_s``) one way on every relayed link, and
@@ -175,7 +177,10 @@ def latency_run(
     One producer on ``producer`` streams with CURVE to two gloo ranks on ``ranks``
     (their gloo links direct); each of the three reaches PostgreSQL on ``pg_host``
     through a relay of its own (``busy_timeout`` 4 s), and the producer each rank
-    through another. Every component retries a ledger call that fails with an
+    through another. With ``master_host``, the store is Mooncake, its master on that
+    host, reached through relays of its RPC and metadata ports (the producer mounts
+    the memory; the ranks read from it directly); else a shared directory. Every
+    component retries a ledger call that fails with an
     ``OperationalError`` (a reset) and an emit, same id; the ledger settles whether a
     call whose reply was lost landed.
     """
@@ -192,17 +197,46 @@ def latency_run(
             return f"postgresql+psycopg://postgres@{relay.address}/{database}"
 
         trial = Trial(cluster, "latency", ledger_url=_direct(cluster, server, database))
+        master = None
+        if master_host is not None:
+            master = cluster.start_mooncake_master(master_host)
+            relayed = [
+                cluster.relay(
+                    master_host, port, delay_s=delay_s, jitter_s=jitter_s, seed=seed + 200 + i
+                )
+                for i, port in enumerate((master.rpc_port, master.http_port))
+            ]
+            relays += relayed
+            trial.store_uri = _relayed_store_uri(master, *relayed)
         try:
             return _latency_run(
                 trial, ledger_via_relay, relays, delay_s, jitter_s, faults, samples, seed,
-                producer, ranks, timeout_s,
+                producer, ranks, timeout_s, master is not None,
             )  # fmt: skip
         finally:
             trial.stop()
+            if master is not None:
+                master.stop()
     finally:
         for relay in relays:
             relay.close()
         server.close()
+
+
+def _relayed_store_uri(master: Any, rpc: Relay, metadata: Relay) -> str:
+    """The master's store URI with its RPC and metadata ports behind ``rpc`` and
+    ``metadata`` (its HTTP listing, for ``gc``, direct)."""
+    query = urllib.parse.urlencode(
+        {
+            "metadata": f"http://{metadata.address}/metadata",
+            "protocol": "tcp",
+            "namespace": f"nf-{uuid.uuid4().hex[:8]}",
+            "admin": master.admin_address,
+        },
+        quote_via=urllib.parse.quote,
+        safe="",
+    )
+    return f"mooncake://{rpc.address}?{query}"
 
 
 def _direct(cluster: Cluster, server: Any, database: str) -> str:
@@ -232,8 +266,13 @@ def _latency_run(
     producer: str,
     ranks: tuple[str, str],
     timeout_s: float,
+    mooncake: bool,
 ) -> NetFaultOutcome:
     cluster = trial.cluster
+    # On Mooncake the producer lends the memory the samples are put into; the ranks none.
+    producer_store = f"{trial.store_uri}&segment_size=32M" if mooncake else trial.store_uri
+    rank_store = f"{trial.store_uri}&segment_size=0" if mooncake else trial.store_uri
+    hold = trial.dir / "release"
     Ledger.open(trial.ledger_url).close()  # its tables made once, before three clients race
     server_curve, client_curve = curve_keys(trial.dir)
     common = {"busy_timeout": 4.0, "retry_s": 30.0}
@@ -253,6 +292,7 @@ def _latency_run(
                     world_size=2,
                     consumer_id=names[r],
                     batch=4,
+                    store_uri=rank_store,
                     gloo={
                         "address": cluster[ranks[0]].address,
                         "port": port,
@@ -289,6 +329,9 @@ def _latency_run(
                 samples=samples,
                 batch=4,
                 interval_s=0.0,
+                store_uri=producer_store,
+                hold=str(hold),
+                hold_s=timeout_s,
                 stream={
                     "endpoints": endpoints,
                     "curve": client_curve,
@@ -308,7 +351,9 @@ def _latency_run(
         target=_stalls_and_resets, args=(relays, faults, seed, stop, injected), daemon=True
     )
     chaos.start()
-    hung = trial.wait(processes, timeout_s)
+    hung = trial.wait(processes[:2], timeout_s)
+    hold.touch()  # the ranks read everything: the producer's memory may go
+    hung += trial.wait(processes[2:], 15)
     stop.set()
     chaos.join(5)
     for relay in relays:
@@ -323,7 +368,8 @@ def _latency_run(
     errors += [r["error"] for r in results.values() if r.get("error")]
     detail = (
         f"{delay_s * 1000:.0f} ms +/- {jitter_s * 1000:.0f} ms one way on {len(relays)} relays "
-        f"(3 to PostgreSQL, 2 streams; gloo direct); faults: {', '.join(injected) or 'none'}; "
+        f"(3 to PostgreSQL, 2 streams{', 2 to the Mooncake master' if mooncake else ''}; "
+        f"gloo direct); faults: {', '.join(injected) or 'none'}; "
         f"ledger calls and emits retried: {failures or 'none'}; run took {wall_s:.1f} s; "
         f"exits {[p.returncode for p in processes]}" + "".join(f"; {h}" for h in hung)
     )
@@ -331,6 +377,8 @@ def _latency_run(
         recovery_s=None,
         detail=detail,
         errors=errors,
+        store_uri=rank_store,
+        gc_host=ranks[0] if mooncake else None,
         facts={
             "exits": [p.returncode for p in processes],
             "injected": injected,
