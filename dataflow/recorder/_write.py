@@ -23,6 +23,7 @@ from dataflow.model._errors import (
     StaleEpochError,
 )
 from dataflow.model._events import Kind, check_payload
+from dataflow.recorder._clock import stamped_by_server
 from dataflow.recorder._reads import CHUNK, newest_commits, released_revision
 from dataflow.recorder._schema import events, producers
 from dataflow.recorder._schema import runs as runs_table
@@ -186,10 +187,10 @@ class WriteTransaction:
         return released_revision(self.conn, self.run_id, sample_id)
 
     def append(self, new_events: Iterable[NewEvent]) -> None:
-        now = time.time()
+        now = self._stamp()
         run_id = self.run_id
         rows = [
-            (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, now)
+            (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, *now)
             for e in new_events
         ]
         if rows:
@@ -206,8 +207,8 @@ class WriteTransaction:
         which nothing was appended. One statement when it held none, the
         common case: the commit index itself answers, with no read first.
         """
-        run_id, kind, now = self.run_id, Kind.COMMIT, time.time()
-        rows = [(run_id, kind, sid, 0, epoch, None, actor, p, now) for sid, p in payloads.items()]
+        run_id, kind, now = self.run_id, Kind.COMMIT, self._stamp()
+        rows = [(run_id, kind, sid, 0, epoch, None, actor, p, *now) for sid, p in payloads.items()]
         if not rows:
             return {}
         first = self._next_seq
@@ -227,6 +228,11 @@ class WriteTransaction:
         held = [s for s in payloads if s not in ours]
         refuse_unseen_commits(self.conn, run_id, held)
         return newest_commits(self.conn, run_id, held)
+
+    def _stamp(self) -> tuple[float, ...]:
+        """The ``ts`` a row carries: this machine's time, or none where the database
+        server stamps it (PostgreSQL, ``_clock.py``)."""
+        return () if stamped_by_server(self.conn.dialect) else (time.time(),)
 
     def _insert(self, rows: list[tuple[Any, ...]], *, skip_held_commits: bool) -> int:
         """Insert ``rows``; the number inserted (short when commits were skipped)."""

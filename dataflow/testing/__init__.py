@@ -31,10 +31,10 @@ from dataflow.testing._strategies import (
 )
 
 __all__ = [
-    "DEFAULT_HOSTS",
-    "DTYPES",
     "Cluster",
     "ClusterError",
+    "DEFAULT_HOSTS",
+    "DTYPES",
     "Host",
     "LedgerMachine",
     "PROFILES",

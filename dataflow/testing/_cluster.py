@@ -15,7 +15,8 @@ address on ``10.213.S.0/24`` and a default route through the *gateway*: the
 bridge's address in the root namespace, where the test process itself and its
 :class:`Relay` s live. The hosts share the filesystem (``workdir`` is seen by
 all) and the clock, unless ``skew`` moves a host's wall clock (libfaketime;
-CLOCK_MONOTONIC is left alone, as on a real machine whose NTP is off).
+CLOCK_MONOTONIC moves by the same constant, so durations stay true: libfaketime
+0.9.10 with ``DONT_FAKE_MONOTONIC`` makes ``time.sleep`` fail with EINVAL).
 
 Faults: :meth:`Cluster.cut` (silent: permanent neighbour entries to a MAC
 nobody has, so frames vanish; loud: unreachable routes, so sends fail at
@@ -35,15 +36,16 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
+
+from sqlalchemy.engine import make_url
 
 from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
 from dataflow.testing import _netns
+from dataflow.testing._cluster_services import ClusterPostgres, cluster_mooncake_master
 from dataflow.testing._netns import NOWHERE_MAC, ClusterError, ip
-
-if TYPE_CHECKING:
-    from dataflow.testing._postgres import PostgresServer
-    from dataflow.testing._relay import Relay
+from dataflow.testing._postgres import PostgresServer
+from dataflow.testing._relay import Relay
 
 DEFAULT_HOSTS = ("pg", "master", "producer0", "producer1", "trainer0", "trainer1")
 GATEWAY = "gateway"
@@ -76,13 +78,12 @@ class Host:
 
         The prefix execs in place: the process id is the command's own.
         """
-        prefix = ["ip", "netns", "exec", self.netns]
+        prefix = [_netns.IP, "netns", "exec", self.netns]
         if self.skew_s:
             prefix += [
-                "env",
+                _netns.ENV,
                 f"LD_PRELOAD={_netns.libfaketime()}",
                 f"FAKETIME={self.skew_s:+.3f}",
-                "DONT_FAKE_MONOTONIC=1",
             ]
         return [*prefix, *map(str, argv)]
 
@@ -168,6 +169,7 @@ class Cluster:
         self.hosts: dict[str, Host] = {}
         self.gateway = ""
         self._lock: IO[bytes] | None = None
+        self._owner = os.getpid()
         self._processes: list[subprocess.Popen[Any]] = []
         self._services: list[Any] = []
         self._relays: list[Relay] = []
@@ -199,6 +201,7 @@ class Cluster:
             raise ClusterError(f"{self!r} is already started")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.slot, self._lock = _netns.take_slot()
+        self._owner = os.getpid()
         atexit.register(self.stop)
         try:
             self._build()
@@ -232,16 +235,16 @@ class Cluster:
 
     def stop(self) -> None:
         """Kill every process started here, remove namespaces, bridge and routes. Idempotent."""
+        if self._lock is None or os.getpid() != self._owner:
+            return  # a forked child's copy of the cluster is not its to tear down
         lock, self._lock = self._lock, None
-        if lock is None:
-            return
         atexit.unregister(self.stop)
         try:
             for relay in self._relays:
                 relay.close()
             for service in reversed(self._services):
-                with contextlib.suppress(Exception):
-                    service.close() if hasattr(service, "close") else service.stop()
+                with contextlib.suppress(Exception):  # the namespaces' end kills what is left
+                    getattr(service, "close", service.stop)()
             self._end_processes()
             for host in self.hosts.values():
                 _netns.kill_namespace(host.netns)
@@ -355,8 +358,6 @@ class Cluster:
         seed: int | None = None,
     ) -> Relay:
         """A TCP relay on ``gateway:<free port>`` to ``to_host``'s address:``to_port``."""
-        from dataflow.testing._relay import Relay
-
         self._require_started()
         relay = Relay(
             self.gateway,
@@ -378,8 +379,6 @@ class Cluster:
         :meth:`postgres_url`). ``server.stop()`` and ``server.start()`` restart
         it with the same data on the same port; :meth:`stop` removes it.
         """
-        from dataflow.testing._cluster_services import ClusterPostgres
-
         self._require_started()
         trust = [f"{_netns.subnet(self.slot)}.0/24", *kwargs.pop("trust", ())]
         server = ClusterPostgres(self[host], trust=trust, **kwargs)
@@ -389,8 +388,6 @@ class Cluster:
 
     def postgres_url(self, server: PostgresServer, database: str | None = None) -> str:
         """The URL other hosts use for ``server`` (a database of it, if named)."""
-        from sqlalchemy.engine import make_url
-
         url = server.url
         if database is not None:
             url = make_url(url).set(database=database).render_as_string(hide_password=False)
@@ -398,8 +395,6 @@ class Cluster:
 
     def start_mooncake_master(self, host: str = "master", **kwargs: Any) -> Any:
         """A ``stores.mooncake_master.MooncakeMaster`` inside ``host``, bound to its address."""
-        from dataflow.testing._cluster_services import cluster_mooncake_master
-
         self._require_started()
         master = cluster_mooncake_master(self[host], **kwargs)
         self._services.append(master)

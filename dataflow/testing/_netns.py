@@ -29,6 +29,9 @@ LOCK_DIR = Path("/run/dataflow-cluster")
 SLOTS = range(1, 201)
 NOWHERE_MAC = "02:00:00:00:00:{:02x}"  # locally administered, owned by no interface
 FAKETIME_PACKAGE = "faketime"  # the Debian/Ubuntu package that brings libfaketime
+# Absolute paths: a caller's env without PATH (or with another PATH) still finds them.
+IP = shutil.which("ip") or "/usr/sbin/ip"
+ENV = shutil.which("env") or "/usr/bin/env"
 _CAP_NET_ADMIN = 12
 _LIBFAKETIME = (
     "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
@@ -44,7 +47,7 @@ class ClusterError(DataflowError):
 
 def ip(*args: str, netns: str | None = None, check: bool = True) -> str:
     """Run ``ip [-n NETNS] ARGS``; return its stdout, or raise ClusterError with its stderr."""
-    argv = ["ip", *args] if netns is None else ["ip", "-n", netns, *args]
+    argv = [IP, *args] if netns is None else [IP, "-n", netns, *args]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if check and result.returncode != 0:
         raise ClusterError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
