@@ -14,11 +14,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from dataflow import InvalidArgumentError
+from dataflow.live import join_gloo
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_net import gloo_partition
 from tests.conftest import unavailable
 
-pytestmark = pytest.mark.slow
 COLLECTIVE_TIMEOUT_S = 4.0
 
 
@@ -31,6 +32,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("silent", [True, False], ids=["silent", "loud"])
 def test_ranks_cut_off_from_each_other_stop_and_resume_through_the_ledger(
     cluster: Cluster, silent: bool
@@ -45,3 +47,11 @@ def test_ranks_cut_off_from_each_other_stop_and_resume_through_the_ledger(
     assert outcome.committed == 48
     assert (outcome.lost, outcome.duplicated, outcome.orphans) == (0, 0, 0), outcome.detail
     assert outcome.violations == ()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "5", float("nan")])
+def test_join_gloo_refuses_a_timeout_that_is_no_positive_number(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"timeout_s must be a positive number"):
+        join_gloo(0, 1, "127.0.0.1", 1, timeout_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"join_timeout_s must be a positive"):
+        join_gloo(0, 1, "127.0.0.1", 1, timeout_s=5, join_timeout_s=bad)  # type: ignore[arg-type]
