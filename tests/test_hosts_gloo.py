@@ -20,7 +20,7 @@ from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_net import gloo_partition
 from tests.conftest import unavailable
 
-COLLECTIVE_TIMEOUT_S = 4.0
+COLLECTIVE_TIMEOUT_S = 6.0  # room for a loaded machine: a starved peer must not time out
 
 
 @pytest.fixture(scope="module")
