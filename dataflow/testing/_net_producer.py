@@ -25,8 +25,11 @@ from typing import Any
 
 import torch
 
-from dataflow import Ledger, OperationalError, Producer, StoreError
-from dataflow.streams import CurveClientConfig, SenderConfig, ZmqRefSender
+from dataflow.live._producer import Producer
+from dataflow.model._errors import OperationalError, StoreError
+from dataflow.recorder._ledger import Ledger
+from dataflow.streams._security import CurveClientConfig
+from dataflow.streams._sender import SenderConfig, ZmqRefSender
 from dataflow.testing._net_rank import RETRIED, retrying
 from stores import open_store
 

@@ -25,9 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dataflow import Consumer, Ledger, OperationalError, ProducerLostError
-from dataflow.live import join_gloo, reduce_max
-from dataflow.streams import CurveServerConfig, ReceiverConfig, ZmqRefReceiver
+from dataflow.live._collectives import join_gloo, reduce_max
+from dataflow.live._consumer import Consumer
+from dataflow.model._errors import OperationalError, ProducerLostError
+from dataflow.recorder._ledger import Ledger
+from dataflow.streams._receiver import ReceiverConfig, ZmqRefReceiver
+from dataflow.streams._security import CurveServerConfig
 from stores import open_store
 
 _T = TypeVar("_T")
