@@ -48,6 +48,11 @@ _CLAIM_BYTES = 8
 _BLOCK = 1 << 20
 #: Seconds between the checks that the master still holds a client's claim of generations.
 _CLAIM_CHECK_S = 1.0
+#: Seconds after a call last found the master away (or this client's memory not listed)
+#: during which a write that finds no memory is tried again instead of reported full: a
+#: master that just took the client back can list its segment a moment before a put
+#: finds it.
+_REMOUNT_GRACE_S = 2.0
 log = logging.getLogger(__name__)
 # The master's HTTP server is on the cluster's network: never through a proxy.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -244,6 +249,8 @@ class _Client:
         #: Calls that found the master unreachable or without this client's memory (see call).
         self.troubles = 0
         self._unreachable = False
+        #: When a call last found the master away or this client's memory not listed.
+        self._troubled_at = -float("inf")
 
     def call(self, op: Callable[..., Any], *args: Any) -> Any:
         """``op(*args)`` on the Mooncake client, again for up to ``connect_timeout`` while it
@@ -255,7 +262,10 @@ class _Client:
         and is taken back at its next heartbeat (about a second), when its
         segment is mounted again: until then a write finds no memory
         (NO_AVAILABLE_HANDLE), and a read of anything put before the restart
-        finds nothing (a stale ref, which is the truth). While the master seems
+        finds nothing (a stale ref, which is the truth); for ``_REMOUNT_GRACE_S``
+        after a call last found it so, a write that finds no memory is tried again
+        even once the segment is listed (the listing can come a moment before a put
+        finds the memory), and only then is the store full. While the master seems
         down, its port is probed before each try: a Mooncake call to a master
         that is down takes seconds to fail. At the deadline it raises
         StoreUnavailableError naming the master (StoreFullError for a write that
@@ -294,7 +304,7 @@ class _Client:
                 if self._settled(got):
                     return got
             else:
-                self._unreachable = True
+                self._unreachable, self._troubled_at = True, time.monotonic()
 
     def reachable(self) -> bool:
         """Whether the master answers, as far as the last call tells (probed while it did not)."""
@@ -308,7 +318,13 @@ class _Client:
             self._unreachable = False
             return True
         self._unreachable = not _UNAVAILABLE.isdisjoint(codes)
-        return not self._unreachable and self.mounted() is True
+        now = time.monotonic()
+        if self._unreachable or self.mounted() is not True:
+            self._troubled_at = now
+            return False
+        # Listed, and still no memory: a full store, unless the master took this client
+        # back only just now (its segment listed before a put finds it: try again a little).
+        return now - self._troubled_at >= _REMOUNT_GRACE_S
 
     def mounted(self) -> bool | None:
         """Whether the master lists this client's segment (or, for a client that mounts

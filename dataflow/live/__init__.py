@@ -7,6 +7,7 @@ from dataflow.live._collectives import (
     exchange,
     flag_device,
     group_active,
+    join_gloo,
     join_loopback_gloo,
     reduce_max,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "exchange",
     "flag_device",
     "group_active",
+    "join_gloo",
     "join_loopback_gloo",
     "reduce_max",
     "replay",

@@ -10,11 +10,14 @@ for) instead of a peer left waiting until the group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from dataflow.model._errors import PeerFailedError
+from dataflow.model._errors import InvalidArgumentError, PeerFailedError
 
 if TYPE_CHECKING:
     import torch
@@ -68,12 +71,28 @@ def flag_device(group: Any = None) -> torch.device:
     return torch.device(device.type, getattr(torch, device.type).current_device())
 
 
+@contextlib.contextmanager
+def _meeting(what: str) -> Iterator[None]:
+    """Turn the backend's failure of a collective (a peer that died, or whose link is cut
+    past the group's timeout) into :class:`PeerFailedError` saying so and what to do."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch's DistBackendError and DistError are RuntimeErrors
+        raise PeerFailedError(
+            f"{what}: the ranks could not meet ({_described(exc)}): a peer process died, "
+            "or the link to it is cut for longer than the process group's timeout "
+            "(init_process_group(timeout=...), the timeout_s of join_gloo); stop every "
+            "rank, restart them all and resume from the ledger"
+        ) from exc
+
+
 def broadcast_int(value: int) -> int:
     """Rank 0's ``value``, on every rank of the default group."""
     import torch
 
     tensor = torch.tensor([value], dtype=torch.int64, device=flag_device())
-    torch.distributed.broadcast(tensor, src=0)
+    with _meeting("broadcast_int"):
+        torch.distributed.broadcast(tensor, src=0)
     return int(tensor.item())
 
 
@@ -83,7 +102,8 @@ def reduce_max(values: list[int], group: Any = None) -> list[int]:
     import torch
 
     tensor = torch.tensor(values, dtype=torch.int64, device=flag_device(group))
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    with _meeting("reduce_max"):
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
     return [int(v) for v in tensor.tolist()]
 
 
@@ -93,6 +113,11 @@ def exchange(text: str, group: Any = None) -> list[str]:
     One all_gather of a fixed slot per rank; a second one, of the longest text, only
     when some rank's text does not fit its slot.
     """
+    with _meeting("exchange"):
+        return _exchange(text, group)
+
+
+def _exchange(text: str, group: Any) -> list[str]:
     import torch
 
     dist = torch.distributed
@@ -169,7 +194,8 @@ def agree(
             )
             described = _described(error)
         text = json.dumps({"error": described, "payload": None})
-    replies = [json.loads(r) for r in exchange(text, group)]
+    with _meeting(what):
+        replies = [json.loads(r) for r in _exchange(text, group)]
     if error is not None:
         raise error
     failed = [(r, m["error"]) for r, m in enumerate(replies) if m["error"] is not None]
@@ -182,15 +208,49 @@ def agree(
 def join_loopback_gloo(rank: int, world_size: int, port: int, *, timeout_s: float) -> None:
     """Join a gloo group whose rank 0 listens on 127.0.0.1:``port``, on loopback only: the
     processes of one machine (the demo's ranks, the benchmarks', the tests')."""
-    import os
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    join_gloo(rank, world_size, "127.0.0.1", port, timeout_s=timeout_s)
+
+
+def join_gloo(
+    rank: int,
+    world_size: int,
+    address: str,
+    port: int,
+    *,
+    timeout_s: float,
+    interface: str | None = None,
+    join_timeout_s: float = 120.0,
+) -> None:
+    """Join a gloo group whose rank 0 listens on ``address``:``port`` (rank 0's own
+    address, reachable from every rank's machine).
+
+    ``timeout_s`` bounds every collective: a peer that died, or whose link is cut
+    without a word, fails each rank's next collective after that long (with
+    :class:`PeerFailedError` from this module's collectives). ``join_timeout_s`` bounds
+    the wait for every rank to join (processes that start seconds apart), apart from
+    it, so that a short collective timeout does not fail a slow start. ``interface``:
+    the network interface gloo's connections use on this machine
+    (``GLOO_SOCKET_IFNAME``), e.g. ``"eth0"``; None leaves the environment's, or gloo's
+    choice from the host name.
+    """
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for name, value in (("timeout_s", timeout_s), ("join_timeout_s", join_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise InvalidArgumentError(
+                f"{name} must be a positive number of seconds, got {value!r}"
+            )
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    store = dist.TCPStore(
+        address, port, world_size, rank == 0, timeout=timedelta(seconds=join_timeout_s)
+    )
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
