@@ -198,6 +198,8 @@ def repeat_key(data: bytes, key: str, value: str) -> bytes:
         ([dumps({"type": "hb", "producer": "p"})], "malformed"),
         ([dumps({"v": "1", "type": "hb", "producer": "p"})], "malformed"),
         ([dumps({"v": 1, "type": "gossip", "producer": "p"})], "malformed"),
+        ([dumps({"v": 1, "type": {}, "producer": "p"})], "malformed"),  # unhashable type
+        ([dumps({"v": 1, "type": ["hb"], "producer": "p"})], "malformed"),
         ([dumps({"v": 1, "type": "hb", "producer": "p", "extra": 1})], "malformed"),
         ([dumps({"v": 1, "type": "hb", "producer": ""})], "malformed"),
         (

@@ -372,7 +372,7 @@ def _strict_decode(data: bytes) -> Frame:
             "(run the same dataflow version on producers and consumers)",
         )
     kind = obj.get("type")
-    if kind not in _FIELDS:
+    if not isinstance(kind, str) or kind not in _FIELDS:  # a JSON object is unhashable
         raise bad_frame(MALFORMED, f"unknown frame type {kind!r}")
     if version != _VERSION_OF[kind]:
         raise bad_frame(
