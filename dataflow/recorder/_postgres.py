@@ -50,16 +50,17 @@ the ledger's write lock for longer than busy_timeout", as before).
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from dataflow.model._errors import LedgerError, SchemaVersionError
+from dataflow.model._errors import SchemaVersionError
+from dataflow.recorder import _pg_append
 from dataflow.recorder._db import Backend
+from dataflow.recorder._pg_append import run_lock_key
 from dataflow.recorder._schema import events, runs
-from dataflow.recorder._sql import SEQ_SHIFT
+from dataflow.recorder._sql import LOCK_DEFERRED, SEQ_SHIFT
 
 _XID = "pg_current_xact_id()::text::bigint"
 _EPOCH = f"(SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s)"
@@ -81,8 +82,6 @@ _SEQUENCE_AND_FIRST_SEQ = (
     f"SELECT pg_sequence_last_value(pg_get_serial_sequence('{events.name}', 'seq')), "
     f"pg_snapshot_xmax(pg_current_snapshot())::text::bigint << {SEQ_SHIFT}"
 )
-#: Transaction ids whose seqs fit a BIGINT.
-_MAX_XID = 2 ** (63 - SEQ_SHIFT) - 1
 # A run's row starts at the newest epoch its events name: 0 for a new run, and the
 # epoch it had for a run whose row was deleted (so a live consumer is not fenced off).
 _NEW_RUN = (
@@ -154,15 +153,10 @@ def _ms(seconds: float) -> int:
     return min(math.ceil(seconds * 1000), _MAX_INT)
 
 
-def run_lock_key(run_id: str) -> int:
-    """The run's advisory lock key: a stable signed 64-bit hash of its id (two runs that
-    share one only wait for each other)."""
-    digest = hashlib.blake2b(run_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
 class PostgresBackend(Backend):
     name = "postgresql"
+    #: Whether the ledger has the append functions of ``_pg_append``; None: not yet read.
+    _functions: bool | None = None
 
     def create_engine(self, url: str, *, durability: str, busy_timeout_s: float) -> Engine:
         parsed = make_url(url)
@@ -176,6 +170,20 @@ class PostgresBackend(Backend):
         )
 
     def lock_run(self, conn: Connection, run_id: str, *, shared: bool = False) -> tuple[int, int]:
+        if self._functions is None:  # once per ledger: it was made before them or not
+            self._functions = _pg_append.installed(conn)
+        if self._functions:
+            if shared:  # taken by the transaction's first statement (_pg_append)
+                return 0, LOCK_DEFERRED
+            first, epoch, _ = _pg_append.lock_run(conn, run_id, exclusive=True)
+            return epoch, first
+        return self._lock_run_by_statements(conn, run_id, shared=shared)
+
+    def _lock_run_by_statements(
+        self, conn: Connection, run_id: str, *, shared: bool
+    ) -> tuple[int, int]:
+        """``lock_run`` on a ledger without the append functions (made by an older
+        dataflow and opened with ``create=False``): a round trip per step."""
         # Plain driver SQL: building Core statements cost more CPU than the server spent.
         params = {"run_id": run_id, "key": run_lock_key(run_id)}
         if shared:
@@ -189,13 +197,7 @@ class PostgresBackend(Backend):
             # alone), and the one waited for waits on nothing this one holds.
             conn.exec_driver_sql(_NEW_RUN, params)
             epoch = conn.exec_driver_sql(_RUN_EPOCH, params).scalar_one()
-        if xid > _MAX_XID:
-            raise LedgerError(
-                f"transaction id {xid} is past {_MAX_XID}, the last one whose seqs fit the "
-                "ledger's BIGINT seq column: this PostgreSQL server cannot hold a ledger any "
-                "more; move the ledger to a new server (dataflow export)"
-            )
-        return int(epoch), xid << SEQ_SHIFT
+        return int(epoch), _pg_append.first_seq(xid)
 
     def check_seqs(self, conn: Connection) -> None:
         # A ledger written before issue 37 holds seqs from a sequence: new ones must
@@ -213,3 +215,6 @@ class PostgresBackend(Backend):
     def lock_schema(self, conn: Connection) -> None:
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in pg_type.
         conn.execute(text("SELECT pg_advisory_xact_lock(7354018)"))
+        # Under that lock, with the tables (a PL/pgSQL body names tables it need not
+        # find yet): what a writer that opens the ledger may create, it creates here.
+        _pg_append.install(conn)

@@ -47,6 +47,9 @@ INSERT_KEYS = (
 #: transaction that appended it, then its place among that transaction's rows
 #: (``_postgres.py`` says why).
 SEQ_SHIFT = 20
+#: The first seq ``Backend.lock_run`` gives a transaction whose lock it has not taken:
+#: its first statement takes it (PostgreSQL producers' transactions, ``_pg_append.py``).
+LOCK_DEFERRED = -1
 #: The seqs below it can no longer change: every transaction with a smaller id has ended
 #: (the statement's snapshot; PostgreSQL only).
 _HORIZON = literal_column(f"(pg_snapshot_xmin(pg_current_snapshot())::text::bigint << {SEQ_SHIFT})")
