@@ -168,7 +168,8 @@ class _FencedWrites:
         """
         transaction: WriteTransaction | None = None
         try:
-            with self.ledger.write(self.run_id, what) as tx:
+            # consumers=True: beside the producers, one consumer write of the run at a time.
+            with self.ledger.write(self.run_id, what, consumers=True) as tx:
                 transaction = tx
                 yield tx
         except BaseException as exc:

@@ -48,19 +48,52 @@ MAX_XID = 2 ** (63 - SEQ_SHIFT) - 1
 _LOCK_FUNCTION = "dataflow_lock_run_v1"
 _COMMIT_FUNCTION = "dataflow_commit_v1"
 
+#: The modes of :func:`lock_run` (see ``_postgres.py``).
+SHARED, EXCLUSIVE, CONSUMERS = "shared", "exclusive", "consumers"
+#: How long a consumer write waits for the horizon before it takes the run's lock alone.
+_HORIZON_WAIT_S = 0.2
+
 _LOCK_DDL = f"""
 CREATE OR REPLACE FUNCTION {_LOCK_FUNCTION}(
-    p_key bigint, p_run_id text, p_exclusive boolean, p_producer text
+    p_key bigint, p_run_id text, p_mode text, p_producer text, p_consumers_key bigint
 ) RETURNS TABLE (xid bigint, run_epoch integer, producer_epoch integer)
 LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_since timestamptz;
+    v_xmin bigint;
+    v_nap double precision := 0.0001;
 BEGIN
-    IF p_exclusive THEN
+    IF p_mode = '{EXCLUSIVE}' THEN
         PERFORM pg_advisory_xact_lock(p_key);
     ELSE
         PERFORM pg_advisory_xact_lock_shared(p_key);
+        IF p_mode = '{CONSUMERS}' THEN
+            PERFORM pg_advisory_xact_lock(p_consumers_key);
+        END IF;
     END IF;
-    -- Every statement from here takes its snapshot after the lock was granted.
+    -- Every statement from here takes its snapshot after the locks were granted. The id
+    -- comes after them: a transaction waiting for them holds none, so nobody waits for it.
     xid := pg_current_xact_id()::text::bigint;
+    IF p_mode = '{CONSUMERS}' THEN
+        -- Until every transaction with a smaller id has ended (the horizon reaches this
+        -- one): what it reads below its own seqs is then final. Producers that started
+        -- later hold larger ids: they go on meanwhile, their rows sort after this one's.
+        -- Past {_HORIZON_WAIT_S} s (a transaction open elsewhere on the server holds the
+        -- horizon back) it takes the lock alone instead, which waits only for the run's
+        -- producers in flight: no other consumer write of the run holds the lock shared,
+        -- and no waiter for it holds an id, so the upgrade cannot deadlock.
+        v_since := clock_timestamp();
+        LOOP
+            SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint INTO v_xmin;
+            EXIT WHEN v_xmin >= xid;
+            IF clock_timestamp() - v_since > interval '{_HORIZON_WAIT_S} seconds' THEN
+                PERFORM pg_advisory_xact_lock(p_key);
+                EXIT;
+            END IF;
+            PERFORM pg_sleep(v_nap);
+            v_nap := least(v_nap * 2, 0.002);
+        END LOOP;
+    END IF;
     SELECT r.epoch INTO run_epoch FROM {runs.name} r WHERE r.run_id = p_run_id;
     IF NOT FOUND THEN
         -- A run whose row was deleted starts at the newest epoch its events name.
@@ -90,7 +123,7 @@ DECLARE
     v_first bigint;
 BEGIN
     SELECT l.xid, l.producer_epoch INTO xid, producer_epoch
-    FROM {_LOCK_FUNCTION}(p_key, p_run_id, false, p_producer) l;
+    FROM {_LOCK_FUNCTION}(p_key, p_run_id, '{SHARED}', p_producer, NULL) l;
     inserted := 0;
     IF xid > {MAX_XID}
        OR (p_producer IS NOT NULL AND producer_epoch IS DISTINCT FROM p_producer_epoch) THEN
@@ -126,7 +159,8 @@ _INSTALLED = (
 )
 _LOCK = (
     f"SELECT xid, run_epoch, producer_epoch FROM {_LOCK_FUNCTION}("
-    "%(key)s::bigint, %(run_id)s::text, %(exclusive)s::boolean, %(producer)s::text)"
+    "%(key)s::bigint, %(run_id)s::text, %(mode)s::text, %(producer)s::text, "
+    "%(consumers_key)s::bigint)"
 )
 _COMMIT = (
     f"SELECT xid, producer_epoch, inserted, seq_above FROM {_COMMIT_FUNCTION}("
@@ -140,6 +174,12 @@ def run_lock_key(run_id: str) -> int:
     """The run's advisory lock key: a stable signed 64-bit hash of its id (two runs that
     share one only wait for each other)."""
     digest = hashlib.blake2b(run_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def consumers_lock_key(run_id: str) -> int:
+    """The key of the lock that the run's consumer writes take one at a time."""
+    digest = hashlib.blake2b(run_id.encode(), digest_size=8, person=b"consumers").digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
@@ -171,15 +211,20 @@ def first_seq(xid: int) -> int:
 
 
 def lock_run(
-    conn: Connection, run_id: str, *, exclusive: bool, producer: str | None = None
+    conn: Connection, run_id: str, *, mode: str, producer: str | None = None
 ) -> tuple[int, int, int | None]:
     """Lock ``run_id`` for this transaction in one round trip: the transaction's first
-    seq, the run's epoch and ``producer``'s epoch (None: not asked, or it holds none)."""
+    seq, the run's epoch and ``producer``'s epoch (None: not asked, or it holds none).
+
+    ``mode``: SHARED (producers), EXCLUSIVE (alone), or CONSUMERS (shared, one consumer
+    write of the run at a time, once every transaction with a smaller id has ended).
+    """
     params = {
         "key": run_lock_key(run_id),
         "run_id": run_id,
-        "exclusive": exclusive,
+        "mode": mode,
         "producer": producer,
+        "consumers_key": consumers_lock_key(run_id) if mode == CONSUMERS else None,
     }
     xid, run_epoch, producer_epoch = conn.exec_driver_sql(_LOCK, params).one()
     return first_seq(xid), int(run_epoch), producer_epoch

@@ -169,15 +169,18 @@ class PostgresBackend(Backend):
             connect_args=connect_args(busy_timeout_s, synchronous_commit=synchronous_commit),
         )
 
-    def lock_run(self, conn: Connection, run_id: str, *, shared: bool = False) -> tuple[int, int]:
+    def lock_run(
+        self, conn: Connection, run_id: str, *, shared: bool = False, consumers: bool = False
+    ) -> tuple[int, int]:
         if self._functions is None:  # once per ledger: it was made before them or not
             self._functions = _pg_append.installed(conn)
-        if self._functions:
-            if shared:  # taken by the transaction's first statement (_pg_append)
-                return 0, LOCK_DEFERRED
-            first, epoch, _ = _pg_append.lock_run(conn, run_id, exclusive=True)
-            return epoch, first
-        return self._lock_run_by_statements(conn, run_id, shared=shared)
+        if not self._functions:  # a consumer write then holds the lock alone, as it did
+            return self._lock_run_by_statements(conn, run_id, shared=shared)
+        if shared:  # taken by the transaction's first statement (_pg_append)
+            return 0, LOCK_DEFERRED
+        mode = _pg_append.CONSUMERS if consumers else _pg_append.EXCLUSIVE
+        first, epoch, _ = _pg_append.lock_run(conn, run_id, mode=mode)
+        return epoch, first
 
     def _lock_run_by_statements(
         self, conn: Connection, run_id: str, *, shared: bool

@@ -145,6 +145,10 @@ def _rows_after() -> Any:
     )
 
 
+def _rows_after_below() -> Any:
+    return _rows_after().where(events.c.seq < bindparam("below"))
+
+
 def _page_after() -> Any:
     return _rows_after().limit(bindparam("limit"))
 
@@ -208,6 +212,7 @@ def _producer_epoch() -> Any:
 
 _STATEMENTS: dict[str, Callable[[], Any]] = {
     "rows_after": _rows_after,
+    "rows_after_below": _rows_after_below,
     "page_after": _page_after,
     "page_between": _page_between,
     "settled_page_after": _settled(),

@@ -132,7 +132,7 @@ class WriteTransaction:
             return
         producer = None if self._fence is None else self._fence[0]
         first, _, held = _pg_append.lock_run(
-            self.conn, self.run_id, exclusive=False, producer=producer
+            self.conn, self.run_id, mode=_pg_append.SHARED, producer=producer
         )
         self._lock_deferred = False
         self._set_first_seq(first)
@@ -220,7 +220,14 @@ class WriteTransaction:
         if self.shared:
             raise AssertionError("a shared write transaction cannot read the run's exact tail")
         self._lock()
-        return run_sql(self.conn, "rows_after", run_id=self.run_id, after=seq).fetchall()
+        if self._end_seq is None:  # SQLite: nobody else writes
+            return run_sql(self.conn, "rows_after", run_id=self.run_id, after=seq).fetchall()
+        # PostgreSQL: only below the end of this transaction's seqs. Beside a consumer
+        # write, producers that started after it commit above them; read now, they would
+        # move the fold past the rows this transaction appends.
+        return run_sql(
+            self.conn, "rows_after_below", run_id=self.run_id, after=seq, below=self._end_seq
+        ).fetchall()
 
     def commits(self, sample_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
         """(newest revision, its ref JSON) per committed id among ``sample_ids``."""
