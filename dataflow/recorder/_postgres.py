@@ -19,33 +19,48 @@ notification logs do (``_sql._settled``). What it reads is final; what a
 running transaction adds sorts above it.
 
 Each append transaction takes a transaction-scoped advisory lock on its run
-(a 64-bit hash of the run id) before it takes its id:
+(a 64-bit hash of the run id) before it takes its id, in one of three modes
+(``_pg_append.py`` has the functions that take them, one statement each):
 
 - producer transactions (``Ledger.write(shared=True)``: commits, closes) take
   it shared, so they run at once; the unique commit index still settles two
   commits of one sample (the second waits for the first, then skips), and a
-  producer's epoch is read inside the transaction;
-- every other transaction (a consumer's lease, ack, resume ..., a producer's
-  claim) takes it exclusive: it waits for the producer transactions in flight
-  and blocks new ones until it ends. A producer transaction that committed
-  before it had its id before it, and one that starts after it takes a larger
-  one; so the tail it reads without a horizon (``WriteTransaction.rows_after``)
-  is exact, and every row it appends sorts after what it read and before what
-  producers commit after it. Consumers decide leases from that tail.
+  producer's epoch is read inside the transaction, after the lock was granted;
+  the lock waits for the transaction's first statement (a commit's one call);
+- consumer writes (``Ledger.write(consumers=True)``: a lease, an ack, a resume
+  ...) take it shared too, and a second lock of the run's alone: one consumer
+  write of a run at a time, beside the producers. Once it holds its id, it waits
+  until every transaction with a smaller id has ended (the horizon reaches it).
+  Then every row below its own seqs is final: the tail it reads
+  (``WriteTransaction.rows_after``, which stops below its own seqs) is exact,
+  and producers that started meanwhile hold larger ids and sort after it.
+  Consumers decide leases from that tail. If a transaction open anywhere on the
+  server holds the horizon back for 0.2 s, it takes the run's lock alone
+  instead (as every consumer write did before), which waits only for the run's
+  producers in flight;
+- every other transaction (a producer's claim, a next revision, an exclusion)
+  takes it exclusive: it waits for the producer and consumer transactions in
+  flight and blocks new ones until it ends. A producer transaction that
+  committed before it had its id before it, and one that starts after it takes
+  a larger one; so the tail it reads is exact too, and every row it appends
+  sorts after what it read and before what producers commit after it.
 
 The cost: a transaction holding an id anywhere on the server (any database)
-holds every reader's horizon back, not its writers, until it ends; a client
-that died inside one is ended after ``idle_in_transaction_session_timeout``
-(:func:`connect_args`). docs/reliability.md ("Readers and long transactions")
-says what to watch.
+holds every reader's horizon back, not its writers, until it ends (a consumer
+write, 0.2 s at most); a client that died inside one is ended after
+``idle_in_transaction_session_timeout`` (:func:`connect_args`).
+docs/reliability.md ("Readers and long transactions") says what to watch.
 
-No deadlock between the two modes: a transaction takes its run's lock first,
-holding nothing else, and a producer holding it shared waits only on other
-producers of the run (a row of the runs table they create, keys of the commit
-index, which each inserts in sample-id order), never on an exclusive holder,
-which cannot hold the lock while a producer does. ``lock_timeout`` bounds every
-wait, the advisory lock's too (SQLSTATE 55P03: ``translate_errors`` says "held
-the ledger's write lock for longer than busy_timeout", as before).
+No deadlock between the modes: a transaction takes its run's locks first,
+holding nothing else and no id (the id comes after the locks), and a producer
+holding the lock shared waits only on other producers of the run (a row of the
+runs table they create, keys of the commit index, which each inserts in
+sample-id order), never on a consumer write or an exclusive holder. A consumer
+write waits for smaller ids, which never wait for it; when it upgrades to the
+exclusive lock, no other transaction holding the lock shared waits for anything
+it holds. ``lock_timeout`` bounds every wait, the advisory locks' too (SQLSTATE
+55P03: ``translate_errors`` says "held the ledger's write lock for longer than
+busy_timeout", as before).
 """
 
 from __future__ import annotations

@@ -81,7 +81,9 @@ class WriteTransaction:
     """One append transaction on one run, holding the run's lock.
 
     Held alone (the default), everything read inside it is the run's exact
-    state: no other writer of the run can append until it ends. Held
+    state: no other writer of the run can append until it ends; a consumer write
+    (``consumers``, see ``_postgres.py``) reads the exact state below its own rows
+    while producers append above them. Held
     ``shared`` (producers' commits and closes, see ``Ledger.write``), other
     producers append beside it: it reads no tail, and its checks read what the
     database holds (the commit index, the producer's epoch). Used by Producer and
@@ -215,19 +217,23 @@ class WriteTransaction:
 
     def rows_after(self, seq: int) -> list[Any]:
         """The run's rows after ``seq``, in seq order: the run's exact tail (what a consumer
-        decides from). Only in a transaction that holds the run's lock alone: beside
-        shared writers, a row could still appear below one read."""
+        decides from), up to this transaction's own rows. Only in a transaction that
+        holds the run's lock alone or as a consumer write (``_postgres.py``): beside
+        producers only, a row could still appear below one read."""
         if self.shared:
             raise AssertionError("a shared write transaction cannot read the run's exact tail")
         self._lock()
+        # Plain driver tuples, not Rows (as Ledger.rows): a consumer that fell behind
+        # producers reads tens of thousands here, and a Row costs more than its fold.
         if self._end_seq is None:  # SQLite: nobody else writes
-            return run_sql(self.conn, "rows_after", run_id=self.run_id, after=seq).fetchall()
+            return run_sql(self.conn, "rows_after", run_id=self.run_id, after=seq).cursor.fetchall()
         # PostgreSQL: only below the end of this transaction's seqs. Beside a consumer
         # write, producers that started after it commit above them; read now, they would
         # move the fold past the rows this transaction appends.
+        below = self._end_seq
         return run_sql(
-            self.conn, "rows_after_below", run_id=self.run_id, after=seq, below=self._end_seq
-        ).fetchall()
+            self.conn, "rows_after_below", run_id=self.run_id, after=seq, below=below
+        ).cursor.fetchall()
 
     def commits(self, sample_ids: Sequence[str]) -> dict[str, tuple[int, str]]:
         """(newest revision, its ref JSON) per committed id among ``sample_ids``."""
