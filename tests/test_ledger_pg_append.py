@@ -171,3 +171,38 @@ def test_a_run_whose_row_was_deleted_keeps_its_epoch_on_the_next_commit(
         Producer(ledger, store, run_id="r", producer_id="p").commit(_refs(store, "s", 2))
         assert ledger.runs() == ["r"] and ledger.unlisted_runs() == []
         assert len(consumer.lease(2)) == 2  # epoch 2 still: the consumer is not fenced off
+
+
+def test_commits_keep_their_ids_payloads_and_order_through_the_function(
+    postgres_url: str,
+) -> None:
+    """The call sends ids and payloads as binary arrays: any text comes back as it went,
+    each seq in the given order, and an id given again is skipped as before."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    ids = st.text("AZaz09._:/-", min_size=1, max_size=12).filter(
+        lambda s: ".." not in s and not s.startswith("/")
+    )
+    texts = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
+
+    with Ledger.open(postgres_url) as ledger:
+
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(payloads=st.dictionaries(ids, texts, min_size=1, max_size=20), data=st.data())
+        def run_one(payloads: dict[str, str], data: st.DataObject) -> None:
+            run = f"r-{os.urandom(4).hex()}"
+            held = data.draw(st.lists(st.sampled_from(sorted(payloads)), unique=True))
+            with ledger.write(run, "commit", shared=True) as tx:
+                tx.append_first_commits("p", {sid: payloads[sid] for sid in held})
+            with ledger.write(run, "commit", shared=True) as tx:
+                known = tx.append_first_commits("p", payloads)
+            assert known == {sid: (0, payloads[sid]) for sid in held}
+            fresh = [sid for sid in payloads if sid not in held]
+            events = [e for e in ledger.rows(run)]
+            assert [row[2] for row in events] == held + fresh  # seqs in the given order
+            assert ledger.commits(run, list(payloads)) == {
+                sid: (0, text) for sid, text in payloads.items()
+            }
+
+        run_one()

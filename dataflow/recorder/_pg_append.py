@@ -166,7 +166,7 @@ _COMMIT = (
     f"SELECT xid, producer_epoch, inserted, seq_above FROM {_COMMIT_FUNCTION}("
     "%(key)s::bigint, %(run_id)s::text, %(producer)s::text, %(producer_epoch)s::integer, "
     "%(actor)s::text, %(epoch)s::integer, %(ts)s::double precision, "
-    "%(sample_ids)s::text[], %(payloads)s::text[])"
+    "%(sample_ids)b::text[], %(payloads)b::text[])"
 )
 
 
