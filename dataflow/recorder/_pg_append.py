@@ -60,6 +60,9 @@ CREATE OR REPLACE FUNCTION {_LOCK_FUNCTION}(
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
     v_since timestamptz;
+    -- At most lock_timeout (busy_timeout) too, when that is shorter ('0': none).
+    v_budget interval := least(interval '{_HORIZON_WAIT_S} seconds',
+        nullif(current_setting('lock_timeout')::interval, interval '0'));
     v_xmin bigint;
     v_nap double precision := 0.0001;
 BEGIN
@@ -78,15 +81,15 @@ BEGIN
         -- Until every transaction with a smaller id has ended (the horizon reaches this
         -- one): what it reads below its own seqs is then final. Producers that started
         -- later hold larger ids: they go on meanwhile, their rows sort after this one's.
-        -- Past {_HORIZON_WAIT_S} s (a transaction open elsewhere on the server holds the
-        -- horizon back) it takes the lock alone instead, which waits only for the run's
+        -- Past v_budget (a transaction open elsewhere on the server holds the horizon
+        -- back) it takes the lock alone instead, which waits only for the run's
         -- producers in flight: no other consumer write of the run holds the lock shared,
         -- and no waiter for it holds an id, so the upgrade cannot deadlock.
         v_since := clock_timestamp();
         LOOP
             SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint INTO v_xmin;
             EXIT WHEN v_xmin >= xid;
-            IF clock_timestamp() - v_since > interval '{_HORIZON_WAIT_S} seconds' THEN
+            IF clock_timestamp() - v_since > v_budget THEN
                 PERFORM pg_advisory_xact_lock(p_key);
                 EXIT;
             END IF;
