@@ -617,3 +617,28 @@ def test_a_consumer_write_waits_for_the_producers_in_flight_within_the_busy_time
         release.set()  # the producer's transaction ends: the consumer write goes through
         with quick.write(run, "ack", consumers=True) as tx:
             assert [row[2] for row in tx.rows_after(0) if row[1] == Kind.COMMIT] == ["first"]
+
+
+def test_a_consumer_write_is_not_held_back_by_a_transaction_open_outside_its_run(
+    ledger: Ledger,
+) -> None:
+    """A transaction with an id, open elsewhere on the server, holds the horizon back: a
+    consumer write then waits only for the writers of its own run (read from pg_locks)."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    with ledger.write(run, "claim") as tx:
+        tx.claim_producer("p", None)
+    engine = sqlalchemy.create_engine(ledger.url)
+    try:
+        with engine.connect() as other, other.begin():
+            other.exec_driver_sql("SELECT pg_current_xact_id()")  # takes an id, stays open
+            with Ledger.open(ledger.url, busy_timeout=5) as quick:
+                with quick.write(run, "lease", consumers=True) as tx:
+                    tx.append([NewEvent(Kind.CLOSE, "consumer")])
+                _commit(quick, run, "after")
+                # Readers outside a write wait for the horizon: the claim only, for now.
+                assert [e.kind for e in quick.events(run)] == [Kind.CLAIM]
+                with quick.write(run, "ack", consumers=True) as tx:  # reads its exact tail
+                    assert [row[6] for row in tx.rows_after(0)] == ["p", "consumer", "p"]
+    finally:
+        engine.dispose()
+    assert [e.actor for e in ledger.events(run)] == ["p", "consumer", "p"]

@@ -50,48 +50,67 @@ _COMMIT_FUNCTION = "dataflow_commit_v1"
 
 #: The modes of :func:`lock_run` (see ``_postgres.py``).
 SHARED, EXCLUSIVE, CONSUMERS = "shared", "exclusive", "consumers"
-#: How long a consumer write waits for the horizon before it takes the run's lock alone.
-_HORIZON_WAIT_S = 0.2
+#: How long a consumer write waits for the server's horizon before it reads which of
+#: the run's writers it waits for from pg_locks (costlier to read, and read less often).
+_HORIZON_WAIT_S = 0.05
 
 _LOCK_DDL = f"""
 CREATE OR REPLACE FUNCTION {_LOCK_FUNCTION}(
-    p_key bigint, p_run_id text, p_mode text, p_producer text, p_consumers_key bigint
+    p_key bigint, p_run_id text, p_mode text, p_producer text
 ) RETURNS TABLE (xid bigint, run_epoch integer, producer_epoch integer)
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
-    v_since timestamptz;
-    -- At most lock_timeout (busy_timeout) too, when that is shorter ('0': none).
-    v_budget interval := least(interval '{_HORIZON_WAIT_S} seconds',
-        nullif(current_setting('lock_timeout')::interval, interval '0'));
+    v_since timestamptz := clock_timestamp();
+    v_limit interval := nullif(current_setting('lock_timeout')::interval, interval '0');
+    v_low bigint;
     v_xmin bigint;
+    v_older bigint;
     v_nap double precision := 0.0001;
 BEGIN
     IF p_mode = '{EXCLUSIVE}' THEN
         PERFORM pg_advisory_xact_lock(p_key);
     ELSE
         PERFORM pg_advisory_xact_lock_shared(p_key);
-        IF p_mode = '{CONSUMERS}' THEN
-            PERFORM pg_advisory_xact_lock(p_consumers_key);
-        END IF;
     END IF;
-    -- Every statement from here takes its snapshot after the locks were granted. The id
-    -- comes after them: a transaction waiting for them holds none, so nobody waits for it.
+    -- Every statement from here takes its snapshot after the lock was granted. The id
+    -- comes after it: a transaction waiting for the lock holds none.
     xid := pg_current_xact_id()::text::bigint;
     IF p_mode = '{CONSUMERS}' THEN
-        -- Until every transaction with a smaller id has ended (the horizon reaches this
-        -- one): what it reads below its own seqs is then final. Producers that started
-        -- later hold larger ids: they go on meanwhile, their rows sort after this one's.
-        -- Past v_budget (a transaction open elsewhere on the server holds the horizon
-        -- back) it takes the lock alone instead, which waits only for the run's
-        -- producers in flight: no other consumer write of the run holds the lock shared,
-        -- and no waiter for it holds an id, so the upgrade cannot deadlock.
-        v_since := clock_timestamp();
+        -- Until every writer of the run with a smaller id has ended: what this one
+        -- reads below its own seqs is then final. Such a writer holds the run's lock
+        -- (it took the lock before its id) until it ends: the producers, and the
+        -- consumer writes, which therefore follow each other in the order of their ids.
+        -- Writers that start later hold larger ids: they go on meanwhile, their rows
+        -- sort after this one's. First the horizon (every transaction with a smaller
+        -- id on the server has ended: one cheap read); past {_HORIZON_WAIT_S} s (a
+        -- transaction open elsewhere holds it back) the run's lock holders themselves,
+        -- from pg_locks (their 32-bit ids compared modulo 2^32), every 5 ms. No lock is waited for:
+        -- nothing can deadlock; lock_timeout bounds the wait as it bounds a lock's.
+        v_low := xid & 4294967295;
         LOOP
             SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint INTO v_xmin;
             EXIT WHEN v_xmin >= xid;
-            IF clock_timestamp() - v_since > v_budget THEN
-                PERFORM pg_advisory_xact_lock(p_key);
-                EXIT;
+            IF clock_timestamp() - v_since > interval '{_HORIZON_WAIT_S} seconds' THEN
+                -- Each transaction holds a lock on its own id: pg_locks shows it to
+                -- every role (pg_stat_activity's backend_xid, only to some).
+                SELECT count(*) INTO v_older
+                FROM pg_locks l JOIN pg_locks t ON t.pid = l.pid
+                WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                  AND l.database = (SELECT d.oid FROM pg_database d
+                                    WHERE d.datname = current_database())
+                  AND l.classid = ((p_key >> 32) & 4294967295)::oid
+                  AND l.objid = (p_key & 4294967295)::oid
+                  AND t.locktype = 'transactionid' AND t.mode = 'ExclusiveLock'
+                  AND t.granted
+                  AND mod(v_low - t.transactionid::text::bigint + 4294967296, 4294967296)
+                      BETWEEN 1 AND 2147483647;
+                EXIT WHEN v_older = 0;
+                v_nap := greatest(v_nap, 0.005);
+            END IF;
+            IF v_limit IS NOT NULL AND clock_timestamp() - v_since > v_limit THEN
+                RAISE EXCEPTION USING ERRCODE = 'lock_not_available', MESSAGE =
+                    'canceling statement due to lock timeout: transaction ' || xid
+                    || ' waited for the writers of its run before it to end';
             END IF;
             PERFORM pg_sleep(v_nap);
             v_nap := least(v_nap * 2, 0.002);
@@ -126,7 +145,7 @@ DECLARE
     v_first bigint;
 BEGIN
     SELECT l.xid, l.producer_epoch INTO xid, producer_epoch
-    FROM {_LOCK_FUNCTION}(p_key, p_run_id, '{SHARED}', p_producer, NULL) l;
+    FROM {_LOCK_FUNCTION}(p_key, p_run_id, '{SHARED}', p_producer) l;
     inserted := 0;
     IF xid > {MAX_XID}
        OR (p_producer IS NOT NULL AND producer_epoch IS DISTINCT FROM p_producer_epoch) THEN
@@ -162,8 +181,7 @@ _INSTALLED = (
 )
 _LOCK = (
     f"SELECT xid, run_epoch, producer_epoch FROM {_LOCK_FUNCTION}("
-    "%(key)s::bigint, %(run_id)s::text, %(mode)s::text, %(producer)s::text, "
-    "%(consumers_key)s::bigint)"
+    "%(key)s::bigint, %(run_id)s::text, %(mode)s::text, %(producer)s::text)"
 )
 _COMMIT = (
     f"SELECT xid, producer_epoch, inserted, seq_above FROM {_COMMIT_FUNCTION}("
@@ -177,12 +195,6 @@ def run_lock_key(run_id: str) -> int:
     """The run's advisory lock key: a stable signed 64-bit hash of its id (two runs that
     share one only wait for each other)."""
     digest = hashlib.blake2b(run_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
-def consumers_lock_key(run_id: str) -> int:
-    """The key of the lock that the run's consumer writes take one at a time."""
-    digest = hashlib.blake2b(run_id.encode(), digest_size=8, person=b"consumers").digest()
     return int.from_bytes(digest, "big", signed=True)
 
 
@@ -219,15 +231,14 @@ def lock_run(
     """Lock ``run_id`` for this transaction in one round trip: the transaction's first
     seq, the run's epoch and ``producer``'s epoch (None: not asked, or it holds none).
 
-    ``mode``: SHARED (producers), EXCLUSIVE (alone), or CONSUMERS (shared, one consumer
-    write of the run at a time, once every transaction with a smaller id has ended).
+    ``mode``: SHARED (producers), EXCLUSIVE (alone), or CONSUMERS (shared, once every
+    writer of the run with a smaller transaction id has ended: see ``_LOCK_DDL``).
     """
     params = {
         "key": run_lock_key(run_id),
         "run_id": run_id,
         "mode": mode,
         "producer": producer,
-        "consumers_key": consumers_lock_key(run_id) if mode == CONSUMERS else None,
     }
     xid, run_epoch, producer_epoch = conn.exec_driver_sql(_LOCK, params).one()
     return first_seq(xid), int(run_epoch), producer_epoch
