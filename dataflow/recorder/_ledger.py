@@ -250,8 +250,9 @@ class Ledger:
         revision, read from what the transaction reads): such a write holds the
         lock alone (the default), waiting for the shared writers in flight, and
         reads the run's exact state. ``consumers=True``: a consumer's write, which
-        reads the run's exact state too, but on PostgreSQL holds the lock alone only
-        among the run's consumer writes: producers go on beside it (``_postgres.py``).
+        reads the run's exact state too (below its own events), and on PostgreSQL
+        waits only for the run's writes that began before it: producers go on
+        beside it (``_postgres.py``).
 
         A failure while committing raises CommitOutcomeUnknownError: the database
         may have committed before the connection failed, so the caller cannot

@@ -28,16 +28,16 @@ Each append transaction takes a transaction-scoped advisory lock on its run
   producer's epoch is read inside the transaction, after the lock was granted;
   the lock waits for the transaction's first statement (a commit's one call);
 - consumer writes (``Ledger.write(consumers=True)``: a lease, an ack, a resume
-  ...) take it shared too, and a second lock of the run's alone: one consumer
-  write of a run at a time, beside the producers. Once it holds its id, it waits
-  until every transaction with a smaller id has ended (the horizon reaches it).
-  Then every row below its own seqs is final: the tail it reads
-  (``WriteTransaction.rows_after``, which stops below its own seqs) is exact,
-  and producers that started meanwhile hold larger ids and sort after it.
-  Consumers decide leases from that tail. If a transaction open anywhere on the
-  server holds the horizon back for 0.2 s, it takes the run's lock alone
-  instead (as every consumer write did before), which waits only for the run's
-  producers in flight;
+  ...) take it shared too. Once it holds its id, a consumer write waits until
+  every writer of the run with a smaller id has ended: each took the run's lock
+  before its id and holds it to its end, producers and consumer writes alike, so
+  consumer writes follow each other in the order of their ids, and every row
+  below its own seqs is final: the tail it reads (``WriteTransaction.rows_after``,
+  which stops below its own seqs) is exact, and producers that started meanwhile
+  hold larger ids and sort after it. Consumers decide leases from that tail. The
+  wait reads the horizon (every transaction on the server with a smaller id has
+  ended); if a transaction open elsewhere holds that back for 50 ms, it reads the
+  run's lock holders and their ids from ``pg_locks`` instead;
 - every other transaction (a producer's claim, a next revision, an exclusion)
   takes it exclusive: it waits for the producer and consumer transactions in
   flight and blocks new ones until it ends. A producer transaction that
@@ -47,20 +47,20 @@ Each append transaction takes a transaction-scoped advisory lock on its run
 
 The cost: a transaction holding an id anywhere on the server (any database)
 holds every reader's horizon back, not its writers, until it ends (a consumer
-write, 0.2 s at most); a client that died inside one is ended after
+write, 50 ms, then it reads ``pg_locks``); a client that died inside one is ended
+after
 ``idle_in_transaction_session_timeout`` (:func:`connect_args`).
 docs/reliability.md ("Readers and long transactions") says what to watch.
 
-No deadlock between the modes: a transaction takes its run's locks first,
-holding nothing else and no id (the id comes after the locks), and a producer
+No deadlock between the modes: a transaction takes its run's lock first,
+holding nothing else and no id (the id comes after the lock), and a producer
 holding the lock shared waits only on other producers of the run (a row of the
 runs table they create, keys of the commit index, which each inserts in
 sample-id order), never on a consumer write or an exclusive holder. A consumer
-write waits for smaller ids, which never wait for it; when it upgrades to the
-exclusive lock, no other transaction holding the lock shared waits for anything
-it holds. ``lock_timeout`` bounds every wait, the advisory locks' too (SQLSTATE
-55P03: ``translate_errors`` says "held the ledger's write lock for longer than
-busy_timeout", as before).
+write waits (polling, no lock) only for smaller ids, which never wait for it.
+``lock_timeout`` bounds every wait, the advisory lock's and a consumer write's
+(SQLSTATE 55P03: ``translate_errors`` says "held the ledger's write lock for
+longer than busy_timeout", as before).
 """
 
 from __future__ import annotations
