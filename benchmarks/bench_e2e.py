@@ -63,7 +63,7 @@ from benchmarks._runner import tiny
 SEQ, HIDDEN = 64, 1024
 BATCH = 4
 WINDOW = 64
-# Samples per emit_many, as a producer batches: one put_many (one fsync per directory), one
+# Samples per emit_many, as a producer batches: one put_many (one directory fsync), one
 # ledger transaction, one send_many; a quarter of a rank's credit window.
 CHUNK = 16
 PREFETCH = 4  # batches per lease ahead: one lease and one ack transaction per 4 steps

@@ -12,8 +12,8 @@ waits for the disk) per sample.
 The raw limit, measured in the same run and in the same process, does for the same
 samples what no data plane can skip: per sample, the file's bytes written to a
 temporary file, fsynced and renamed into one directory, with one fsync of that
-directory per batch (the store spreads its files over 256 bucket directories and
-fsyncs each that a batch renamed into: about 57 for 64 samples); per batch, the
+directory per batch (as the store does: its files lie in one directory; stores made
+before spread them over 256 bucket directories, about 57 fsyncs for 64 samples); per batch, the
 commit rows (sample id, the ref JSON as payload) inserted by one ``sqlite3``
 ``executemany`` into a table of the ledger's shape and indexes (the unique commit
 index included) in a file of the same PRAGMAs; and the ref's JSON bytes pushed over

@@ -59,6 +59,7 @@ if [ "$job" = test ]; then
   have_pg || missing+=(postgresql)
   have_lib libibverbs.so.1 || missing+=(libibverbs1)
   have_lib libnuma.so.1 || missing+=(libnuma1)
+  command -v faketime >/dev/null 2>&1 || missing+=(faketime)  # tests/test_clocks.py, test_doctor.py
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
   workers="${DATAFLOW_TEST_WORKERS:-3}"
   exec .venv/bin/python -m pytest -n "$workers" "$@"

@@ -42,6 +42,7 @@ _HEADER_READ = 4096
 _MAX_HEADER = 64 << 20
 _IOV_MAX = 512
 _encode_json = msgspec.json.Encoder().encode
+_ZEROS = memoryview(bytes(_tensors.ALIGN))
 _FIX = "delete the file and put the sample again (regenerate it); refs to it cannot be read"
 
 
@@ -62,21 +63,32 @@ def file_pieces(
     specs: dict[str, FeatureSpec],
     checksums: bool,
 ) -> tuple[list[memoryview], bytes]:
-    """The bytes of a new (unsealed) file of ``sample_id``, as pieces, and its header JSON."""
-    spans = _tensors.layout(specs)
-    data_bytes = _tensors.end_of(spans.values())
-    data = {name: _tensors.byte_view(dense[name]).numpy() for name in specs}
-    sums = {name: _tensors.checksum(data[name]) if checksums else None for name in data}
-    header = _header(sample_id, specs, spans, data_bytes, sums)
-    start = _tensors.align(_PREFIX.size + len(header))
-    pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0, 0) + header)]
-    position = _PREFIX.size + len(header)
+    """The bytes of a new (unsealed) file of ``sample_id``, as pieces, and its header JSON.
+
+    The layout is ``_tensors.layout(specs)``'s, each tensor's size taken from its bytes
+    (a dense tensor of its spec has as many), in one pass.
+    """
+    data: dict[str, Any] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    sums: dict[str, str | None] = {}
+    end = 0
     for name in sorted(specs):
-        offset, nbytes = spans[name]
-        pieces.append(memoryview(bytes(start + offset - position)))
+        view = _tensors.byte_view(dense[name]).numpy()
+        data[name] = view
+        spans[name] = (end, view.nbytes)
+        sums[name] = _tensors.checksum(view) if checksums else None
+        end = _tensors.align(end + view.nbytes)
+    header = _header(sample_id, specs, spans, end, sums)
+    position = _PREFIX.size + len(header)
+    start = _tensors.align(position)
+    pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0, 0) + header)]
+    for name, (offset, nbytes) in spans.items():  # every pad is under ALIGN bytes
+        if start + offset > position:
+            pieces.append(_ZEROS[: start + offset - position])
         pieces.append(memoryview(data[name]))
         position = start + offset + nbytes
-    pieces.append(memoryview(bytes(start + data_bytes - position)))
+    if start + end > position:
+        pieces.append(_ZEROS[: start + end - position])
     return pieces, header
 
 
@@ -103,13 +115,20 @@ def _header(
 
 
 def writev_all(fd: int, buffers: list[memoryview]) -> None:
+    written = 0
+    if len(buffers) <= _IOV_MAX:
+        written = os.writev(fd, buffers)
+        if written == sum(map(len, buffers)):
+            return  # the usual: one call wrote it all
     buffers = [b for b in buffers if len(b)]
-    while buffers:
-        written = os.writev(fd, buffers[:_IOV_MAX])
+    while True:  # after a short write: skip what went, write the rest
         while buffers and written >= len(buffers[0]):
             written -= len(buffers.pop(0))
+        if not buffers:
+            return
         if written:
             buffers[0] = buffers[0][written:]
+        written = os.writev(fd, buffers[:_IOV_MAX])
 
 
 def seal(fd: int, header: bytes, generation: int) -> None:

@@ -15,12 +15,12 @@ from dataflow import CorruptFeatureError, InvalidSampleIdError
 from dataflow.interfaces import StoredObject
 from dataflow.model import validate_sample_id
 from stores._shared_dir_format import read_header
-from stores._shared_dir_layout import TMP_NAME_RE, _Directory
+from stores._shared_dir_layout import ONE_DIR, TMP_NAME_RE, _Directory
 
 #: The sample id under which ``scan`` lists an unfinished write, a file in tmp/ (with
 #: generation 0, which no put hands out: generations are the wall clock in nanoseconds).
 UNFINISHED_PREFIX = "tmp/"
-_BUCKET_RE = re.compile(r"[0-9a-f]{2}")
+_BUCKET_RE = re.compile(rf"[0-9a-f]{{2}}|{ONE_DIR}")  # the directories of sample files
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 log = logging.getLogger("stores._shared_dir")  # the store's logger, as documented

@@ -28,6 +28,8 @@ import pytest
 # The modules whose tests take longest in all (from ``--durations=0``), longest first.
 LONG_MODULES = (
     "test_example_eagle3.py",
+    "test_hosts_ledger_producers.py",
+    "test_hosts_ledger_ranks.py",
     "test_property_ledger.py",
     "test_training_checkpoint_ranks.py",
     "test_chaos.py",
@@ -47,9 +49,11 @@ LONG_MODULES = (
     "test_store_shared_dir.py",
     "test_mooncake_restart.py",
     "test_streams_processes.py",
+    "test_doctor.py",
     "test_cli.py",
     "test_metrics.py",
     "test_ledger_lineage.py",
+    "test_clocks.py",
 )
 
 
@@ -59,9 +63,14 @@ GROUPED_MODULES = frozenset(
     {
         "test_cli_inspect.py",
         "test_cli_subprocess.py",
+        "test_clocks.py",
+        "test_cluster.py",
         "test_diff.py",
+        "test_doctor.py",
         "test_eval_distributed.py",
         "test_faults_postgres_network.py",
+        "test_hosts_ledger_producers.py",
+        "test_hosts_ledger_ranks.py",
         "test_ledger_concurrency.py",
         "test_ledger_pg_concurrent.py",
         "test_mooncake_keeper.py",

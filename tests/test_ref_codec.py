@@ -18,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflow import BadFrameError, FeatureSpec, SampleRef
-from dataflow.model._ref_codec import ref_from_json, ref_json
-from dataflow.model._refs import ref_from_ledger
+from dataflow.model._ref_codec import _valid_ids, ref_from_json, ref_json
+from dataflow.model._refs import ref_from_ledger, validate_sample_id
 from dataflow.streams._wire import (
+    _TENSOR_MAGIC,
+    _WRITER,
     MAX_INT,
     CreditFrame,
     EofAckFrame,
@@ -32,6 +34,10 @@ from dataflow.streams._wire import (
     _strict_decode,
     decode,
     encode,
+    encode_ref_body,
+    encode_refs,
+    ref_bodies,
+    ref_body,
 )
 from dataflow.testing import sample_ids
 
@@ -172,6 +178,8 @@ def frames() -> st.SearchStrategy[object]:
 
 
 def strict(data: bytes) -> object:
+    if data.startswith(_TENSOR_MAGIC):  # decode's first check, before any JSON
+        return "tensor"
     try:
         return _strict_decode(data)
     except BadFrameError as exc:
@@ -299,3 +307,86 @@ def test_huge_ints_in_metadata_are_plain_data_as_before() -> None:
     data = FRAMES[0].replace('"n":1', '"n":' + str(2**70)).encode()
     assert _fast_decode(data) == _strict_decode(data)
     assert decode([data]).ref.metadata == {"k": {"n": 2**70}}  # type: ignore[union-attr]
+
+
+# -- the sender's bodies (RefWriter) and the receiver's sample id check -----------------------
+@settings(max_examples=300, deadline=None)
+@given(batch=st.lists(refs, min_size=1, max_size=4))
+def test_a_batch_encoded_at_once_decodes_to_what_to_json_gives(batch: list[SampleRef]) -> None:
+    assert _WRITER.bodies(batch) is not None  # every valid ref takes the compiled path
+    bodies = ref_bodies(batch, 1 << 20)
+    for ref, body in zip(batch, bodies, strict=True):
+        assert json.loads(body) == json.loads(ref.to_json())
+    fast = decode([encode_refs("r", 1, bodies)])
+    slow = decode([encode_refs("r", 1, [encode_ref_body(ref) for ref in batch])])
+    assert fast == slow
+    got, want = (f.refs if isinstance(f, RefsFrame) else [f.ref] for f in (fast, slow))  # type: ignore[union-attr]
+    assert all(same(a, b) for a, b in zip(got, want, strict=True))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), batch=st.lists(refs, min_size=1, max_size=3))
+def test_hostile_batches_are_decoded_as_the_strict_path_does(data, batch) -> None:
+    mutated = data.draw(hostile(encode_refs("r", 1, ref_bodies(batch, 1 << 20))))
+    agrees(mutated)
+    try:
+        got: object = decode([mutated])
+    except BadFrameError as exc:
+        got = exc.kind  # type: ignore[attr-defined]
+    assert got == strict(mutated)
+
+
+def _spoiled(how: str) -> SampleRef:
+    ref = SampleRef("s-1", "mem://m", 1, {"x": FeatureSpec((2,), torch.int8)}, {"k": 1})
+    if how == "tensor":
+        ref.metadata["k"] = torch.zeros(2)  # type: ignore[index]
+    elif how == "nan":
+        ref.metadata["k"] = [float("nan")]  # type: ignore[index]
+    elif how == "object":
+        ref.metadata["k"] = {1, 2}  # type: ignore[index]
+    elif how == "generation":
+        object.__setattr__(ref, "generation", MAX_INT + 1)
+    elif how == "store":
+        object.__setattr__(ref, "store", "m" * 5000)
+    elif how == "shape":
+        object.__setattr__(ref, "specs", {"x": FeatureSpec((1 << 49,), torch.int8)})
+    elif how == "surrogate":
+        ref.metadata["k"] = "\ud800"  # type: ignore[index]
+    return ref
+
+
+@pytest.mark.parametrize(
+    "how", ["tensor", "nan", "object", "generation", "store", "shape", "surrogate", "none"]
+)
+@pytest.mark.parametrize("limit", [1 << 20, 256])
+def test_ref_bodies_refuse_and_accept_as_ref_body_does(how: str, limit: int) -> None:
+    ref = _spoiled(how)
+    good = SampleRef("s-0", "mem://m", 1)
+
+    def result(encode):  # type: ignore[no-untyped-def]
+        try:
+            return [json.loads(body) for body in encode()]
+        except Exception as exc:
+            return type(exc), str(exc)
+
+    want = result(lambda: [ref_body(good, limit), ref_body(ref, limit)])
+    assert result(lambda: ref_bodies([good, ref], limit)) == want
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    ids=st.lists(
+        sample_ids(max_size=12) | st.text(st.sampled_from("a./\n:-é"), min_size=1, max_size=6),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_sample_ids_checked_together_as_one_by_one(ids: list[str]) -> None:
+    def valid(sample_id: str) -> bool:
+        try:
+            validate_sample_id(sample_id)
+        except ValueError:
+            return False
+        return True
+
+    assert _valid_ids(ids) == all(map(valid, ids))

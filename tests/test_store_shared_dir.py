@@ -15,9 +15,12 @@ import textwrap
 import pytest
 import torch
 import xxhash
+from hypothesis import HealthCheck, given, settings
 
+import stores._shared_dir
 from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError, StoreError
-from stores import SharedDirFeatureStore, open_store
+from dataflow.testing import feature_dicts
+from stores import SharedDirFeatureStore, _tensors, open_store
 from stores._shared_dir_format import MAGIC
 from stores._shared_dir_layout import sample_file_name
 from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_same_tensor
@@ -229,11 +232,14 @@ def test_scan_never_follows_symlinks_out_of_the_root(store, tmp_path):
         mine = store.put("mine", {"x": torch.ones(2)})
         bucket = store.path_for("mine").parent
         (bucket / "link-to-a-file").symlink_to(foreign_file)
-        # An empty bucket swapped for a link to a bucket of the other store.
+        # An empty bucket swapped for a link to a bucket of the other store (a store of
+        # one directory has no empty bucket: a link under a bucket's name).
+        samples = store.root / "samples"
         empty = next(
-            b for b in (store.root / "samples").iterdir() if b.is_dir() and not any(b.iterdir())
+            (b for b in samples.iterdir() if b.is_dir() and not any(b.iterdir())), samples / "00"
         )
-        empty.rmdir()
+        if empty.exists():
+            empty.rmdir()
         empty.symlink_to(foreign_file.parent, target_is_directory=True)
         (store.root / "samples" / "not-a-bucket").symlink_to(foreign_file.parent)
         listed = list(store.scan())
@@ -438,3 +444,99 @@ def test_a_put_recreates_a_removed_bucket_tmp_or_locks_directory(store):
         d = fresh.put("d", {"x": torch.full((2,), 3.0)})
         assert_same_tensor(fresh.get(d)["x"], torch.full((2,), 3.0))
         assert (store.root / "locks").is_dir() and not list((store.root / "tmp").iterdir())
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(features=feature_dicts(max_features=4))
+def test_a_file_lays_its_tensors_out_as_the_specs_say(tmp_path, features) -> None:
+    """The format's layout (stores._tensors.layout of the ref's specs), and the whole file
+    as long as the header says, with every pad zero."""
+    store = SharedDirFeatureStore(tmp_path / "layout")
+    try:
+        ref = store.put("s", features)
+        data = store.path_for("s").read_bytes()
+    finally:
+        store.close()
+    length = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[32 : 32 + length])
+    start = -(-(32 + length) // 64) * 64
+    spans = _tensors.layout(ref.specs)
+    assert {name: (t["offset"], t["nbytes"]) for name, t in header["tensors"].items()} == spans
+    assert header["data_bytes"] == _tensors.end_of(spans.values())
+    assert len(data) == start + header["data_bytes"]
+    used = bytearray(len(data))
+    used[: 32 + length] = b"\1" * (32 + length)
+    for name, (offset, nbytes) in spans.items():
+        got = data[start + offset : start + offset + nbytes]
+        assert got == _tensors.byte_view(features[name].contiguous()).numpy().tobytes()
+        used[start + offset : start + offset + nbytes] = b"\1" * nbytes
+    assert all(byte == 0 for byte, mark in zip(data, used, strict=True) if not mark)
+
+
+# -- the layout: one directory of sample files, or (stores made before) 256 buckets ----------
+def test_a_batch_makes_its_renames_durable_with_one_directory_fsync(store, monkeypatch):
+    synced: list[str] = []
+    fsync_path = stores._shared_dir.fsync_path
+    monkeypatch.setattr(
+        stores._shared_dir,
+        "fsync_path",
+        lambda path, **kw: (synced.append(str(path)), fsync_path(path, **kw))[1],
+    )
+    refs = store.put_many([(f"batch/{i}", {"x": torch.full((4,), i)}) for i in range(64)])
+    assert synced == [str(store.root / "samples" / "all")]
+    assert {store.path_for(ref.sample_id).parent for ref in refs} == {
+        store.root / "samples" / "all"
+    }
+    assert sorted(os.listdir(store.root / "samples")) == ["all"]
+
+
+def test_a_store_of_bucket_directories_keeps_its_layout(tmp_path):
+    root = tmp_path / "old"
+    for bucket in range(256):  # what a store made before the one directory looks like
+        (root / "samples" / f"{bucket:02x}").mkdir(parents=True)
+    with SharedDirFeatureStore(root) as old:
+        ref = old.put("a/b:c", {"x": torch.arange(3)})
+        path = old.path_for("a/b:c")
+        assert path.parent.parent == root / "samples" and path.parent.name != "all"
+        assert path.name == sample_file_name("a/b:c") and path.is_file()
+        more = old.put_many([(f"m{i}", {"x": torch.ones(2)}) for i in range(8)])
+    assert not (root / "samples" / "all").exists()
+    with SharedDirFeatureStore(root) as again:  # another handle: the same layout
+        assert_same_tensor(again.get(ref)["x"], torch.arange(3))
+        assert {o.sample_id for o in again.scan()} == {"a/b:c", *(r.sample_id for r in more)}
+        again.delete(ref)
+        assert not path.exists()
+
+
+_OPEN_AND_PUT = """
+    import sys, torch
+    from stores import SharedDirFeatureStore
+    with SharedDirFeatureStore(sys.argv[1]) as store:
+        store.put_many([(f"{sys.argv[2]}/{i}", {"x": torch.ones(2)}) for i in range(4)])
+"""
+
+
+def test_processes_opening_a_new_root_at_once_agree_on_its_layout(tmp_path):
+    root = tmp_path / "fresh"
+    processes = [_python(_OPEN_AND_PUT, str(root), f"p{n}") for n in range(6)]
+    for process in processes:
+        _finish(process)
+    assert sorted(os.listdir(root)) == ["locks", "samples", "tmp"]  # no layout left aside
+    assert sorted(os.listdir(root / "samples")) == ["all"]
+    with SharedDirFeatureStore(root) as store:
+        assert len(list(store.scan())) == 24
+
+
+def test_a_new_handle_keeps_the_one_directory_when_it_was_removed(store, caplog):
+    store.put("gone", {"x": torch.ones(2)})
+    shutil.rmtree(store.root / "samples" / "all")
+    with caplog.at_level("WARNING", logger="stores._shared_dir"):
+        fresh = SharedDirFeatureStore(store.root)
+    with fresh:
+        ref = fresh.put("back", {"x": torch.zeros(2)})
+        assert fresh.path_for("back").parent == store.root / "samples" / "all"
+        assert_same_tensor(store.get(ref)["x"], torch.zeros(2))  # the old handle agrees
+    assert sorted(os.listdir(store.root / "samples")) == ["all"]
+    assert "recreating the missing directory" in caplog.text

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from dataflow.cli._arguments import LEDGER_ENV, Failure, Parser, Usage
 from dataflow.cli._diff_cmd import add_diff
+from dataflow.cli._doctor_cmd import add_doctor
 from dataflow.cli._exclude_cmds import add_exclusion_commands
 from dataflow.cli._gc_cmd import add_gc
 from dataflow.cli._log_cmds import add_log_commands
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gc(sub)
     add_exclusion_commands(sub)
     add_pipeline_commands(sub)
+    add_doctor(sub)
     return parser
 
 

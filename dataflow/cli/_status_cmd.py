@@ -60,7 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         while True:
             with progress_bar("reading the log", ledger.head_seq(args.run)) as progress:
                 fold.update(progress if shown == 0 else None)
-            report = status(fold, time.time())
+            report = status(fold, ledger.clock())  # the clock of the events' ts
             if args.json:
                 print(json.dumps(report, indent=None if args.follow else 2), flush=True)
             else:

@@ -287,6 +287,8 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
                 lambda s: not self._lease_ended(s) if s in leased else self._trained_by_an_ack(s),
             ):
                 self._unreceive(received)
+                # Settled by the retry: ack_many's of the acks, the next lease's of the lease.
+                self._in_doubt, self._reclaimed = frozenset(ids), (*self._reclaimed, *take)
                 raise
         except BaseException:
             self._unreceive(received)

@@ -53,6 +53,8 @@ class _Acks(_FencedWrites):
         steps, ids = self._checked_acks(acks)
         if not steps:
             return
+        if self._repeats_landed(ids, self._trained_by_an_ack):  # a retry after a lost reply
+            return self._acked(ids, ids if self.release_policy == "on_ack" else [])
         release: list[str] = []
         try:
             with self._write("ack") as tx:

@@ -175,6 +175,7 @@ class _Leasing(_FencedWrites):
         except CommitOutcomeUnknownError:
             if not self._landed(take, lambda s: self.state.leased.get(s) == self.consumer_id):
                 self._unreceive(sample_ids if streamed else [])
+                self._reclaimed += tuple(take)  # if it landed, the next lease hands them out
                 raise
         except BaseException:
             self._unreceive(sample_ids if streamed else [])

@@ -22,7 +22,12 @@ from typing import Any, TypeVar
 from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefReceiver
 from dataflow.live._view import RunView
-from dataflow.model._errors import DataflowError, LedgerStateError, StaleEpochError
+from dataflow.model._errors import (
+    CommitOutcomeUnknownError,
+    DataflowError,
+    LedgerStateError,
+    StaleEpochError,
+)
 from dataflow.model._events import Kind, batch_payloads, dump_payload
 from dataflow.model._fold import RunState
 from dataflow.recorder._ledger import Ledger, NewEvent, WriteTransaction
@@ -34,6 +39,12 @@ _T = TypeVar("_T")
 _POLL_S = 0.02
 #: The first schema version whose readers read batch rows (dataflow.model._events).
 _BATCH_ROWS_SCHEMA = 4
+#: Said with a CommitOutcomeUnknownError that the consumer could not settle itself.
+_IN_DOUBT = (
+    "the consumer could not read the ledger back to settle this write: make the same "
+    "call again once the ledger answers (a lease then hands out first what this one "
+    "leased; the same ack returns without writing a second one)"
+)
 
 
 def batch_events(
@@ -176,8 +187,11 @@ class _FencedWrites:
             if transaction is not None and transaction.appended:
                 self._view.stale = True
                 if isinstance(exc, Exception):  # not on KeyboardInterrupt: later then
-                    with contextlib.suppress(DataflowError):  # the ledger is away: later
+                    try:
                         self._view.refold()
+                    except DataflowError:  # the ledger is away: rebuilt on the next read
+                        if isinstance(exc, CommitOutcomeUnknownError):
+                            exc.add_note(_IN_DOUBT)
             raise
 
     @contextlib.contextmanager
@@ -189,14 +203,36 @@ class _FencedWrites:
             self._sync(tx)
             yield tx
 
+    #: The samples of the last write whose COMMIT failed while the ledger could not be
+    #: read back either (a link cut after the server committed): the caller was told
+    #: CommitOutcomeUnknownError, and its retry of the same write is settled from the
+    #: ledger (:meth:`_repeats_landed`) instead of being refused as a second one.
+    _in_doubt: frozenset[str] = frozenset()
+
     def _landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
         """After a COMMIT of unknown outcome: whether the ledger holds the write, read
-        again; it did when every one of ``sample_ids`` ``shows`` it. False if unreadable."""
+        again; it did when every one of ``sample_ids`` ``shows`` it. False if unreadable
+        (and the write is in doubt until it is made again)."""
         try:
             self._catch_up()
         except DataflowError:
+            self._in_doubt = frozenset(sample_ids)
             return False
         return bool(sample_ids) and all(shows(s) for s in sample_ids)
+
+    def _repeats_landed(self, sample_ids: list[str], shows: Callable[[str], bool]) -> bool:
+        """Whether this write repeats the one in doubt (the same samples) and that one
+        landed after all: every sample ``shows`` it in the ledger, read now. Then the
+        retry is done, with nothing written twice. Another write ends the doubt; one
+        that cannot read the ledger yet raises and leaves it."""
+        if not self._in_doubt:
+            return False
+        if self._in_doubt != frozenset(sample_ids):
+            self._in_doubt = frozenset()
+            return False
+        self._catch_up()
+        self._in_doubt = frozenset()
+        return all(shows(s) for s in sample_ids)
 
     # -- rows ------------------------------------------------------------------
     def _events(

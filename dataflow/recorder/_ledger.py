@@ -38,6 +38,7 @@ from dataflow.model._ids import MAX_ID_LENGTH, check_id
 from dataflow.model._ids import check_run_id as _check_run_id
 from dataflow.recorder import _observers
 from dataflow.recorder._backends import backend_for
+from dataflow.recorder._clock import read_clock
 from dataflow.recorder._db import (
     DEFAULT_URL,
     check_durability,
@@ -517,6 +518,13 @@ class Ledger:
         with translate_errors("listing runs"), self._engine.connect() as conn:
             listed = set(conn.execute(select(runs_table.c.run_id)).scalars())
             return sorted(set(conn.exec_driver_sql(EVENT_RUN_IDS).scalars()) - listed)
+
+    def clock(self) -> float:
+        """Now, in seconds since the epoch, on the clock that stamps this ledger's events:
+        the PostgreSQL server's (read from it), or this machine's for SQLite. Compare an
+        event's ``ts`` with this, never with the local ``time.time()`` of another host."""
+        with translate_errors("reading the ledger's clock"), self._engine.connect() as conn:
+            return read_clock(conn)
 
     def close(self) -> None:
         """Close every pooled connection; the ledger can be reopened with Ledger.open."""

@@ -40,6 +40,7 @@ from sqlalchemy import Connection
 
 from dataflow.model._errors import LedgerError
 from dataflow.model._events import Kind
+from dataflow.recorder._clock import SERVER_TS
 from dataflow.recorder._schema import events, producers, runs
 from dataflow.recorder._sql import SEQ_SHIFT
 
@@ -137,8 +138,7 @@ $fn$
 _COMMIT_DDL = f"""
 CREATE OR REPLACE FUNCTION {_COMMIT_FUNCTION}(
     p_key bigint, p_run_id text, p_producer text, p_producer_epoch integer,
-    p_actor text, p_epoch integer, p_ts double precision,
-    p_sample_ids text[], p_payloads text[]
+    p_actor text, p_epoch integer, p_sample_ids text[], p_payloads text[]
 ) RETURNS TABLE (xid bigint, producer_epoch integer, inserted integer, seq_above bigint)
 LANGUAGE plpgsql VOLATILE AS $fn$
 DECLARE
@@ -158,7 +158,7 @@ BEGIN
     INSERT INTO {events.name} (seq, run_id, kind, sample_id, revision, epoch, step, actor,
                                payload, ts)
     SELECT v_first + u.o - 1, p_run_id, '{Kind.COMMIT}', u.s, 0, p_epoch, NULL, p_actor, u.p,
-           COALESCE(p_ts, extract(epoch from clock_timestamp()))
+           {SERVER_TS["postgresql"]}
     FROM unnest(p_sample_ids, p_payloads) WITH ORDINALITY AS u(s, p, o)
     ORDER BY u.s COLLATE "C"
     ON CONFLICT (run_id, sample_id, revision) WHERE revision IS NOT NULL DO NOTHING;
@@ -186,8 +186,7 @@ _LOCK = (
 _COMMIT = (
     f"SELECT xid, producer_epoch, inserted, seq_above FROM {_COMMIT_FUNCTION}("
     "%(key)s::bigint, %(run_id)s::text, %(producer)s::text, %(producer_epoch)s::integer, "
-    "%(actor)s::text, %(epoch)s::integer, %(ts)s::double precision, "
-    "%(sample_ids)b::text[], %(payloads)b::text[])"
+    "%(actor)s::text, %(epoch)s::integer, %(sample_ids)b::text[], %(payloads)b::text[])"
 )
 
 
@@ -251,7 +250,6 @@ def commit_first_revisions(
     producer: tuple[str, int] | None,
     actor: str,
     epoch: int,
-    ts: float | None,
     sample_ids: Sequence[str],
     payloads: Sequence[str],
 ) -> tuple[int, int | None, int, int | None]:
@@ -270,7 +268,6 @@ def commit_first_revisions(
         "producer_epoch": producer_epoch,
         "actor": actor,
         "epoch": epoch,
-        "ts": ts,
         "sample_ids": list(sample_ids),
         "payloads": list(payloads),
     }

@@ -11,8 +11,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
-from sqlalchemy import Connection, delete, insert, select
+from sqlalchemy import Connection, delete, insert, literal_column, select
 
+from dataflow.recorder._clock import SERVER_TS
 from dataflow.recorder._schema import snapshots
 
 
@@ -24,9 +25,11 @@ def write_snapshot(
     mine = snapshots.c.run_id == run_id
     if conn.execute(select(snapshots.c.seq).where(mine, snapshots.c.seq == seq)).first():
         return False
+    stamp = SERVER_TS.get(conn.dialect.name)  # the clock of the events (_clock.py)
+    ts = time.time() if stamp is None else literal_column(stamp)
     conn.execute(
         insert(snapshots).values(
-            run_id=run_id, seq=seq, format=format_, digest=digest, body=body, ts=time.time()
+            run_id=run_id, seq=seq, format=format_, digest=digest, body=body, ts=ts
         )
     )
     kept = (

@@ -22,6 +22,7 @@ from sqlalchemy import (
     union_all,
 )
 
+from dataflow.recorder._clock import SERVER_TS, stamped_by_server
 from dataflow.recorder._schema import events, producers
 
 _T = TypeVar("_T")
@@ -39,7 +40,8 @@ ROW_COLUMNS = (
     events.c.ts,
 )
 #: The columns of an inserted event row, in the order of the rows ``insert_sql`` takes;
-#: on PostgreSQL a row starts with its ``seq`` (see :data:`SEQ_SHIFT`).
+#: on PostgreSQL a row starts with its ``seq`` (see :data:`SEQ_SHIFT`) and has no ``ts``
+#: (the server stamps it: ``_clock.py``).
 INSERT_KEYS = (
     "run_id", "kind", "sample_id", "revision", "epoch", "step", "actor", "payload", "ts",
 )  # fmt: skip
@@ -103,8 +105,10 @@ def run_sql(conn: Connection, statement: str, **params: Any) -> CursorResult[Any
 
 
 def insert_keys(dialect: Any) -> tuple[str, ...]:
-    """The columns of an inserted row for ``dialect``: PostgreSQL's rows name their seq."""
-    return ("seq", *INSERT_KEYS) if dialect.name == "postgresql" else INSERT_KEYS
+    """The columns of an inserted row for ``dialect``: PostgreSQL's rows name their seq, and
+    leave out the ts that its server stamps."""
+    keys = INSERT_KEYS[:-1] if stamped_by_server(dialect) else INSERT_KEYS
+    return ("seq", *keys) if dialect.name == "postgresql" else keys
 
 
 @per_dialect
@@ -129,6 +133,8 @@ def insert_sql(dialect: Any, skip_held_commits: bool) -> tuple[str, bool]:
             index_elements=[events.c.run_id, events.c.sample_id, events.c.revision],
             index_where=events.c.revision.isnot(None),
         )
+    if stamped_by_server(dialect):
+        stmt = stmt.values(ts=literal_column(SERVER_TS[dialect.name]))
     # inline(): no RETURNING seq on PostgreSQL, which executemany would only discard.
     keys = insert_keys(dialect)
     compiled = stmt.inline().compile(dialect=dialect, column_keys=list(keys))

@@ -24,6 +24,7 @@ from dataflow.model._errors import (
 )
 from dataflow.model._events import Kind, check_payload
 from dataflow.recorder import _pg_append
+from dataflow.recorder._clock import stamped_by_server
 from dataflow.recorder._reads import CHUNK, newest_commits, released_revision
 from dataflow.recorder._schema import events, producers
 from dataflow.recorder._schema import runs as runs_table
@@ -246,10 +247,10 @@ class WriteTransaction:
         return released_revision(self.conn, self.run_id, sample_id)
 
     def append(self, new_events: Iterable[NewEvent]) -> None:
-        now = time.time()
+        now = self._stamp()
         run_id = self.run_id
         rows = [
-            (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, now)
+            (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, *now)
             for e in new_events
         ]
         if rows:
@@ -267,14 +268,14 @@ class WriteTransaction:
         which nothing was appended. One statement when it held none, the
         common case: the commit index itself answers, with no read first.
         """
-        run_id, kind, now = self.run_id, Kind.COMMIT, time.time()
+        run_id, kind = self.run_id, Kind.COMMIT
         if not payloads:
             return {}
         if self._lock_deferred:
-            first, inserted = self._commit_with_lock(actor, payloads, epoch=epoch, ts=now)
+            first, inserted = self._commit_with_lock(actor, payloads, epoch=epoch)
         else:
-            first = self._next_seq
-            rows = [(run_id, kind, s, 0, epoch, None, actor, p, now) for s, p in payloads.items()]
+            first, now = self._next_seq, self._stamp()
+            rows = [(run_id, kind, s, 0, epoch, None, actor, p, *now) for s, p in payloads.items()]
             inserted = self._insert(rows, skip_held_commits=True)
         if inserted == len(payloads):
             return {}
@@ -293,7 +294,7 @@ class WriteTransaction:
         return newest_commits(self.conn, run_id, held)
 
     def _commit_with_lock(
-        self, actor: str, payloads: Mapping[str, str], *, epoch: int, ts: float
+        self, actor: str, payloads: Mapping[str, str], *, epoch: int
     ) -> tuple[int, int]:
         """``append_first_commits`` as the transaction's first statement, the deferred
         lock and producer check with it (``_pg_append.commit_first_revisions``): the
@@ -306,7 +307,6 @@ class WriteTransaction:
             producer=fence,
             actor=actor,
             epoch=epoch,
-            ts=ts,
             sample_ids=list(payloads),
             payloads=list(payloads.values()),
         )
@@ -320,6 +320,11 @@ class WriteTransaction:
         if above is not None:
             self._refuse_seq_above(above)
         return first, inserted
+
+    def _stamp(self) -> tuple[float, ...]:
+        """The ``ts`` a row carries: this machine's time, or none where the database
+        server stamps it (PostgreSQL, ``_clock.py``)."""
+        return () if stamped_by_server(self.conn.dialect) else (time.time(),)
 
     def _insert(self, rows: list[tuple[Any, ...]], *, skip_held_commits: bool) -> int:
         """Insert ``rows``; the number inserted (short when commits were skipped)."""

@@ -23,7 +23,7 @@ from dataflow.streams._wire import (
     decode,
     encode_refs,
     frame_fit,
-    ref_body,
+    ref_bodies,
 )
 
 
@@ -149,7 +149,7 @@ class MemoryStream:
         """Copies of ``refs`` encoded and decoded as the ZeroMQ stream's frames are: a ref
         the wire refuses raises, naming it, before any is sent."""
         limit = self.max_frame_bytes
-        bodies = [ref_body(ref, limit) for ref in refs]
+        bodies = ref_bodies(refs, limit)  # as a ZmqRefSender encodes them
         copies: list[SampleRef] = []
         while len(copies) < len(bodies):
             count = frame_fit(bodies, len(copies), len(bodies) - len(copies), limit)

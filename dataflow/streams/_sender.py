@@ -44,7 +44,7 @@ from dataflow.streams._wire import (
     encode_ref,
     encode_refs,
     frame_fit,
-    ref_body,
+    ref_bodies,
 )
 
 log = logging.getLogger("dataflow.streams")
@@ -241,7 +241,7 @@ class ZmqRefSender(RefSender):
         check_ref(ref, self.config.max_frame_bytes)
 
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
-        self._send_bodies([ref_body(ref, self.config.max_frame_bytes)], timeout)
+        self._send_bodies(ref_bodies([ref], self.config.max_frame_bytes), timeout)
 
     def send_many(self, refs: Sequence[SampleRef], *, timeout: float | None = None) -> None:
         """Send ``refs`` in order, as few frames as the window allows; as ``send`` for each.
@@ -257,8 +257,7 @@ class ZmqRefSender(RefSender):
             raise ArgumentTypeError(
                 f"send_many takes a sequence of SampleRefs, got {type(refs).__name__}"
             )
-        limit = self.config.max_frame_bytes
-        bodies = [ref_body(ref, limit) for ref in refs]
+        bodies = ref_bodies(refs, self.config.max_frame_bytes)
         if bodies:  # none: nothing to say (not even to name a producer id, see _speaker)
             self._send_bodies(bodies, timeout)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from dataflow.live._replay import replay
@@ -72,7 +71,7 @@ def plan_resume(
         ckpt.step if ckpt else None,
         PLAN_ACTOR,
         dump_payload(payload),
-        time.time(),
+        ledger.clock(),  # the clock of the run's other events
     )
     state.apply_rows((row,))
     plan = state.plans[epoch]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -126,7 +125,8 @@ class RunFold:
 
     def update(self, progress: Progress | None = None) -> int:
         """Fold the events after the last one folded; return how many there were."""
-        cutoff = -math.inf if self.window is None else time.time() - self.window
+        # The ledger's clock, which stamped the rows (another host's time.time() may be off).
+        cutoff = -math.inf if self.window is None else self.ledger.clock() - self.window
         batch: list[Row] = []
         count = 0
         for row in self.view.tail():

@@ -1,0 +1,29 @@
+"""The cluster the ledger fault tests share (one per module): six hosts and a PostgreSQL
+server on host ``pg``; and what every outcome of theirs must show."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dataflow.testing import Cluster, cluster_unavailable
+from dataflow.testing._host_faults_ledger import LedgerFaultOutcome
+from tests.conftest import unavailable
+
+
+def started_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """For a module's ``cluster`` fixture: a started Cluster, stopped after the module.
+    Skipped without the privileges for network namespaces, failed so under CI=true."""
+    reason = cluster_unavailable()
+    if reason is not None:
+        unavailable(reason)
+    with Cluster(workdir=tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+def assert_clean(outcome: LedgerFaultOutcome) -> None:
+    """Nothing lost, committed or trained twice, or orphaned; replay(...).verify() clean."""
+    assert outcome.lost == outcome.duplicated == outcome.orphans == 0, outcome
+    assert outcome.problems == (), outcome
