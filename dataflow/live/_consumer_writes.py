@@ -179,7 +179,7 @@ class _FencedWrites:
         """
         transaction: WriteTransaction | None = None
         try:
-            # consumers=True: beside the producers, one consumer write of the run at a time.
+            # consumers=True: beside the producers, after the consumer writes begun before it.
             with self.ledger.write(self.run_id, what, consumers=True) as tx:
                 transaction = tx
                 yield tx
