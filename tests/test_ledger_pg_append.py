@@ -206,3 +206,21 @@ def test_commits_keep_their_ids_payloads_and_order_through_the_function(
             }
 
         run_one()
+
+
+def test_a_fenced_producer_is_told_even_when_its_emit_has_nothing_new_to_commit(
+    postgres_url: str,
+) -> None:
+    """Its producer check waits for the lock's statement: a commit with nothing to
+    append still makes it (an emit of samples the ledger holds commits no row)."""
+    with Ledger.open(postgres_url) as ledger, LocalFeatureStore() as store:
+        old = Producer(ledger, store, run_id="r", producer_id="p")
+        refs = _refs(store, "s", 2)
+        assert old.commit(refs) == refs
+        Producer(ledger, store, run_id="r", producer_id="p")  # claims epoch 2
+        with pytest.raises(ProducerFencedError, match="held by epoch 2"):
+            old.commit([])
+        with ledger.write("r", "commit", shared=True) as tx:
+            tx.check_producer("p", 1)
+            with pytest.raises(ProducerFencedError):
+                tx.append([])

@@ -253,8 +253,8 @@ class WriteTransaction:
             (run_id, e.kind, e.sample_id, e.revision, e.epoch, e.step, e.actor, e.payload, *now)
             for e in new_events
         ]
+        self._lock()  # even with no rows: a producer check still waiting is made
         if rows:
-            self._lock()
             self._insert(rows, skip_held_commits=False)
 
     def append_first_commits(
@@ -270,6 +270,7 @@ class WriteTransaction:
         """
         run_id, kind = self.run_id, Kind.COMMIT
         if not payloads:
+            self._lock()  # a producer check still waiting is made: a fenced one is told
             return {}
         if self._lock_deferred:
             first, inserted = self._commit_with_lock(actor, payloads, epoch=epoch)
