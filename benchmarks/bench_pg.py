@@ -4,8 +4,9 @@ Writer processes commit batches of refs for a fixed time, with one consumer
 process leasing and acking what they commit alongside or with none (each
 :class:`Config`; :data:`CONFIGS` lists the rows and the targets of issue #37), through:
 
-* ours: ``Producer.commit`` (validation, the run's row lock, the dedup read,
-  the append) and ``Consumer.lease`` / ``Consumer.ack``;
+* ours: ``Producer.commit`` (validation, then one statement: the run's lock, the
+  producer's epoch, the append that skips ids already held) and
+  ``Consumer.lease`` / ``Consumer.ack``;
 * raw: psycopg ``executemany`` of the same commit rows into the same table
   (our schema, created by ``Ledger.open``), one transaction per batch, and a
   raw consumer that selects new commits and inserts lease and ack rows;
@@ -13,9 +14,9 @@ process leasing and acking what they commit alongside or with none (each
   UPDATE`` on the run's row that every ledger append takes first, to show
   how much of the gap the lock alone explains.
 
-Writers either all write one run (their appends serialize on its row lock,
-which our consumer's lease and ack transactions take too) or each its own
-run. Every contender gets a fresh database on one throw-away server in the
+Writers either all write one run (our producers share its lock, and our
+consumer's lease and ack transactions hold it shared too, one at a time) or
+each its own run. Every contender gets a fresh database on one throw-away server in the
 work directory, with ``fsync`` on and ``synchronous_commit=on`` (a ledger
 opened with ``durability="full"``). Events/s counts the writers'
 commit events over the wall time from a common start to the last writer's

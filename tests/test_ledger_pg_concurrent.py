@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -79,9 +80,11 @@ def _produce(
     producer: str,
     batches: list[list[str]],
     until_fenced: int = 0,
+    close: bool = False,
 ) -> dict[str, Any]:
     """Claim ``producer`` and commit ``batches``; with ``until_fenced``, go on committing
-    fresh ids (up to that many batches) until another process claims the id."""
+    fresh ids (up to that many batches) until another process claims the id; with
+    ``close``, close the producer after its batches."""
     made = Producer(ledger, store, run_id=run, producer_id=producer)
     _say({"claimed": made.epoch})
     committed: list[str] = []
@@ -98,6 +101,8 @@ def _produce(
             fenced = True
             break
         committed += [ref.sample_id for ref in results if ref is not None]
+    if close:
+        made.close()
     return {"epoch": made.epoch, "committed": committed, "fenced": fenced}
 
 
@@ -121,6 +126,35 @@ def _consume(
     return {"epoch": epoch, "acked": acked, "fenced": fenced}
 
 
+def _rank(
+    ledger: Ledger, store: FeatureStore, run: str, rank: int, world: int, rounds: int
+) -> dict[str, Any]:
+    """Rank ``rank`` of ``world``: resume (rank 0 first: the others join its epoch), then
+    lease and ack (alternately with ``ack_and_lease``) until it is finished."""
+    made = Consumer(
+        ledger, store, run_id=run, consumer_id=f"rank{rank}", rank=rank, world_size=world
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no events yet": producers just began
+        epoch = made.resume().epoch
+    _say({"resumed": epoch})
+    acked: list[str] = []
+    refs: list[SampleRef] = []
+    step = 0
+    for i in range(rounds):
+        if refs:
+            step += 1
+            acked += [ref.sample_id for ref in refs]
+            if i % 2:
+                refs = made.ack_and_lease([(refs, step)], 4)
+                continue
+            made.ack(refs, step=step)
+        refs = made.lease(4, timeout=0.02)
+        if not refs and made.finished:
+            return {"acked": acked, "finished": True}
+    return {"acked": acked, "finished": False}
+
+
 def _resume(ledger: Ledger, store: FeatureStore, run: str, consumer: str) -> dict[str, Any]:
     return {"epoch": Consumer(ledger, store, run_id=run, consumer_id=consumer).resume().epoch}
 
@@ -135,7 +169,13 @@ def _follow(ledger: Ledger, store: FeatureStore, run: str) -> dict[str, Any]:
     return {"seqs": seqs, "error": "no sentinel"}
 
 
-_OPS = {"produce": _produce, "consume": _consume, "resume": _resume, "follow": _follow}
+_OPS = {
+    "produce": _produce,
+    "consume": _consume,
+    "rank": _rank,
+    "resume": _resume,
+    "follow": _follow,
+}
 
 
 def _say(message: dict[str, Any]) -> None:
@@ -456,3 +496,149 @@ def test_a_ledger_whose_sequence_gave_seqs_above_the_new_ones_is_refused(
 
 if __name__ == "__main__":
     _serve(sys.argv[1], int(sys.argv[2]))
+
+
+# -- consumer writes beside producers ------------------------------------------------------
+
+
+def test_ranks_lease_and_ack_beside_producer_processes_and_a_follower_reads_each_event_once(
+    pg: tuple[str, list[Worker]], ledger: Ledger
+) -> None:
+    """Consumer writes hold the run's lock shared (one consumer write at a time): ranks
+    lease and ack while producers commit, and nothing is leased twice, lost, or read
+    out of order by a follower."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    _, workers = pg
+    producers, ranks, follower = workers[:3], workers[3:5], workers[5]
+
+    @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        batch_sizes=st.lists(
+            st.lists(st.integers(1, 24), min_size=1, max_size=6), min_size=3, max_size=3
+        ),
+        overlap=st.booleans(),
+    )
+    def run_one(batch_sizes: list[list[int]], overlap: bool) -> None:
+        run = f"run-{uuid.uuid4().hex[:8]}"
+        follower.send("follow", run=run)
+        for i, (worker, batches) in enumerate(
+            zip(producers, _plans(batch_sizes, overlap), strict=True)
+        ):
+            worker.send("produce", run=run, producer=f"p{i}", batches=batches, close=True)
+            assert "claimed" in worker.line()
+        for rank, worker in enumerate(ranks):  # rank 0 resumes first, the other joins it
+            worker.send("rank", run=run, rank=rank, world=len(ranks), rounds=5000)
+            assert "resumed" in worker.line()
+        replies = [worker.reply() for worker in producers]
+        trained = [worker.reply() for worker in ranks]
+        assert all(reply["finished"] for reply in trained)
+        _end(ledger, run)
+        _check_run(ledger, run, follower.reply()["seqs"], replies)
+        acked = [sid for reply in trained for sid in reply["acked"]]
+        committed = sorted(sid for reply in replies for sid in reply["committed"])
+        assert sorted(acked) == committed  # each committed sample trained once, by one rank
+        in_ledger = [s for e in ledger.events(run) if e.kind == Kind.ACK for s in e.sample_ids]
+        assert sorted(in_ledger) == committed
+
+    run_one()
+
+
+@pytest.fixture
+def consumer_write(ledger: Ledger) -> Iterator[tuple[str, threading.Event]]:
+    """A consumer write of a fresh run (whose producer "p" claimed), open in a thread with
+    a lease row appended, until the event returned is set."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    with ledger.write(run, "claim") as tx:
+        tx.claim_producer("p", None)
+    inside, release, failed = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        try:
+            with ledger.write(run, "lease", consumers=True) as tx:
+                tx.append([NewEvent(Kind.CLOSE, "consumer")])
+                inside.set()
+                assert release.wait(timeout=_REPLY_S)
+        except BaseException as exc:
+            failed.append(exc)
+            inside.set()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert inside.wait(timeout=_REPLY_S) and not failed, failed
+    yield run, release
+    release.set()
+    thread.join(timeout=_REPLY_S)
+    assert not thread.is_alive() and not failed, failed
+
+
+def test_producers_commit_while_a_consumer_write_is_open_and_sort_after_it(
+    ledger: Ledger, consumer_write: tuple[str, threading.Event]
+) -> None:
+    run, release = consumer_write
+    with Ledger.open(ledger.url, busy_timeout=5) as quick:
+        _commit(quick, run, "beside")  # under the old exclusive lock: a lock timeout here
+        assert [e.actor for e in quick.events(run)] == ["p"]  # the claim; the rest waits
+        release.set()
+        for _ in range(1000):  # until the consumer's COMMIT is in
+            if len(list(quick.events(run))) == 3:
+                break
+            time.sleep(0.01)
+        assert [(e.kind, e.actor) for e in quick.events(run)] == [
+            (Kind.CLAIM, "p"),
+            (Kind.CLOSE, "consumer"),
+            (Kind.COMMIT, "p"),
+        ]
+
+
+def test_consumer_writes_of_one_run_are_one_at_a_time_within_the_busy_timeout(
+    ledger: Ledger, consumer_write: tuple[str, threading.Event]
+) -> None:
+    run, _ = consumer_write
+    with (
+        Ledger.open(ledger.url, busy_timeout=0.2) as quick,
+        pytest.raises(OperationalError, match="held the ledger's write lock for longer"),
+        quick.write(run, "ack", consumers=True),
+    ):
+        pass
+
+
+def test_a_consumer_write_waits_for_the_producers_in_flight_within_the_busy_timeout_too(
+    ledger: Ledger, held: tuple[str, threading.Event]
+) -> None:
+    run, release = held
+    with Ledger.open(ledger.url, busy_timeout=0.2) as quick:
+        with (
+            pytest.raises(OperationalError, match="held the ledger's write lock for longer"),
+            quick.write(run, "ack", consumers=True),
+        ):
+            pass
+        release.set()  # the producer's transaction ends: the consumer write goes through
+        with quick.write(run, "ack", consumers=True) as tx:
+            assert [row[2] for row in tx.rows_after(0) if row[1] == Kind.COMMIT] == ["first"]
+
+
+def test_a_consumer_write_is_not_held_back_by_a_transaction_open_outside_its_run(
+    ledger: Ledger,
+) -> None:
+    """A transaction with an id, open elsewhere on the server, holds the horizon back: a
+    consumer write then waits only for the writers of its own run (read from pg_locks)."""
+    run = f"run-{uuid.uuid4().hex[:8]}"
+    with ledger.write(run, "claim") as tx:
+        tx.claim_producer("p", None)
+    engine = sqlalchemy.create_engine(ledger.url)
+    try:
+        with engine.connect() as other, other.begin():
+            other.exec_driver_sql("SELECT pg_current_xact_id()")  # takes an id, stays open
+            with Ledger.open(ledger.url, busy_timeout=5) as quick:
+                with quick.write(run, "lease", consumers=True) as tx:
+                    tx.append([NewEvent(Kind.CLOSE, "consumer")])
+                _commit(quick, run, "after")
+                # Readers outside a write wait for the horizon: the claim only, for now.
+                assert [e.kind for e in quick.events(run)] == [Kind.CLAIM]
+                with quick.write(run, "ack", consumers=True) as tx:  # reads its exact tail
+                    assert [row[6] for row in tx.rows_after(0)] == ["p", "consumer", "p"]
+    finally:
+        engine.dispose()
+    assert [e.actor for e in ledger.events(run)] == ["p", "consumer", "p"]

@@ -179,7 +179,8 @@ class _FencedWrites:
         """
         transaction: WriteTransaction | None = None
         try:
-            with self.ledger.write(self.run_id, what) as tx:
+            # consumers=True: beside the producers, after the consumer writes begun before it.
+            with self.ledger.write(self.run_id, what, consumers=True) as tx:
                 transaction = tx
                 yield tx
         except BaseException as exc:

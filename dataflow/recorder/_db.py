@@ -124,15 +124,16 @@ class Backend:
         raise NotImplementedError
 
     def lock_run(
-        self, conn: Connection, run_id: str, *, shared: bool = False
+        self, conn: Connection, run_id: str, *, shared: bool = False, consumers: bool = False
     ) -> tuple[int, int | None]:
         """Lock the run for this transaction (create its row if missing); its consumer epoch,
         and the first seq of the rows this transaction inserts (None: the database gives
         seqs as it inserts).
 
         ``shared``: other shared holders of the run append at the same time (the
-        producers' commits, see ``Ledger.write``); a backend with a single writer
-        ignores it.
+        producers' commits, see ``Ledger.write``); ``consumers``: one consumer write of
+        the run at a time, beside the producers. A backend with a single writer ignores
+        both.
         """
         raise NotImplementedError
 

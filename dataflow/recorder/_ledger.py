@@ -236,7 +236,9 @@ class Ledger:
 
     # -- writing (used by Producer and Consumer) -----------------------------
     @contextlib.contextmanager
-    def write(self, run_id: str, what: str, *, shared: bool = False) -> Iterator[WriteTransaction]:
+    def write(
+        self, run_id: str, what: str, *, shared: bool = False, consumers: bool = False
+    ) -> Iterator[WriteTransaction]:
         """An append transaction holding ``run_id``'s write lock; commits on success.
 
         ``shared=True``: the lock is shared with other shared writers of the run,
@@ -248,7 +250,10 @@ class Ledger:
         decides from the run's state (a lease, an ack, a resume; a claim, or a next
         revision, read from what the transaction reads): such a write holds the
         lock alone (the default), waiting for the shared writers in flight, and
-        reads the run's exact state.
+        reads the run's exact state. ``consumers=True``: a consumer's write, which
+        reads the run's exact state too (below its own events), and on PostgreSQL
+        waits only for the run's writes that began before it: producers go on
+        beside it (``_postgres.py``).
 
         A failure while committing raises CommitOutcomeUnknownError: the database
         may have committed before the connection failed, so the caller cannot
@@ -264,7 +269,9 @@ class Ledger:
                 self._engine.connect().execution_options(**write_options()) as conn,
                 conn.begin(),
             ):
-                epoch, first_seq = self._backend.lock_run(conn, run_id, shared=shared)
+                epoch, first_seq = self._backend.lock_run(
+                    conn, run_id, shared=shared, consumers=consumers
+                )
                 yield WriteTransaction(conn, run_id, epoch, first_seq=first_seq, shared=shared)
                 committing = True  # leaving the block commits
         except LedgerError as exc:

@@ -19,47 +19,63 @@ notification logs do (``_sql._settled``). What it reads is final; what a
 running transaction adds sorts above it.
 
 Each append transaction takes a transaction-scoped advisory lock on its run
-(a 64-bit hash of the run id) before it takes its id:
+(a 64-bit hash of the run id) before it takes its id, in one of three modes
+(``_pg_append.py`` has the functions that take them, one statement each):
 
 - producer transactions (``Ledger.write(shared=True)``: commits, closes) take
   it shared, so they run at once; the unique commit index still settles two
   commits of one sample (the second waits for the first, then skips), and a
-  producer's epoch is read inside the transaction;
-- every other transaction (a consumer's lease, ack, resume ..., a producer's
-  claim) takes it exclusive: it waits for the producer transactions in flight
-  and blocks new ones until it ends. A producer transaction that committed
-  before it had its id before it, and one that starts after it takes a larger
-  one; so the tail it reads without a horizon (``WriteTransaction.rows_after``)
-  is exact, and every row it appends sorts after what it read and before what
-  producers commit after it. Consumers decide leases from that tail.
+  producer's epoch is read inside the transaction, after the lock was granted;
+  the lock waits for the transaction's first statement (a commit's one call);
+- consumer writes (``Ledger.write(consumers=True)``: a lease, an ack, a resume
+  ...) take it shared too. Once it holds its id, a consumer write waits until
+  every writer of the run with a smaller id has ended: each took the run's lock
+  before its id and holds it to its end, producers and consumer writes alike, so
+  consumer writes follow each other in the order of their ids, and every row
+  below its own seqs is final: the tail it reads (``WriteTransaction.rows_after``,
+  which stops below its own seqs) is exact, and producers that started meanwhile
+  hold larger ids and sort after it. Consumers decide leases from that tail. The
+  wait reads the horizon (every transaction on the server with a smaller id has
+  ended); if a transaction open elsewhere holds that back for 50 ms, it reads the
+  run's lock holders and their ids from ``pg_locks`` instead;
+- every other transaction (a producer's claim, a next revision, an exclusion)
+  takes it exclusive: it waits for the producer and consumer transactions in
+  flight and blocks new ones until it ends. A producer transaction that
+  committed before it had its id before it, and one that starts after it takes
+  a larger one; so the tail it reads is exact too, and every row it appends
+  sorts after what it read and before what producers commit after it.
 
 The cost: a transaction holding an id anywhere on the server (any database)
-holds every reader's horizon back, not its writers, until it ends; a client
-that died inside one is ended after ``idle_in_transaction_session_timeout``
-(:func:`connect_args`). docs/reliability.md ("Readers and long transactions")
-says what to watch.
+holds every reader's horizon back, not its writers, until it ends (a consumer
+write, 50 ms, then it reads ``pg_locks``); a client that died inside one is ended
+after
+``idle_in_transaction_session_timeout`` (:func:`connect_args`).
+docs/reliability.md ("Readers and long transactions") says what to watch.
 
-No deadlock between the two modes: a transaction takes its run's lock first,
-holding nothing else, and a producer holding it shared waits only on other
-producers of the run (a row of the runs table they create, keys of the commit
-index, which each inserts in sample-id order), never on an exclusive holder,
-which cannot hold the lock while a producer does. ``lock_timeout`` bounds every
-wait, the advisory lock's too (SQLSTATE 55P03: ``translate_errors`` says "held
-the ledger's write lock for longer than busy_timeout", as before).
+No deadlock between the modes: a transaction takes its run's lock first,
+holding nothing else and no id (the id comes after the lock), and a producer
+holding the lock shared waits only on other producers of the run (a row of the
+runs table they create, keys of the commit index, which each inserts in
+sample-id order), never on a consumer write or an exclusive holder. A consumer
+write waits (polling, no lock) only for smaller ids, which never wait for it.
+``lock_timeout`` bounds every wait, the advisory lock's and a consumer write's
+(SQLSTATE 55P03: ``translate_errors`` says "held the ledger's write lock for
+longer than busy_timeout", as before).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
-from dataflow.model._errors import LedgerError, SchemaVersionError
+from dataflow.model._errors import SchemaVersionError
+from dataflow.recorder import _pg_append
 from dataflow.recorder._db import Backend
+from dataflow.recorder._pg_append import run_lock_key
 from dataflow.recorder._schema import events, runs
-from dataflow.recorder._sql import SEQ_SHIFT
+from dataflow.recorder._sql import LOCK_DEFERRED, SEQ_SHIFT
 
 _XID = "pg_current_xact_id()::text::bigint"
 _EPOCH = f"(SELECT epoch FROM {runs.name} WHERE run_id = %(run_id)s)"
@@ -81,8 +97,6 @@ _SEQUENCE_AND_FIRST_SEQ = (
     f"SELECT pg_sequence_last_value(pg_get_serial_sequence('{events.name}', 'seq')), "
     f"pg_snapshot_xmax(pg_current_snapshot())::text::bigint << {SEQ_SHIFT}"
 )
-#: Transaction ids whose seqs fit a BIGINT.
-_MAX_XID = 2 ** (63 - SEQ_SHIFT) - 1
 # A run's row starts at the newest epoch its events name: 0 for a new run, and the
 # epoch it had for a run whose row was deleted (so a live consumer is not fenced off).
 _NEW_RUN = (
@@ -154,15 +168,10 @@ def _ms(seconds: float) -> int:
     return min(math.ceil(seconds * 1000), _MAX_INT)
 
 
-def run_lock_key(run_id: str) -> int:
-    """The run's advisory lock key: a stable signed 64-bit hash of its id (two runs that
-    share one only wait for each other)."""
-    digest = hashlib.blake2b(run_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
-
-
 class PostgresBackend(Backend):
     name = "postgresql"
+    #: Whether the ledger has the append functions of ``_pg_append``; None: not yet read.
+    _functions: bool | None = None
 
     def create_engine(self, url: str, *, durability: str, busy_timeout_s: float) -> Engine:
         parsed = make_url(url)
@@ -175,7 +184,24 @@ class PostgresBackend(Backend):
             connect_args=connect_args(busy_timeout_s, synchronous_commit=synchronous_commit),
         )
 
-    def lock_run(self, conn: Connection, run_id: str, *, shared: bool = False) -> tuple[int, int]:
+    def lock_run(
+        self, conn: Connection, run_id: str, *, shared: bool = False, consumers: bool = False
+    ) -> tuple[int, int]:
+        if self._functions is None:  # once per ledger: it was made before them or not
+            self._functions = _pg_append.installed(conn)
+        if not self._functions:  # a consumer write then holds the lock alone, as it did
+            return self._lock_run_by_statements(conn, run_id, shared=shared)
+        if shared:  # taken by the transaction's first statement (_pg_append)
+            return 0, LOCK_DEFERRED
+        mode = _pg_append.CONSUMERS if consumers else _pg_append.EXCLUSIVE
+        first, epoch, _ = _pg_append.lock_run(conn, run_id, mode=mode)
+        return epoch, first
+
+    def _lock_run_by_statements(
+        self, conn: Connection, run_id: str, *, shared: bool
+    ) -> tuple[int, int]:
+        """``lock_run`` on a ledger without the append functions (made by an older
+        dataflow and opened with ``create=False``): a round trip per step."""
         # Plain driver SQL: building Core statements cost more CPU than the server spent.
         params = {"run_id": run_id, "key": run_lock_key(run_id)}
         if shared:
@@ -189,13 +215,7 @@ class PostgresBackend(Backend):
             # alone), and the one waited for waits on nothing this one holds.
             conn.exec_driver_sql(_NEW_RUN, params)
             epoch = conn.exec_driver_sql(_RUN_EPOCH, params).scalar_one()
-        if xid > _MAX_XID:
-            raise LedgerError(
-                f"transaction id {xid} is past {_MAX_XID}, the last one whose seqs fit the "
-                "ledger's BIGINT seq column: this PostgreSQL server cannot hold a ledger any "
-                "more; move the ledger to a new server (dataflow export)"
-            )
-        return int(epoch), xid << SEQ_SHIFT
+        return int(epoch), _pg_append.first_seq(xid)
 
     def check_seqs(self, conn: Connection) -> None:
         # A ledger written before issue 37 holds seqs from a sequence: new ones must
@@ -213,3 +233,6 @@ class PostgresBackend(Backend):
     def lock_schema(self, conn: Connection) -> None:
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in pg_type.
         conn.execute(text("SELECT pg_advisory_xact_lock(7354018)"))
+        # Under that lock, with the tables (a PL/pgSQL body names tables it need not
+        # find yet): what a writer that opens the ledger may create, it creates here.
+        _pg_append.install(conn)

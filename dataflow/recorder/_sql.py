@@ -49,6 +49,9 @@ INSERT_KEYS = (
 #: transaction that appended it, then its place among that transaction's rows
 #: (``_postgres.py`` says why).
 SEQ_SHIFT = 20
+#: The first seq ``Backend.lock_run`` gives a transaction whose lock it has not taken:
+#: its first statement takes it (PostgreSQL producers' transactions, ``_pg_append.py``).
+LOCK_DEFERRED = -1
 #: The seqs below it can no longer change: every transaction with a smaller id has ended
 #: (the statement's snapshot; PostgreSQL only).
 _HORIZON = literal_column(f"(pg_snapshot_xmin(pg_current_snapshot())::text::bigint << {SEQ_SHIFT})")
@@ -148,6 +151,10 @@ def _rows_after() -> Any:
     )
 
 
+def _rows_after_below() -> Any:
+    return _rows_after().where(events.c.seq < bindparam("below"))
+
+
 def _page_after() -> Any:
     return _rows_after().limit(bindparam("limit"))
 
@@ -211,6 +218,7 @@ def _producer_epoch() -> Any:
 
 _STATEMENTS: dict[str, Callable[[], Any]] = {
     "rows_after": _rows_after,
+    "rows_after_below": _rows_after_below,
     "page_after": _page_after,
     "page_between": _page_between,
     "settled_page_after": _settled(),

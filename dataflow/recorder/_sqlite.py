@@ -377,7 +377,7 @@ class SQLiteBackend(Backend):
         return engine
 
     def lock_run(
-        self, conn: Connection, run_id: str, *, shared: bool = False
+        self, conn: Connection, run_id: str, *, shared: bool = False, consumers: bool = False
     ) -> tuple[int, int | None]:
         # BEGIN IMMEDIATE already holds the database's single write lock, so
         # nobody can add the run between the read and the insert. Plain driver
