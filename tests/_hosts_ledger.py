@@ -1,5 +1,15 @@
 """The cluster the ledger fault tests share (one per module): six hosts and a PostgreSQL
-server on host ``pg``; and what every outcome of theirs must show."""
+server on host ``pg``; and what every outcome of theirs must show.
+
+One cluster per module (dataflow.testing.Cluster: a network namespace per host, a
+bridge between them) with a PostgreSQL server on host ``pg``; every trial makes its
+own database and runs real producer and rank processes on their hosts
+(dataflow.testing._host_faults_ledger). The faults are real: a silent cut drops every
+frame without FIN or RST, a loud one fails sends at once, a relay on the gateway
+holds a reply the server sent after it committed. busy_timeout is 2 s, so the
+dead-peer bound D is 2 s and a trial takes seconds. Each outcome is read back from
+the ledger and the store.
+"""
 
 from __future__ import annotations
 

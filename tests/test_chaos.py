@@ -19,17 +19,12 @@ from dataflow.demo import DemoOptions
 from dataflow.demo._chaos import ChaosTrial, KillPlan, _same_weights, clean, format_table, summarize
 from dataflow.demo._run import _Child
 from dataflow.testing._postgres import find_bin_dir
+from tests._cli import run_cli
 from tests.conftest import unavailable
 
 
 def _chaos(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dataflow.cli", "chaos", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=600,
-    )
+    return run_cli("chaos", *args, cwd=cwd, timeout=600)
 
 
 @pytest.mark.slow

@@ -29,17 +29,12 @@ from dataflow.demo._chaos_hosts_plan import (
     streaming,
 )
 from dataflow.testing import cluster_unavailable
+from tests._cli import run_cli
 from tests.conftest import unavailable
 
 
 def _chaos(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dataflow.cli", "chaos", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=900,
-    )
+    return run_cli("chaos", *args, cwd=cwd, timeout=900)
 
 
 def _hosts_available() -> None:

@@ -5,14 +5,8 @@ A rank sees either nothing (a cut shorter than its timeouts) or an error that sa
 what to do, and its retry goes through; nothing is lost or trained twice; a rank
 fenced off while it was away writes nothing when it comes back.
 
-One cluster per module (dataflow.testing.Cluster: a network namespace per host, a
-bridge between them) with a PostgreSQL server on host ``pg``; every trial makes its
-own database and runs real producer and rank processes on their hosts
-(dataflow.testing._host_faults_ledger). The faults are real: a silent cut drops every
-frame without FIN or RST, a loud one fails sends at once, a relay on the gateway
-holds a reply the server sent after it committed. busy_timeout is 2 s, so the
-dead-peer bound D is 2 s and a trial takes seconds. Each outcome is read back from
-the ledger and the store.
+How the trials run (one cluster per module, real processes on their hosts, real
+cuts, busy_timeout 2 s): tests/_hosts_ledger.py.
 """
 
 from __future__ import annotations

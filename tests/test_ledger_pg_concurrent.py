@@ -22,7 +22,7 @@ import traceback
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -404,10 +404,11 @@ def _commit(ledger: Ledger, run: str, sample_id: str) -> None:
         tx.append_first_commits("p", {sample_id: json.dumps({"sample_id": sample_id})})
 
 
-@pytest.fixture
-def held(ledger: Ledger) -> Iterator[tuple[str, threading.Event]]:
-    """A producer transaction of a fresh run, open in a thread (its commit appended) until
-    the event returned is set."""
+def _open_in_a_thread(
+    ledger: Ledger, open_write: Callable[[str], Any]
+) -> Iterator[tuple[str, threading.Event]]:
+    """A write of a fresh run (whose producer "p" claimed), ``open_write(run)`` giving the
+    write and what to append in it, held open in a thread until the event yielded is set."""
     run = f"run-{uuid.uuid4().hex[:8]}"
     with ledger.write(run, "claim") as tx:
         tx.claim_producer("p", None)
@@ -415,8 +416,9 @@ def held(ledger: Ledger) -> Iterator[tuple[str, threading.Event]]:
 
     def hold() -> None:
         try:
-            with ledger.write(run, "commit", shared=True) as tx:
-                tx.append_first_commits("p", {"first": json.dumps({"sample_id": "first"})})
+            write, append = open_write(run)
+            with write as tx:
+                append(tx)
                 inside.set()
                 assert release.wait(timeout=_REPLY_S)
         except BaseException as exc:
@@ -430,6 +432,20 @@ def held(ledger: Ledger) -> Iterator[tuple[str, threading.Event]]:
     release.set()
     thread.join(timeout=_REPLY_S)
     assert not thread.is_alive() and not failed, failed
+
+
+@pytest.fixture
+def held(ledger: Ledger) -> Iterator[tuple[str, threading.Event]]:
+    """A producer transaction of a fresh run, open in a thread (its commit appended) until
+    the event returned is set."""
+
+    def commit(run: str) -> Any:
+        tx = ledger.write(run, "commit", shared=True)
+        return tx, lambda t: t.append_first_commits(
+            "p", {"first": json.dumps({"sample_id": "first"})}
+        )
+
+    yield from _open_in_a_thread(ledger, commit)
 
 
 def test_two_producer_transactions_of_one_run_are_open_at_once(
@@ -549,28 +565,12 @@ def test_ranks_lease_and_ack_beside_producer_processes_and_a_follower_reads_each
 def consumer_write(ledger: Ledger) -> Iterator[tuple[str, threading.Event]]:
     """A consumer write of a fresh run (whose producer "p" claimed), open in a thread with
     a lease row appended, until the event returned is set."""
-    run = f"run-{uuid.uuid4().hex[:8]}"
-    with ledger.write(run, "claim") as tx:
-        tx.claim_producer("p", None)
-    inside, release, failed = threading.Event(), threading.Event(), []
 
-    def hold() -> None:
-        try:
-            with ledger.write(run, "lease", consumers=True) as tx:
-                tx.append([NewEvent(Kind.CLOSE, "consumer")])
-                inside.set()
-                assert release.wait(timeout=_REPLY_S)
-        except BaseException as exc:
-            failed.append(exc)
-            inside.set()
+    def lease(run: str) -> Any:
+        tx = ledger.write(run, "lease", consumers=True)
+        return tx, lambda t: t.append([NewEvent(Kind.CLOSE, "consumer")])
 
-    thread = threading.Thread(target=hold, daemon=True)
-    thread.start()
-    assert inside.wait(timeout=_REPLY_S) and not failed, failed
-    yield run, release
-    release.set()
-    thread.join(timeout=_REPLY_S)
-    assert not thread.is_alive() and not failed, failed
+    yield from _open_in_a_thread(ledger, lease)
 
 
 def test_producers_commit_while_a_consumer_write_is_open_and_sort_after_it(

@@ -220,6 +220,19 @@ class Chaos:
         return summary
 
 
+def trial_totals(results: list[dict[str, Any]]) -> dict[str, int]:
+    """What every chaos report adds up over its trials: lost, duplicated, weight
+    mismatches, orphans, failed verifications and failed trials."""
+    return {
+        "lost": sum(r.get("lost", 0) for r in results),
+        "duplicated": sum(r.get("duplicated", 0) for r in results),
+        "mismatches": sum(1 for r in results if r.get("mismatch")),
+        "orphans": sum(r.get("orphans", 0) for r in results),
+        "verify_failures": sum(1 for r in results if r.get("verify")),
+        "failures": sum(1 for r in results if "failure" in r),
+    }
+
+
 def summarize(
     results: list[dict[str, Any]], wall_s: float, targets: tuple = TARGETS
 ) -> dict[str, Any]:
@@ -236,12 +249,7 @@ def summarize(
         "kills": kills,
         "missed": sum(1 for r in results if (r.get("kill") or {}).get("missed")),
         "late": sum(1 for r in results if (r.get("kill") or {}).get("late")),
-        "lost": sum(r.get("lost", 0) for r in results),
-        "duplicated": sum(r.get("duplicated", 0) for r in results),
-        "mismatches": sum(1 for r in results if r.get("mismatch")),
-        "orphans": sum(r.get("orphans", 0) for r in results),
-        "verify_failures": sum(1 for r in results if r.get("verify")),
-        "failures": sum(1 for r in results if "failure" in r),
+        **trial_totals(results),
         "gc_removed": sum(r.get("gc_removed", 0) for r in results),
         "recovery_s_p50": None if p50 is None else round(p50, 3),
         "recovery_s_p99": None if p99 is None else round(p99, 3),

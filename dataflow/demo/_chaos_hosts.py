@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataflow.demo._chaos import _percentile, _same_weights
+from dataflow.demo._chaos import _percentile, _same_weights, trial_totals
 from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
     FAULTS,
@@ -199,12 +199,7 @@ def summarize_hosts(
         }
     return {
         "trials": len(results),
-        "lost": sum(r.get("lost", 0) for r in results),
-        "duplicated": sum(r.get("duplicated", 0) for r in results),
-        "mismatches": sum(1 for r in results if r.get("mismatch")),
-        "orphans": sum(r.get("orphans", 0) for r in results),
-        "verify_failures": sum(1 for r in results if r.get("verify")),
-        "failures": sum(1 for r in results if "failure" in r),
+        **trial_totals(results),
         "payloads_lost": sum(r.get("payloads_lost", 0) for r in results),
         "unexercised": [k for k, v in faults.items() if not v["trials"]],
         "faults": faults,

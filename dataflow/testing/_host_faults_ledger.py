@@ -148,6 +148,20 @@ def producer_reply_lost(
         )
 
 
+def _cut_from_pg_at_random(
+    cluster: Any, trial: Any, host: str, rng: random.Random, silent: bool, long: bool
+) -> tuple[float, float, float]:
+    """Cut ``host`` from the pg host at a random moment for less than D or (``long``)
+    longer, then heal: (seconds waited before the cut, seconds cut, monotonic heal time)."""
+    wait = rng.uniform(0.0, 0.6)
+    time.sleep(wait)
+    cut_for = trial.dead * (rng.uniform(1.5, 2.5) if long else rng.uniform(0.1, 0.4))
+    cluster.cut(host, "pg", silent=silent)
+    time.sleep(cut_for)
+    cluster.heal(host, "pg")
+    return wait, cut_for, time.monotonic()
+
+
 def producer_cut_at_random(
     cluster: Any,
     server: Any,
@@ -170,13 +184,7 @@ def producer_cut_at_random(
         stop = trial.root.parent / "stop"
         producer.tell(op="emit_loop", first=0, retry_s=trial.call_within * 3, stop=str(stop))
         producer.said(trial.call_within, expect="looping")
-        wait = rng.uniform(0.0, 0.6)
-        time.sleep(wait)
-        cut_for = trial.dead * (rng.uniform(1.5, 2.5) if long else rng.uniform(0.1, 0.4))
-        cluster.cut(host, "pg", silent=silent)
-        time.sleep(cut_for)
-        cluster.heal(host, "pg")
-        healed = time.monotonic()
+        wait, cut_for, healed = _cut_from_pg_at_random(cluster, trial, host, rng, silent, long)
         count = len(list(ledger.commits(RUN, [f"s-{i}" for i in range(10_000)])))
         wait_until(
             "a commit after the heal",
@@ -352,13 +360,7 @@ def rank_cut_at_random(
         stop = trial.root.parent / "stop"
         rank.tell(op="train_loop", n=2, retry_s=trial.call_within * 3, stop=str(stop))
         rank.said(trial.call_within, expect="looping")
-        wait = rng.uniform(0.0, 0.6)
-        time.sleep(wait)
-        cut_for = trial.dead * (rng.uniform(1.5, 2.5) if long else rng.uniform(0.1, 0.4))
-        cluster.cut(host, "pg", silent=silent)
-        time.sleep(cut_for)
-        cluster.heal(host, "pg")
-        healed = time.monotonic()
+        wait, cut_for, healed = _cut_from_pg_at_random(cluster, trial, host, rng, silent, long)
         stop.touch()
         end = rank.said(trial.call_within * 4)
         errors = end.get("errors", [])

@@ -17,7 +17,6 @@ segment). Exit status 0, or 3 when an error stopped it.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from dataflow.model._errors import OperationalError, StoreError
 from dataflow.recorder._ledger import Ledger
 from dataflow.streams._security import CurveClientConfig
 from dataflow.streams._sender import SenderConfig, ZmqRefSender
-from dataflow.testing._net_rank import RETRIED, retrying
+from dataflow.testing._net_rank import RETRIED, retrying, run_and_exit
 from stores import open_store
 
 
@@ -106,19 +105,9 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     ledger.close()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
     config = json.loads(argv[1])
-    result: dict[str, Any] = {"producer_id": config["producer_id"], "error": None}
-    status = 0
-    try:
-        run(config, result)
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        status = 3
-    where = Path(config["result"])
-    where.with_suffix(".tmp").write_text(json.dumps(result))
-    where.with_suffix(".tmp").replace(where)
-    os._exit(status)
+    run_and_exit(run, config, {"producer_id": config["producer_id"], "error": None})
 
 
 if __name__ == "__main__":

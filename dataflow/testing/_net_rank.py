@@ -145,12 +145,15 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     ledger.close()
 
 
-def main(argv: list[str]) -> int:
-    config = json.loads(argv[1])
-    result: dict[str, Any] = {"rank": config["rank"], "error": None}
+def run_and_exit(
+    body: Callable[[dict[str, Any], dict[str, Any]], None],
+    config: dict[str, Any],
+    result: dict[str, Any],
+) -> None:
+    """Run a host child's ``body``, write its result file atomically, and exit (3 on error)."""
     status = 0
     try:
-        run(config, result)
+        body(config, result)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         status = 3
@@ -160,6 +163,11 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     # Without the interpreter's teardown: a gloo group whose peer is gone can hang it.
     os._exit(status)
+
+
+def main(argv: list[str]) -> None:
+    config = json.loads(argv[1])
+    run_and_exit(run, config, {"rank": config["rank"], "error": None})
 
 
 if __name__ == "__main__":
