@@ -483,6 +483,7 @@ def _gloo_partition(
                     consumer_id=f"rank{r}",
                     batch=2,
                     checkpoint_every=3,
+                    step_s=0.2,  # 12 steps of 0.2 s: a loaded poll still sees the third
                     gloo={
                         "address": cluster[ranks[0]].address,
                         "port": port + attempt,  # not the old group's (TIME_WAIT)

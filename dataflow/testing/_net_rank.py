@@ -107,6 +107,7 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     plan = retrying(retry_s, consumer.resume, "latest")
     step = plan.checkpoint_step or 0
     batch, every = config.get("batch", 4), config.get("checkpoint_every", 0)
+    step_s = config.get("step_s", 0.0)  # a step's compute: a fault lands mid-run, not after
     checkpoints = Path(config["checkpoint_dir"])
     progress = Path(config["progress"])
     result["acked"], result["producer_lost"], result["steps"] = [], 0, 0
@@ -121,6 +122,8 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
                     result["producer_lost"] += 1
             for ref in refs:
                 consumer.load(ref)  # the features are there to read
+            if refs and step_s:
+                time.sleep(step_s)
             more = bool(refs) or not consumer.drained
             if gloo is not None:  # the step's reduction: every rank goes on while one has work
                 [more] = reduce_max([int(more)])
