@@ -152,6 +152,7 @@ def _consumer(url: str, rank: int, world: int, shared: Any, pipe: Any) -> None:
     ):
         consumer = Consumer(ledger, store, run_id=RUN_ID, consumer_id=f"rank{rank}", rank=rank,
                             world_size=world, release_policy="never")  # fmt: skip
+        consumer.forget_finished = True  # each rank's fold keeps its live samples only
         pipe.recv()  # rank 0 first; the others once it has resumed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "no events yet": by design
