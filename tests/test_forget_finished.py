@@ -6,8 +6,10 @@ replay restricted to what they keep."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 from dataflow import ArgumentTypeError, Consumer, Ledger, Producer, replay
 from dataflow.model import _fold
 from dataflow.model._lineage import IdHashes
+from dataflow.streams import MemoryStream
 from dataflow.testing import machine_settings
 from dataflow.testing._machine import LedgerMachine
 from stores import LocalFeatureStore
@@ -151,3 +154,62 @@ def test_forget_finished_takes_a_bool(sqlite_url: str) -> None:
         with pytest.raises(ArgumentTypeError, match="forget_finished must be a bool"):
             consumer.forget_finished = 1  # type: ignore[assignment]
         assert consumer.forget_finished is False
+
+
+def _stream_run(ledger: Ledger, run_id: str, ops: list[tuple[str, int]], *, forget: bool) -> list:
+    """Lease and ack, resending refs through the stream between leases as ``ops`` say; the
+    ids of each lease, in order."""
+    stream = MemoryStream(window=4096, expected_producers=1, idle_timeout=30)
+    with LocalFeatureStore() as store:
+        consumer = Consumer(
+            ledger,
+            store,
+            run_id=run_id,
+            consumer_id="c",
+            stream=stream.receiver(0),
+            release_policy="on_ack",
+        )
+        consumer.forget_finished = forget
+        consumer.resume()
+        sender = stream.sender("p")
+        producer = Producer(ledger, store, run_id=run_id, producer_id="p", stream=sender)
+        sent = [
+            r for r in producer.emit_many([(f"s{i:02d}", {"x": torch.ones(1)}) for i in range(24)])
+        ]
+        leases, step = [], 0
+        for op, n in ops:
+            if op == "resend":
+                sender.send_many(sent[n::5])  # finished, leased and pending ones alike
+                continue
+            batch = consumer.lease(n + 1, timeout=0)
+            leases.append([r.sample_id for r in batch])
+            if batch:
+                step += 1
+                consumer.ack(batch, step=step)
+        producer.close()
+        while batch := consumer.lease(8, timeout=5):
+            leases.append([r.sample_id for r in batch])
+            step += 1
+            consumer.ack(batch, step=step)
+        assert consumer.state.verify() == []
+        assert consumer.state.forgotten_count == (24 if forget else 0)
+        consumer.close()
+    return leases
+
+
+@given(st.lists(st.tuples(st.sampled_from(["lease", "lease", "resend"]), st.integers(0, 4))))
+@settings(max_examples=25, deadline=None)
+def test_resent_refs_are_handed_out_as_without_forgetting(ops: list[tuple[str, int]]) -> None:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        mock.patch.object(_fold, "_COMPACT_AT", 1),
+        mock.patch.object(_fold, "_COMPACT_SHARE", 2**62),
+        Ledger.open(f"sqlite:///{tmp}/forgets.db") as ledger,
+        Ledger.open(f"sqlite:///{tmp}/keeps.db") as other,
+    ):
+        forgetting = _stream_run(ledger, "r", ops, forget=True)
+        keeping = _stream_run(other, "r", ops, forget=False)
+        assert forgetting == keeping
+        handed = [sid for batch in forgetting for sid in batch]
+        assert sorted(handed) == [f"s{i:02d}" for i in range(24)]  # each once: none twice
+        assert replay(ledger, "r").verify() == []

@@ -159,7 +159,7 @@ class _FencedWrites:
         with self._lock:
             if not forget and self.state.forgetting:
                 self._view.stale = True  # the next catch-up folds the run whole again
-            self._view.forget = forget
+            self._view.forget, self._view.rank = forget, self.rank
 
     @property
     def _snapshot_seq(self) -> int:

@@ -71,6 +71,8 @@ class RunView:
         self.stale = False
         #: Whether the fold forgets finished samples (see the module's docstring).
         self.forget = False
+        #: The rank whose refs a forgetting fold keeps in memory (``forget_finished``).
+        self.rank: int | None = None
 
     @property
     def started(self) -> bool:
@@ -114,7 +116,7 @@ class RunView:
     def _forgetting(self) -> RunState:
         """The fold, made to forget finished samples if the view does."""
         if self.forget and not self.state.forgetting:
-            self.state.forget_finished()
+            self.state.forget_finished(rank=self.rank)
         return self.state
 
     def catch_up_in(self, tx: WriteTransaction) -> RunState:

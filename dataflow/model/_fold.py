@@ -152,6 +152,8 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         self._forgotten = IdHashes()
         self._forgotten_count = 0
         self._finishing: list[str] = []
+        # Forgetting: the rank whose new samples' ref JSON is kept (None: every sample's).
+        self._json_rank: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -248,7 +250,7 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         """How many finished samples this state forgot (0 unless :meth:`forget_finished`)."""
         return self._forgotten_count
 
-    def forget_finished(self) -> None:
+    def forget_finished(self, *, rank: int | None = None) -> None:
         """From now on, forget each finished sample: committed, trained in the current
         lineage and data epoch, its features released (or the policy 'never'), and
         neither leased, pending, dead, excluded, lost nor to regenerate.
@@ -262,11 +264,15 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         :class:`WholeFoldNeeded`, and its ``RunView`` folds the run anew, whole, then
         forgets again. A forgetting state is never snapshotted, and a seeded run (whose
         streams place samples by their rank among a producer's commits) forgets nothing.
-        Needs the ``ref_source`` the log came from.
+        Needs the ``ref_source`` the log came from. ``rank``: the rank whose samples the
+        state's reader leases; the ref JSON of samples committed to another rank's queue
+        from now on is not kept either (read from the ledger if that rank's queue ever
+        passes one on), so what a rank keeps of the samples in flight is mostly its own.
         """
         if self._ref_source is None:
             raise ValueError("a RunState without its ref_source (the ledger) cannot forget")
         self._forgetting = True
+        self._json_rank = rank
         self._finishing = list(self.trained)
         self._compact()
 

@@ -81,12 +81,15 @@ class EventHandlers:
         else:
             sid = self._commits[sid]
             self._revisions[sid] = revision
-        self._json[sid] = payload
         if first:
             self._first_seqs.append(seq)
             self.producer_commits.setdefault(actor, []).append(sid)
-            self._enqueue(sid, self._round_robin_owner(), requeued=False)
+            owner = self._round_robin_owner()
+            if self._json_rank is None or owner == self._json_rank:
+                self._json[sid] = payload  # another rank's is read from the ledger if asked
+            self._enqueue(sid, owner, requeued=False)
             return
+        self._json[sid] = payload
         # A regeneration: the features are back. A lost sample goes back to the rank that
         # found it lost (it regenerates it, and may be the only rank still leasing).
         self.released.discard(sid)
