@@ -17,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, run_state_machine_as_test
 
-from dataflow import ArgumentTypeError, Consumer, Ledger, Producer, replay
+from dataflow import (
+    ArgumentTypeError,
+    Consumer,
+    InvalidArgumentError,
+    Ledger,
+    Producer,
+    RunState,
+    replay,
+)
 from dataflow.model import _fold
 from dataflow.model._lineage import IdHashes
 from dataflow.streams import MemoryStream
@@ -213,3 +221,8 @@ def test_resent_refs_are_handed_out_as_without_forgetting(ops: list[tuple[str, i
         handed = [sid for batch in forgetting for sid in batch]
         assert sorted(handed) == [f"s{i:02d}" for i in range(24)]  # each once: none twice
         assert replay(ledger, "r").verify() == []
+
+
+def test_a_fold_without_its_ledger_cannot_forget() -> None:
+    with pytest.raises(InvalidArgumentError, match="has no ref_source, so it cannot forget"):
+        RunState("r").forget_finished()

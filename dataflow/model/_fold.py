@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from dataflow.model._errors import InvalidArgumentError
 from dataflow.model._events import Kind
 from dataflow.model._exclusions import ExclusionHandlers
 from dataflow.model._handlers import HANDLERS, EventHandlers
@@ -255,7 +256,7 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         lineage and data epoch, its features released (or the policy 'never'), and
         neither leased, pending, dead, excluded, lost nor to regenerate.
 
-        What a live consumer keeps of one is a 64-bit hash of its id, about 12 bytes
+        What a live consumer keeps of one is a 64-bit hash of its id, 12 to 24 bytes
         instead of about 250: ``committed``, ``trained``, ``released``, the lineage's acks
         and ``producer_commits`` hold the samples it keeps only, and :meth:`is_trained`
         answers for the others. Everything the consumer does with the fold stays exact:
@@ -270,7 +271,10 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         passes one on), so what a rank keeps of the samples in flight is mostly its own.
         """
         if self._ref_source is None:
-            raise ValueError("a RunState without its ref_source (the ledger) cannot forget")
+            raise InvalidArgumentError(
+                f"the fold of run {self.run_id!r} has no ref_source, so it cannot forget: "
+                "build it with RunState(run_id, ref_source=ledger), the ledger it folds"
+            )
         self._forgetting = True
         self._json_rank = rank
         self._finishing = list(self.trained)
@@ -332,8 +336,9 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         self._keep_plans_exact()
 
     def _keep_plans_exact(self) -> None:
-        """A plan's ``trained`` not read yet is computed from a whole fold of the log up to
-        its checkpoint, not from this state's acks, which no longer hold every sample."""
+        """A plan's ``trained`` not read yet is computed, when read, from a whole fold of
+        the log up to this state's head then, not from this state's acks, which no longer
+        hold every sample."""
         source, run_id = self._ref_source, self.run_id
         assert source is not None
         for plan in self.plans.values():
@@ -341,8 +346,8 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
             if isinstance(plan.trained, _TrainedAt) and ckpt is not None:
 
                 def whole(ckpt: Checkpoint = ckpt) -> dict[str, int]:
-                    state = RunState(run_id).apply_rows(source.rows(run_id, upto_seq=ckpt.seq))
-                    return state._trained_at_checkpoint(ckpt)
+                    rows = source.rows(run_id, upto_seq=self.head_seq)
+                    return RunState(run_id).apply_rows(rows)._trained_at_checkpoint(ckpt)
 
                 plan.trained.recompute_with(whole)
 
