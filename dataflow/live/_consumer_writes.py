@@ -159,7 +159,10 @@ class _FencedWrites:
         with self._lock:
             if not forget and self.state.forgetting:
                 self._view.stale = True  # the next catch-up folds the run whole again
-            self._view.forget, self._view.rank = forget, self.rank
+            self._view.forget = forget
+            # Leasing from the ledger, a rank takes its own queue's samples: the others' ref
+            # JSON need not stay in memory. A stream hands a rank samples of any queue.
+            self._view.rank = self.rank if self.stream is None else None
 
     @property
     def _snapshot_seq(self) -> int:
