@@ -103,6 +103,23 @@ def test_a_forgetting_consumer_behaves_like_one_that_keeps_everything(sqlite_url
         ledger.close()
 
 
+@pytest.mark.postgres
+@pytest.mark.usefixtures("forget_at_once")
+def test_a_forgetting_consumer_on_postgres(postgres_url: str) -> None:
+    # PostgreSQL's own part: a whole refold reads below the horizon of running writes,
+    # and the transaction's own rows come after it (RunView.catch_up_in).
+    ledger = Ledger.open(postgres_url, durability="normal")
+    try:
+        machine = type(
+            "ForgettingPgRun",
+            (ForgettingMachine,),
+            {"ledger": ledger, "make_store": staticmethod(LocalFeatureStore)},
+        )
+        run_state_machine_as_test(machine, settings=machine_settings("normal", max_examples=15))
+    finally:
+        ledger.close()
+
+
 @given(st.lists(st.text(max_size=12), max_size=300), st.lists(st.text(max_size=12), max_size=50))
 @settings(max_examples=200, deadline=None)
 def test_id_hashes_hold_every_id_added(added: list[str], others: list[str]) -> None:
