@@ -152,6 +152,7 @@ def _consumer(url: str, rank: int, world: int, shared: Any, pipe: Any) -> None:
     ):
         consumer = Consumer(ledger, store, run_id=RUN_ID, consumer_id=f"rank{rank}", rank=rank,
                             world_size=world, release_policy="never")  # fmt: skip
+        consumer.forget_finished = True  # each rank's fold keeps its live samples only
         pipe.recv()  # rank 0 first; the others once it has resumed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "no events yet": by design
@@ -317,17 +318,27 @@ def memory_summary(result: LoadResult) -> tuple[float, float, float, float]:
     return start, mid, end, slope
 
 
+def late_slope(result: LoadResult) -> float:
+    """Over the consumers: the steepest slope (bytes per second) of the resident set over
+    the second half of the run, once the samples in flight (up to ``MAX_BACKLOG``) are in
+    it: what each further sample costs a rank."""
+    return max((_slope(s[len(s) // 2 :]) for s in result.rss), default=0.0)
+
+
 def to_rows(result: LoadResult, *, note: str) -> list[Row]:
     """The load's figures; each reference is the figure it is read against."""
     samples = result.commits + 2 * result.acked  # commit, lease and ack of each sample
     wall = result.drained_s or result.seconds
     start, mid, end, slope = memory_summary(result)
     per_sample = slope / 60 * 2**20 / max(result.commits / result.seconds, 1e-9)
+    late = late_slope(result) / max(result.commits / result.seconds, 1e-9)
     where = f"{result.producers} producers, {result.consumers} consumers"
     mem_note = (
         f"{note}; consumer resident set (largest of {result.consumers}): start {start:.0f} MiB, "
         f"middle {mid:.0f} MiB, end {end:.0f} MiB, steepest slope {slope:.2f} MiB/min "
-        f"({per_sample:.0f} bytes per committed sample)"
+        f"({per_sample:.0f} bytes per committed sample), over the second half "
+        f"{late:.0f} bytes per committed sample (the ranks forget finished samples: "
+        "Consumer.forget_finished)"
     )
     check = (
         f"{note}; replay(...).verify(): {len(result.violations)} violations"

@@ -10,6 +10,12 @@ less its resident set at that point is set against ``W`` times a sample's bytes:
 what any consumer holding those features must keep. Above 1x: collating a batch
 stacks it (the batch twice, briefly), and the batch read ahead.
 
+Finished samples. A live consumer trains samples as a producer process commits them (at
+most ``_BACKLOG`` ahead), acking and releasing each (policy ``on_ack``), on a SQLite
+ledger; its anonymous resident set (``RssAnon``: the ledger file's mapped pages are not
+the consumer's) grows by this much per finished sample, with
+``Consumer.forget_finished`` against without it.
+
 Fold. The resident set of a consumer restarted on a run of 10^6 committed samples
 (10^4 with ``quick``), as ``bench_restart.consumer_memory`` measures it, per
 committed sample over the process's resident set after its imports, against a
@@ -19,12 +25,14 @@ that must not train a sample twice keeps.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import multiprocessing.connection
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -232,11 +240,116 @@ def fold_row(workdir: Path, samples: int) -> Row:
     )
 
 
+# -- finished samples in a live fold -----------------------------------------------------------
+_BACKLOG = 8_000  # committed and not yet acked, at most: what a live run keeps in flight
+
+
+def finished_samples(*, quick: bool) -> int:
+    return 20_000 if quick else 200_000
+
+
+def _finishing_producer(url: str, samples: int, acked: Any) -> None:
+    from benchmarks.bench_ledger import bench_ref
+    from dataflow import Ledger, Producer
+    from stores import LocalFeatureStore
+
+    with Ledger.open(url, create=False) as ledger, LocalFeatureStore() as store:
+        producer = Producer(ledger, store, run_id=RUN_ID, producer_id="p")
+        for start in range(0, samples, 1_000):
+            while start - acked.value > _BACKLOG:
+                time.sleep(0.002)
+            end = min(samples, start + 1_000)
+            producer.commit([bench_ref(f"p-sample-{i:09d}") for i in range(start, end)])
+        producer.close()
+
+
+def _finishing_consumer(url: str, samples: int, forget: bool, pipe: Any) -> None:
+    import logging
+
+    from dataflow import Consumer, Ledger
+    from stores import LocalFeatureStore
+
+    # bench_ref's refs name a store no process holds: their deletes fail, and say so.
+    logging.disable(logging.CRITICAL)
+    with Ledger.open(url, create=False) as ledger, LocalFeatureStore() as store:
+        consumer = Consumer(ledger, store, run_id=RUN_ID, consumer_id="c", release_policy="on_ack")
+        consumer.forget_finished = forget
+        consumer.resume()
+        gc.collect()
+        base = _status("RssAnon")
+        ctx = mp.get_context("fork")
+        acked = ctx.Value("q", 0, lock=False)
+        producer = ctx.Process(target=_finishing_producer, args=(url, samples, acked))
+        producer.start()
+        done, step, half, deadline = 0, 0, None, time.monotonic() + WAIT_S
+        while done < samples and time.monotonic() < deadline:
+            refs = consumer.lease(512, timeout=0.2)
+            if refs:
+                step += 1
+                consumer.ack(refs, step=step)
+                done += len(refs)
+                acked.value = done
+                if not half and done >= samples // 2:
+                    gc.collect()
+                    half = (done, _status("RssAnon"))
+        producer.join(WAIT_S)
+        gc.collect()
+        pipe.send({"done": done, "base": base, "half": half, "end": _status("RssAnon")})
+        consumer.close()
+
+
+def measure_finished(workdir: Path, samples: int, *, forget: bool) -> dict[str, Any]:
+    """A consumer process's anonymous memory before and after ``samples`` finished samples."""
+    from dataflow import Ledger
+
+    url = f"sqlite:///{workdir / f'finished-{int(forget)}.db'}"
+    Ledger.open(url).close()
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_finishing_consumer, args=(url, samples, forget, theirs))
+    child.start()
+    try:
+        got = _wait(ours, child, "report")
+    finally:
+        child.join(WAIT_S)
+    if got["done"] != samples:
+        raise RuntimeError(f"the consumer finished {got['done']} samples, not {samples}")
+    return got
+
+
+def finished_row(workdir: Path, samples: int) -> Row:
+    forgets = measure_finished(workdir, samples, forget=True)
+    keeps = measure_finished(workdir, samples, forget=False)
+    # Over the second half: what each further sample costs, once the samples in flight
+    # (and the allocator's pools they leave behind) are in the resident set.
+    per = {
+        k: (g["end"] - g["half"][1]) / (samples - g["half"][0])
+        for k, g in (("f", forgets), ("k", keeps))
+    }
+    note = (
+        f"{samples:,} samples committed, trained and released (at most {_BACKLOG:,} in flight), "
+        f"SQLite; over the second half; anonymous resident set {forgets['base'] / MiB:.0f} -> "
+        f"{forgets['end'] / MiB:.0f} MiB forgetting, {keeps['base'] / MiB:.0f} -> "
+        f"{keeps['end'] / MiB:.0f} MiB keeping them"
+    )
+    return row(
+        "live consumer memory per finished sample, forget_finished",
+        per["f"],
+        "B/sample",
+        "the same consumer keeping every sample",
+        per["k"],
+        target="<= 0.1",
+        note=note,
+    )
+
+
 def rows(workdir: Path, *, quick: bool) -> list[Row]:
     window = window_size(quick=quick)
     (workdir / "window").mkdir()
     got = measure_window(workdir / "window", window)
-    return [window_row(got, window), fold_row(workdir, fold_samples(quick=quick))]
+    # Not under --tiny: a slope over a few thousand samples is noise, not a figure.
+    finished = [] if tiny() else [finished_row(workdir, finished_samples(quick=quick))]
+    return [window_row(got, window), *finished, fold_row(workdir, fold_samples(quick=quick))]
 
 
 if __name__ == "__main__":

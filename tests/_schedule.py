@@ -59,6 +59,7 @@ LONG_MODULES = (
     "test_metrics.py",
     "test_ledger_lineage.py",
     "test_clocks.py",
+    "test_forget_finished.py",
 )
 
 
@@ -95,6 +96,7 @@ GROUPED_MODULES = frozenset(
 QUICK_LEAVES_OUT = frozenset(
     {
         "test_property_stores.py",
+        "test_forget_finished.py",
         "test_mooncake_keeper.py",
         "test_mooncake_crash_gc.py",
         "test_shared_dir_crash_gc.py",

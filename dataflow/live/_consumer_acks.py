@@ -143,7 +143,7 @@ class _Acks(_FencedWrites):
         self._credit(ids)
 
     def _trained_by_an_ack(self, sample_id: str) -> bool:
-        return sample_id in self.state.trained and self._lease_ended(sample_id)
+        return self.state.is_trained(sample_id) and self._lease_ended(sample_id)
 
     def _lease_ended(self, sample_id: str) -> bool:
         """Whether this consumer no longer holds ``sample_id`` (after settling its lease)."""

@@ -48,7 +48,7 @@ class _Exclusions(_FencedWrites):
         ids, reason = check_sample_ids(sample_ids), check_reason(reason)
         with self._write("include" if include else "exclude") as tx:
             events, report = exclusion_events(
-                self.state,
+                self._view.whole_in(tx),  # it may name a sample a forgetting fold forgot
                 include=include,
                 sample_ids=ids,
                 reason=reason,

@@ -23,6 +23,7 @@ from dataflow.interfaces._store import FeatureStore
 from dataflow.interfaces._stream import RefReceiver
 from dataflow.live._view import RunView
 from dataflow.model._errors import (
+    ArgumentTypeError,
     CommitOutcomeUnknownError,
     DataflowError,
     LedgerStateError,
@@ -30,6 +31,8 @@ from dataflow.model._errors import (
 )
 from dataflow.model._events import Kind, batch_payloads, dump_payload
 from dataflow.model._fold import RunState
+from dataflow.model._ref_codec import ref_from_json
+from dataflow.model._refs import SampleRef
 from dataflow.recorder._ledger import Ledger, NewEvent, WriteTransaction
 
 log = logging.getLogger("dataflow")
@@ -129,6 +132,37 @@ class _FencedWrites:
     def state(self) -> RunState:
         """The live fold of the run, brought up to date on every write."""
         return self._view.state
+
+    @property
+    def forget_finished(self) -> bool:
+        """Whether the live fold forgets finished samples (default False).
+
+        Set True for a long run: each sample committed, trained in the current lineage
+        and released (or trained, under the release policy 'never') then costs the
+        consumer about 12 bytes instead of about 250, so its memory stays flat. Leasing,
+        acking, dedup of resent refs, resumes and checkpoints stay exact (a row the
+        fold cannot take without what it forgot makes it fold the run anew, whole);
+        what changes is ``state``: its ``committed``, ``trained``, ``released`` and
+        lineage hold the samples it keeps only (``state.is_trained`` answers for all,
+        ``state.forgotten_count`` counts the others), and rank 0 writes no snapshot
+        (a restart folds the log from the last one). A seeded run forgets nothing.
+        Read a whole run with ``dataflow.replay`` or the tools.
+        """
+        return self._view.forget
+
+    @forget_finished.setter
+    def forget_finished(self, forget: bool) -> None:
+        if not isinstance(forget, bool):
+            raise ArgumentTypeError(
+                f"forget_finished must be a bool, got {type(forget).__name__} {forget!r}"
+            )
+        with self._lock:
+            if not forget and self.state.forgetting:
+                self._view.stale = True  # the next catch-up folds the run whole again
+            self._view.forget = forget
+            # Leasing from the ledger, a rank takes its own queue's samples: the others' ref
+            # JSON need not stay in memory. A stream hands a rank samples of any queue.
+            self._view.rank = self.rank if self.stream is None else None
 
     @property
     def _snapshot_seq(self) -> int:
@@ -245,16 +279,34 @@ class _FencedWrites:
         )
 
     # -- releases --------------------------------------------------------------
+    #: The revision of each sample the last release events name: a fold that forgets
+    #: finished samples may have forgotten them by the time their features are deleted.
+    _released_revisions: dict[str, int] = {}  # replaced, never mutated: shared is harmless
+
     def _release_events(self, sample_ids: Iterable[str]) -> list[NewEvent]:
         ids = list(sample_ids)
         revisions = [self.state.revision(sid) for sid in ids]
+        self._released_revisions = dict(zip(ids, revisions, strict=True))
         return self._events(Kind.RELEASE, ids, self._fencing_epoch(), revisions=revisions)
+
+    def _released_refs(self, sample_ids: Iterable[str]) -> dict[str, SampleRef]:
+        """The refs of ``sample_ids``, just released: from the fold, or from the ledger for
+        those a forgetting fold (``forget_finished``) no longer keeps."""
+        ids = list(sample_ids)
+        kept = self.state.committed
+        refs = self.state.refs([s for s in ids if s in kept])
+        stashed = self._released_revisions
+        gone = {s: stashed[s] for s in ids if s not in refs and s in stashed}
+        if gone:
+            payloads = self.ledger.commit_payloads(self.run_id, gone)
+            refs.update((sid, ref_from_json(text)) for sid, text in payloads.items())
+        return refs
 
     def _delete_features(self, sample_ids: Iterable[str]) -> None:
         # The release events are durable before the features go: a crash in
         # between leaks features, it never leaves a ledger that promises
         # features which are gone.
-        for sid, ref in self.state.refs(sample_ids).items():
+        for sid, ref in self._released_refs(sample_ids).items():
             try:
                 self.store.delete(ref)
             except DataflowError as exc:

@@ -7,6 +7,10 @@ the newest valid snapshot at or before ``upto_seq`` (or from an empty fold)
 and folds the events after it; :meth:`RunView.refold` builds a new fold from
 scratch and swaps it in only once it is whole, so a read that fails halfway
 leaves the old fold as it was.
+
+A view with ``forget=True`` (a live consumer's, ``Consumer.forget_finished``) keeps a
+fold that forgets finished samples (``RunState.forget_finished``); at a row such a fold
+cannot take exactly, the view folds the run anew, whole, takes the row, and forgets again.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from dataflow.model._fold import RunState
+from dataflow.model._fold import RunState, WholeFoldNeeded
 from dataflow.recorder._ledger import Ledger, WriteTransaction
 
 log = logging.getLogger("dataflow.view")
@@ -65,6 +69,10 @@ class RunView:
         #: commit (or whose COMMIT failed): the fold may hold events the ledger does
         #: not, so the next catch-up refolds.
         self.stale = False
+        #: Whether the fold forgets finished samples (see the module's docstring).
+        self.forget = False
+        #: The rank whose refs a forgetting fold keeps in memory (``forget_finished``).
+        self.rank: int | None = None
 
     @property
     def started(self) -> bool:
@@ -82,11 +90,19 @@ class RunView:
                 self.snapshot_seq = self.state.head_seq
             else:
                 self.snapshot_seq = 0
-        self.apply(self._tail(self.state))
-        return self.state
+        try:
+            self.apply(self._tail(self.state))
+        except WholeFoldNeeded:
+            return self.refold()
+        return self._forgetting()
 
     def refold(self) -> RunState:
         """Fold the run anew (its newest snapshot, then the log); swapped in once whole."""
+        self._refold()
+        return self._forgetting()
+
+    def _refold(self) -> RunState:
+        """:meth:`refold`, with the new fold not forgetting yet."""
         if self.snapshots:
             state = newest_state(self.ledger, self.run_id, upto_seq=self.upto_seq)
         else:
@@ -96,6 +112,12 @@ class RunView:
         self.state, self.snapshot_seq = state, snapshot_seq
         self.stale = False
         return state
+
+    def _forgetting(self) -> RunState:
+        """The fold, made to forget finished samples if the view does."""
+        if self.forget and not self.state.forgetting:
+            self.state.forget_finished(rank=self.rank)
+        return self.state
 
     def catch_up_in(self, tx: WriteTransaction) -> RunState:
         """Fold the rows ``tx`` reads after the fold's head: what a write is checked against,
@@ -108,7 +130,21 @@ class RunView:
         """
         if self.stale or not self.started:
             self.catch_up()
-        return self.apply(tx.rows_after(self.state.head_seq))
+        try:
+            self.apply(tx.rows_after(self.state.head_seq))
+        except WholeFoldNeeded:
+            # The committed log, whole, outside the transaction; then what the transaction
+            # reads after it (its own writes included) before the new fold forgets.
+            self.apply(tx.rows_after(self._refold().head_seq))
+        return self._forgetting()
+
+    def whole_in(self, tx: WriteTransaction) -> RunState:
+        """The fold, whole, for a write checked against samples a forgetting fold may have
+        forgotten (an exclusion): the run folded anew, then what ``tx`` reads after it.
+        It forgets again after the write's own events (the next :meth:`catch_up_in`)."""
+        if self.state.forgetting:
+            self.apply(tx.rows_after(self._refold().head_seq))
+        return self.state
 
     def apply(self, rows: Iterable[Row]) -> RunState:
         """Fold ``rows`` (the events after the fold's head, in seq order) into the view."""
@@ -131,6 +167,8 @@ class RunView:
         """
         if every is None or self.state.head_seq - max(self.snapshot_seq, 0) < every:
             return False
+        if self.state.forgetting:
+            return False  # a snapshot must hold the whole state, which this fold does not
         try:
             saved = self.ledger.save_snapshot(self.run_id, self.state)
         except Exception as exc:

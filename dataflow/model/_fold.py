@@ -14,20 +14,25 @@ measurable share of a replay.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from dataflow.model._errors import InvalidArgumentError
 from dataflow.model._events import Kind
 from dataflow.model._exclusions import ExclusionHandlers
 from dataflow.model._handlers import HANDLERS, EventHandlers
 from dataflow.model._lineage import (
     RELEASE_POLICIES,
     Checkpoint,
+    IdHashes,
     LineageBranch,
     LineageQueries,
     ReconcilePlan,
+    WholeFoldNeeded,
+    _TrainedAt,
     seeded_order,
 )
 from dataflow.model._samples import SampleQueues
@@ -38,6 +43,7 @@ __all__ = [
     "ReconcilePlan",
     "RefSource",
     "RunState",
+    "WholeFoldNeeded",
     "seeded_order",
 ]
 
@@ -51,6 +57,12 @@ class RefSource(Protocol):
 
     def unseen_rows(self, run_id: str) -> Iterable[tuple[int, str, str | None]]:
         """(seq, kind, sample id) of the run's rows no fold reads (a seq below 1)."""
+        ...
+
+    def rows(
+        self, run_id: str, *, after_seq: int = 0, upto_seq: int | None = None
+    ) -> Iterable[Any]:
+        """The run's raw event rows in seq order (what a forgetting fold refolds from)."""
         ...
 
 
@@ -72,7 +84,8 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
     ``ref_source``: the ledger the log came from. With it, the state keeps the ref
     JSON of live samples only (not yet trained) and reads the others' from the
     ledger when asked, which is most of a long run's memory; without it, every
-    ref stays in memory.
+    ref stays in memory. With it, :meth:`forget_finished` makes the state forget each
+    finished sample as a whole (a live consumer's fold: see there).
     """
 
     def __init__(self, run_id: str, *, ref_source: RefSource | None = None) -> None:
@@ -134,6 +147,14 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         self._world_size = 1  # of the current epoch; read on every commit
         self._resumes: list[int] = []
         self._order_args: tuple[int, int | None, int] = (0, None, 0)  # the data epoch's order
+        # Forgetting (forget_finished): the hashes of the finished ids no longer kept, the
+        # ids that may have finished since the last compaction, and how many were forgotten.
+        self._forgetting = False
+        self._forgotten = IdHashes()
+        self._forgotten_count = 0
+        self._finishing: list[str] = []
+        # Forgetting: the rank whose new samples' ref JSON is kept (None: every sample's).
+        self._json_rank: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -177,12 +198,17 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
         return self.observable()
 
     def apply_rows(self, rows: Iterable[Any]) -> RunState:
-        """Fold raw rows: (seq, kind, sample_id, revision, epoch, step, actor, payload, ts)."""
+        """Fold raw rows: (seq, kind, sample_id, revision, epoch, step, actor, payload, ts).
+
+        A forgetting state (:meth:`forget_finished`) raises :class:`WholeFoldNeeded` at a
+        row it cannot fold exactly, with ``head_seq`` left before that row.
+        """
         # One loop with local names rather than a call per row: this is the
         # replay hot path (about a million rows a second on one core).
         handlers, fenced = HANDLERS, Kind.FENCED
         for seq, kind, sample_id, revision, epoch, step, actor, payload, _ts in rows:
-            if seq <= self.head_seq:
+            before = self.head_seq
+            if seq <= before:
                 continue
             self.head_seq = seq
             if kind in fenced and (epoch != self.epoch or self.epoch == 0):
@@ -194,6 +220,9 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
                 continue
             try:
                 handler(self, seq, sample_id, revision, epoch, step, actor, payload)
+            except WholeFoldNeeded:
+                self.head_seq = before
+                raise
             except (
                 ValueError,
                 TypeError,
@@ -211,6 +240,116 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
     def apply(self, row: Any) -> None:
         """Fold one raw row."""
         self.apply_rows((row,))
+
+    @property
+    def forgetting(self) -> bool:
+        """Whether this state forgets finished samples (:meth:`forget_finished`)."""
+        return self._forgetting
+
+    @property
+    def forgotten_count(self) -> int:
+        """How many finished samples this state forgot (0 unless :meth:`forget_finished`)."""
+        return self._forgotten_count
+
+    def forget_finished(self, *, rank: int | None = None) -> None:
+        """From now on, forget each finished sample: committed, trained in the current
+        lineage and data epoch, its features released (or the policy 'never'), and
+        neither leased, pending, dead, excluded, lost nor to regenerate.
+
+        What a live consumer keeps of one is a 64-bit hash of its id, 12 to 24 bytes
+        instead of about 250: ``committed``, ``trained``, ``released``, the lineage's acks
+        and ``producer_commits`` hold the samples it keeps only, and :meth:`is_trained`
+        answers for the others. Everything the consumer does with the fold stays exact:
+        a row the state cannot fold exactly without what it forgot (a resume, a new data
+        epoch, an exclusion, a commit or release of a forgotten id) raises
+        :class:`WholeFoldNeeded`, and its ``RunView`` folds the run anew, whole, then
+        forgets again. A forgetting state is never snapshotted, and a seeded run (whose
+        streams place samples by their rank among a producer's commits) forgets nothing.
+        Needs the ``ref_source`` the log came from. ``rank``: the rank whose samples the
+        state's reader leases; the ref JSON of samples committed to another rank's queue
+        from now on is not kept either (read from the ledger if that rank's queue ever
+        passes one on), so what a rank keeps of the samples in flight is mostly its own.
+        """
+        if self._ref_source is None:
+            raise InvalidArgumentError(
+                f"the fold of run {self.run_id!r} has no ref_source, so it cannot forget: "
+                "build it with RunState(run_id, ref_source=ledger), the ledger it folds"
+            )
+        self._forgetting = True
+        self._json_rank = rank
+        self._finishing = list(self.trained)
+        self._compact()
+
+    def is_trained(self, sample_id: str) -> bool:
+        """Whether ``sample_id`` is trained in the current lineage and data epoch, forgotten
+        finished samples included (for an id never committed, a 64-bit hash collision with
+        a forgotten one answers True: about one in 10^13 for a million forgotten ids)."""
+        if sample_id in self.trained:
+            return True
+        return sample_id not in self._commits and sample_id in self._forgotten
+
+    def _may_have_finished(self, sid: str) -> None:
+        self._finishing.append(sid)
+        if len(self._finishing) >= max(_COMPACT_AT, len(self._commits) // _COMPACT_SHARE):
+            self._compact()
+
+    def _is_finished(self, sid: str) -> bool:
+        return (
+            sid in self.trained
+            and (sid in self.released or self.release_policy == "never")
+            and sid not in self.leased
+            and sid not in self._queue_pos
+            and sid not in self.dead
+            and sid not in self.excluded
+            and sid not in self.lost
+            and sid not in self.regenerate
+            and sid not in self._unreleased_acks
+        )
+
+    def _compact(self) -> None:
+        """Forget the finished ids of ``_finishing``: their hashes go into ``_forgotten``,
+        and every structure keyed by sample id is rebuilt without them (a dict never
+        shrinks by deleting)."""
+        finishing, self._finishing = self._finishing, []
+        if self.order_seed is not None:
+            return
+        gone = {sid for sid in finishing if sid in self._commits and self._is_finished(sid)}
+        if not gone:
+            return
+        for sid in gone:
+            self._forgotten.add(sid)
+        self._forgotten_count += len(gone)
+        keep = [sid not in gone for sid in self._commits]
+        self._commits = {sid: sid for sid in itertools.compress(self._commits, keep)}
+        self._first_seqs = array("q", itertools.compress(self._first_seqs, keep))
+        self._revisions = {s: r for s, r in self._revisions.items() if s not in gone}
+        self._json = {s: j for s, j in self._json.items() if s not in gone}
+        self._json_dropped = 0
+        self.trained = {s: step for s, step in self.trained.items() if s not in gone}
+        self.released = self.released - gone
+        self.attempts = {s: n for s, n in self.attempts.items() if s not in gone}
+        self.producer_commits = {
+            p: [s for s in ids if s not in gone] for p, ids in self.producer_commits.items()
+        }
+        for node in self._epochs.values():
+            node.acks.drop(gone)
+        self._keep_plans_exact()
+
+    def _keep_plans_exact(self) -> None:
+        """A plan's ``trained`` not read yet is computed, when read, from a whole fold of
+        the log up to this state's head then, not from this state's acks, which no longer
+        hold every sample."""
+        source, run_id = self._ref_source, self.run_id
+        assert source is not None
+        for plan in self.plans.values():
+            ckpt = plan.checkpoint
+            if isinstance(plan.trained, _TrainedAt) and ckpt is not None:
+
+                def whole(ckpt: Checkpoint = ckpt) -> dict[str, int]:
+                    rows = source.rows(run_id, upto_seq=self.head_seq)
+                    return RunState(run_id).apply_rows(rows)._trained_at_checkpoint(ckpt)
+
+                plan.trained.recompute_with(whole)
 
     def _fencing_violation(self, seq: int, kind: str, epoch: int, actor: str) -> None:
         if self.epoch == 0:
@@ -267,3 +406,9 @@ class RunState(EventHandlers, ExclusionHandlers, SampleQueues, LineageQueries):
                     "the ledger"
                 )
         return problems
+
+
+#: A forgetting state compacts once this many ids (or half as many as it keeps) may have
+#: finished: each compaction rebuilds what it keeps, so its cost is spread over as many.
+_COMPACT_AT = 4096
+_COMPACT_SHARE = 2

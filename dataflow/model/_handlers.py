@@ -15,7 +15,7 @@ from typing import Any
 
 from dataflow.model._events import UNSET, Kind, NackPayload, read_payload
 from dataflow.model._exclusions import ExclusionHandlers
-from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan
+from dataflow.model._lineage import Checkpoint, LineageBranch, ReconcilePlan, WholeFoldNeeded
 
 
 def _batch(kind: str, payload: str | None) -> Any:
@@ -72,6 +72,8 @@ class EventHandlers:
             self.violations.append(f"seq {seq}: duplicate commit of {sid!r} revision {revision}")
             return
         first = sid not in self._commits
+        if first and self._forgetting and sid in self._forgotten:
+            raise WholeFoldNeeded  # a regeneration of a forgotten sample, or a hash collision
         if first:
             self._commits[sid] = sid
             if revision:
@@ -79,12 +81,15 @@ class EventHandlers:
         else:
             sid = self._commits[sid]
             self._revisions[sid] = revision
-        self._json[sid] = payload
         if first:
             self._first_seqs.append(seq)
             self.producer_commits.setdefault(actor, []).append(sid)
-            self._enqueue(sid, self._round_robin_owner(), requeued=False)
+            owner = self._round_robin_owner()
+            if self._json_rank is None or owner == self._json_rank:
+                self._json[sid] = payload  # another rank's is read from the ledger if asked
+            self._enqueue(sid, owner, requeued=False)
             return
+        self._json[sid] = payload
         # A regeneration: the features are back. A lost sample goes back to the rank that
         # found it lost (it regenerates it, and may be the only rank still leasing).
         self.released.discard(sid)
@@ -162,6 +167,8 @@ class EventHandlers:
         actor: str,
         payload: str,
     ) -> None:
+        if self._forgetting:
+            raise WholeFoldNeeded  # the trained set at a checkpoint needs the whole lineage
         p = read_payload(Kind.RESUME, payload)
         if epoch <= self.epoch:
             self.violations.append(f"seq {seq}: resume to epoch {epoch} after epoch {self.epoch}")
@@ -305,6 +312,8 @@ class EventHandlers:
         self.trained[sid] = step
         if node.policy != "never":
             self._unreleased_acks[sid] = step
+        elif self._forgetting:
+            self._may_have_finished(sid)
         if self._ref_source is not None:
             self._forget_json(sid)
         node.acks.append(sid, step, self.data_epoch)
@@ -429,6 +438,8 @@ class EventHandlers:
         self._release_one(seq, sid, _single(Kind.RELEASE, payload).revision, actor)
 
     def _release_one(self, seq: int, sid: str, revision: int, actor: str) -> None:
+        if sid not in self._commits and self._forgetting and sid in self._forgotten:
+            raise WholeFoldNeeded  # released again: a violation, perhaps, that needs its state
         if sid not in self._commits or revision != self._revisions.get(sid, 0):
             return  # an older revision's features: the current ones stay
         reason = self._release_forbidden(sid)
@@ -436,6 +447,8 @@ class EventHandlers:
             self.violations.append(f"seq {seq}: release of {sid!r} by {actor!r}: {reason}")
         self.released.add(self._commits[sid])
         self._unreleased_acks.pop(sid, None)
+        if self._forgetting:
+            self._may_have_finished(sid)
 
     def _release_forbidden(self, sid: str) -> str | None:
         policy = self.release_policy
@@ -449,6 +462,20 @@ class EventHandlers:
             return "the sample is not yet trained into a durable checkpoint"
         return None
 
+    def _on_exclusion(
+        self,
+        seq: int,
+        sid: str | None,
+        revision: int | None,
+        epoch: int,
+        step: int | None,
+        actor: str,
+        payload: str | None,
+    ) -> None:
+        if self._forgetting:
+            raise WholeFoldNeeded  # an excluded sample may be one the state forgot
+        self._on_exclude(seq, sid, revision, epoch, step, actor, payload)
+
     def _on_data_epoch(
         self,
         seq: int,
@@ -459,6 +486,8 @@ class EventHandlers:
         _a: str,
         payload: str | None,
     ) -> None:
+        if self._forgetting:
+            raise WholeFoldNeeded  # every committed sample is pending again
         p = read_payload(Kind.DATA_EPOCH, payload)
         number = self.data_epoch + 1 if p.data_epoch is UNSET else p.data_epoch
         if type(number) is not int or not 0 <= number < 2**63:
@@ -493,6 +522,6 @@ HANDLERS = {
     Kind.CHECKPOINT_REMOVED: EventHandlers._on_checkpoint_removed,
     Kind.LOST: EventHandlers._on_lost,
     Kind.CLAIM: EventHandlers._on_claim,
-    Kind.EXCLUDE: ExclusionHandlers._on_exclude,
+    Kind.EXCLUDE: EventHandlers._on_exclusion,
     Kind.INCLUDE: ExclusionHandlers._on_include,
 }

@@ -79,6 +79,12 @@ class _TrainedAt(Set[str]):
         self._compute: Callable[[], Iterable[str]] | None = compute
         self._value: frozenset[str] | None = None
 
+    def recompute_with(self, compute: Callable[[], Iterable[str]]) -> None:
+        """Compute the set with ``compute`` instead, if it was not read yet (the fold it
+        was to be computed from forgets the acks it needs: see ``RunState.forget_finished``)."""
+        if self._value is None:
+            self._compute = compute
+
     def _get(self) -> frozenset[str]:
         if self._value is None:
             assert self._compute is not None
@@ -130,6 +136,81 @@ class _Acks:
 
     def __len__(self) -> int:
         return len(self.sids)
+
+    def drop(self, sample_ids: Set[str]) -> None:
+        """Forget the acks of ``sample_ids`` (samples a forgetting fold no longer keeps)."""
+        keep = [sid not in sample_ids for sid in self.sids]
+        if all(keep):
+            return
+        self.sids = list(itertools.compress(self.sids, keep))
+        self.steps = array("q", itertools.compress(self.steps, keep))
+        self.data_epochs = array("l", itertools.compress(self.data_epochs, keep))
+
+
+class WholeFoldNeeded(Exception):
+    """Raised by a fold that forgets finished samples (``RunState.forget_finished``) at a
+    row it cannot fold exactly without them: a resume, a new data epoch, an exclusion, or
+    a commit or release of an id it may have forgotten. The fold is left unusable (a batch
+    row may be half applied); its reader folds the run anew, whole (``RunView``)."""
+
+
+class IdHashes:
+    """A set of 64-bit hashes of sample ids, 8 bytes a slot (open addressing, linear
+    probing, at most 2/3 full): what a forgetting fold keeps of each finished sample.
+
+    A hit is exact for a committed id (every committed id the fold no longer keeps is in
+    it); for another id it is a 64-bit hash collision, which the fold never trusts for a
+    write (it folds the run anew instead). ``hash()`` of a str is fixed within a process,
+    and the table never leaves it.
+    """
+
+    __slots__ = ("_count", "_slots")
+
+    def __init__(self) -> None:
+        self._slots = array("Q", bytes(8 * 1024))
+        self._count = 0
+
+    @staticmethod
+    def _key(sample_id: str) -> int:
+        return (hash(sample_id) & 0xFFFF_FFFF_FFFF_FFFF) or 1  # 0 marks an empty slot
+
+    def add(self, sample_id: str) -> None:
+        if 3 * (self._count + 1) > 2 * len(self._slots):
+            self._grow()
+        if self._put(self._key(sample_id)):
+            self._count += 1
+
+    def __contains__(self, sample_id: object) -> bool:
+        if not self._count or not isinstance(sample_id, str):
+            return False
+        key, slots = self._key(sample_id), self._slots
+        mask = len(slots) - 1
+        i = key & mask
+        while (found := slots[i]) != 0:
+            if found == key:
+                return True
+            i = (i + 1) & mask
+        return False
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _put(self, key: int) -> bool:
+        slots = self._slots
+        mask = len(slots) - 1
+        i = key & mask
+        while (found := slots[i]) != 0:
+            if found == key:
+                return False
+            i = (i + 1) & mask
+        slots[i] = key
+        return True
+
+    def _grow(self) -> None:
+        old, self._slots = self._slots, array("Q", bytes(16 * len(self._slots)))
+        for key in old:
+            if key:
+                self._put(key)
 
 
 @dataclass
