@@ -91,8 +91,9 @@ def test_every_network_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_a_producer_host_hours_ahead_loses_nothing_on_the_shared_dir(tmp_path: Path) -> None:
     _hosts_available()
+    # --quick (384 samples): a fault of the whole run, there is no moment to miss.
     result, summary = _run_hosts(
-        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "dir://"
+        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "dir://", "--quick"
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert summary["faults"]["clock-skew"]["trials"] == 1
@@ -107,7 +108,7 @@ def test_a_producer_host_hours_ahead_leaves_no_orphans_on_mooncake(
 ) -> None:
     _hosts_available()
     _, summary = _run_hosts(
-        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "mooncake://"
+        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "mooncake://", "--quick"
     )
     assert summary["lost"] == summary["duplicated"] == summary["failures"] == 0
     assert summary["orphans"] == 0

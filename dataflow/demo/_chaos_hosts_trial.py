@@ -65,8 +65,10 @@ class HostsTrial(ChaosTrial):
         streaming: bool,
         size: tuple,
         seed: int,
+        gloo_timeout_s: float = GLOO_TIMEOUT_S,
     ) -> None:
         super().__init__(options, plan=None, streaming=streaming, size=size, postgres=postgres)
+        self.gloo_timeout_s = gloo_timeout_s
         self.cluster, self.master = cluster, master
         self.plans, self.ambient = faults, ambient
         self.skew = {SKEWED_HOST: SKEW_S} if "clock-skew" in ambient else {}
@@ -112,7 +114,7 @@ class HostsTrial(ChaosTrial):
                 own["gloo"] = {
                     "master_addr": self.cluster["trainer0"].address,
                     "ifname": host.interface,
-                    "timeout_s": GLOO_TIMEOUT_S,
+                    "timeout_s": self.gloo_timeout_s,
                 }
                 if curve is not None:
                     own["curve"] = {
