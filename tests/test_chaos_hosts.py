@@ -226,3 +226,16 @@ def test_a_skewed_host_reads_its_wall_clock_that_far_off_and_its_monotonic_clock
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["10800", "10800", "0"]
+
+
+def test_the_conductor_imports_no_torch_and_names_producers_as_the_demo_does() -> None:
+    code = (
+        "import sys; import dataflow.demo._chaos_hosts, dataflow.demo._chaos_hosts_trial; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split() == ["False"], result.stderr  # its children import torch
+    from dataflow.demo._chaos_hosts_trial import producer_id
+    from dataflow.demo._model import producer_id as demo_producer_id
+
+    assert [producer_id(i) for i in range(3)] == [demo_producer_id(i) for i in range(3)]
