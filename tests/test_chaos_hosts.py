@@ -24,6 +24,7 @@ from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
     FAULTS,
     STREAM_ONLY,
+    HostsChaosOptions,
     assign,
     plan_faults,
     streaming,
@@ -239,3 +240,27 @@ def test_the_conductor_imports_no_torch_and_names_producers_as_the_demo_does() -
     from dataflow.demo._model import producer_id as demo_producer_id
 
     assert [producer_id(i) for i in range(3)] == [demo_producer_id(i) for i in range(3)]
+
+
+def test_quick_is_the_suites_size_and_the_default_run_keeps_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    default = HostsChaosOptions()
+    assert (default.size, default.gloo_timeout_s) == ((768, 8, 8), 20.0)
+    quick = HostsChaosOptions(quick=True)
+    assert (quick.size, quick.gloo_timeout_s) == ((384, 4, 8), 10.0)
+    import dataflow.demo._chaos_hosts as chaos_hosts
+
+    seen = []
+    totals = dict.fromkeys(
+        ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"), 0
+    )
+    monkeypatch.setattr(
+        chaos_hosts,
+        "run_hosts_chaos",
+        lambda options: seen.append(options) or {**totals, "unexercised": []},
+    )
+    workdir = str(tmp_path / "chaos")
+    assert main(["chaos", "--hosts", "--quick", "--workdir", workdir]) == 0
+    assert main(["chaos", "--hosts", "--workdir", workdir]) == 0
+    assert [options.quick for options in seen] == [True, False]
