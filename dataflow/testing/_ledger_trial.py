@@ -97,6 +97,7 @@ def _take_spare(cluster: Any, host: str) -> tuple[subprocess.Popen[str], Path]:
     if spare is not None and (spare[0] is not cluster or spare[1].poll() is not None):
         if spare[1].poll() is None:
             spare[0][host].kill(spare[1])
+        spare[1].communicate()  # reaped, its pipes closed
         spare = None
     _, process, log = spare or _spawn(cluster, host)
     _SPARES[host] = _spawn(cluster, host)
