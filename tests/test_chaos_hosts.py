@@ -24,6 +24,7 @@ from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
     FAULTS,
     STREAM_ONLY,
+    HostsChaosOptions,
     assign,
     plan_faults,
     streaming,
@@ -91,8 +92,9 @@ def test_every_network_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_a_producer_host_hours_ahead_loses_nothing_on_the_shared_dir(tmp_path: Path) -> None:
     _hosts_available()
+    # --quick (384 samples): a fault of the whole run, there is no moment to miss.
     result, summary = _run_hosts(
-        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "dir://"
+        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "dir://", "--quick"
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert summary["faults"]["clock-skew"]["trials"] == 1
@@ -107,7 +109,7 @@ def test_a_producer_host_hours_ahead_leaves_no_orphans_on_mooncake(
 ) -> None:
     _hosts_available()
     _, summary = _run_hosts(
-        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "mooncake://"
+        tmp_path, "--trials", "1", "--faults", "clock-skew", "--store", "mooncake://", "--quick"
     )
     assert summary["lost"] == summary["duplicated"] == summary["failures"] == 0
     assert summary["orphans"] == 0
@@ -225,3 +227,40 @@ def test_a_skewed_host_reads_its_wall_clock_that_far_off_and_its_monotonic_clock
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["10800", "10800", "0"]
+
+
+def test_the_conductor_imports_no_torch_and_names_producers_as_the_demo_does() -> None:
+    code = (
+        "import sys; import dataflow.demo._chaos_hosts, dataflow.demo._chaos_hosts_trial; "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split() == ["False"], result.stderr  # its children import torch
+    from dataflow.demo._chaos_hosts_trial import producer_id
+    from dataflow.demo._model import producer_id as demo_producer_id
+
+    assert [producer_id(i) for i in range(3)] == [demo_producer_id(i) for i in range(3)]
+
+
+def test_quick_is_the_suites_size_and_the_default_run_keeps_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    default = HostsChaosOptions()
+    assert (default.size, default.gloo_timeout_s) == ((768, 8, 8), 20.0)
+    quick = HostsChaosOptions(quick=True)
+    assert (quick.size, quick.gloo_timeout_s) == ((384, 4, 8), 10.0)
+    import dataflow.demo._chaos_hosts as chaos_hosts
+
+    seen = []
+    totals = dict.fromkeys(
+        ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"), 0
+    )
+    monkeypatch.setattr(
+        chaos_hosts,
+        "run_hosts_chaos",
+        lambda options: seen.append(options) or {**totals, "unexercised": []},
+    )
+    workdir = str(tmp_path / "chaos")
+    assert main(["chaos", "--hosts", "--quick", "--workdir", workdir]) == 0
+    assert main(["chaos", "--hosts", "--workdir", workdir]) == 0
+    assert [options.quick for options in seen] == [True, False]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -42,16 +43,20 @@ SKEW_S = 5 * 3600
 #: start and write on a loaded machine, never hours.
 NEAR_S = 120.0
 
+# Each child is started ahead (the three import torch at once) and works on a line of
+# stdin: a producer per line "PREFIX N", the rank on its first line.
 PRODUCER = """
     import json, sys, time, torch
     from dataflow import Ledger, Producer
     from stores import open_store
-    url, store_uri, prefix, n = sys.argv[1:5]
-    with Ledger.open(url) as led:
-        producer = Producer(led, open_store(store_uri), run_id="clocks", producer_id=prefix)
-        for i in range(int(n)):
-            producer.emit(f"{prefix}{i}", {"x": torch.full((2,), float(i))})
-    print(json.dumps({"local": time.time()}))
+    url, store_uri = sys.argv[1:3]
+    while line := sys.stdin.readline():
+        prefix, n = line.split()
+        with Ledger.open(url) as led:
+            producer = Producer(led, open_store(store_uri), run_id="clocks", producer_id=prefix)
+            for i in range(int(n)):
+                producer.emit(f"{prefix}{i}", {"x": torch.full((2,), float(i))})
+        print(json.dumps({"local": time.time()}), flush=True)
 """
 
 RANK = """
@@ -59,6 +64,7 @@ RANK = """
     from dataflow import Consumer, Ledger
     from stores import open_store
     url, store_uri = sys.argv[1:3]
+    sys.stdin.readline()
     with Ledger.open(url) as led:
         rank = Consumer(led, open_store(store_uri), run_id="clocks", consumer_id="rank0")
         rank.resume()
@@ -72,22 +78,34 @@ RANK = """
 """
 
 
-def _skewed(code: str, *args: str, monotonic_true: bool = True) -> dict[str, Any]:
-    """Run ``code`` under faketime +5h; what it printed."""
+def _skewed(code: str, *args: str, monotonic_true: bool = True) -> subprocess.Popen[str]:
+    """Start ``code`` under faketime +5h, waiting for its lines (see PRODUCER, RANK)."""
     env = dict(os.environ)
     if monotonic_true:
         env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
     command = ["faketime", "-f", f"+{SKEW_S // 3600}h", sys.executable, "-c"]
-    done = subprocess.run(
+    return subprocess.Popen(
         [*command, textwrap.dedent(code), *args],
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        timeout=180,
-        check=False,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _ask(child: subprocess.Popen[str], line: str) -> dict[str, Any]:
+    """Tell ``child`` ``line``; what it printed (within 180 s, else it is killed)."""
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(line + "\n")
+    child.stdin.flush()
+    ready, _, _ = select.select([child.stdout], [], [], 180)
+    answer = child.stdout.readline() if ready else ""
+    if not answer:
+        child.kill()
+        assert child.stderr is not None
+        raise AssertionError(f"a skewed child said nothing: {child.stderr.read()[-3000:]}")
+    return json.loads(answer)
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +117,15 @@ def skewed_run(postgres_server, tmp_path_factory) -> Iterator[dict[str, Any]]:
     name = f"dataflow_test_{uuid.uuid4().hex[:16]}"
     url = create_database(postgres_server, name)
     store = f"dir://{tmp_path_factory.mktemp('clock_store')}"
+    producer = _skewed(PRODUCER, url, store)
+    ranker = _skewed(RANK, url, store, monotonic_true=False)  # it sleeps: see above
     try:
         before = time.time()
-        first = _skewed(PRODUCER, url, store, "a", "5")
+        first = _ask(producer, "a 5")
         with Ledger.open(url) as led:
             between = led.clock()
-        second = _skewed(PRODUCER, url, store, "b", "3")
-        rank = _skewed(RANK, url, store, monotonic_true=False)  # it sleeps: see above
+        second = _ask(producer, "b 3")
+        rank = _ask(ranker, "go")
         after = time.time()
         with Ledger.open(url, create=False, read_only=True) as led:
             events = list(led.events(RUN))
@@ -119,6 +139,9 @@ def skewed_run(postgres_server, tmp_path_factory) -> Iterator[dict[str, Any]]:
             "events": events,
         }
     finally:
+        for child in (producer, ranker):
+            child.kill()
+            child.communicate()
         drop_database(postgres_server, name)
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from dataflow import DataflowError, InvalidArgumentError
 from dataflow.testing import Cluster, ClusterError, PostgresServer, Relay, cluster_unavailable
-from dataflow.testing._netns import alive
+from dataflow.testing._netns import alive, nameservers
 from tests.conftest import unavailable
 
 ECHO_PORT = 7000
@@ -147,6 +147,22 @@ def test_a_host_sees_its_own_address_and_no_other_interface(cluster: Cluster) ->
     assert interfaces == {"lo", host.interface}
     assert f"{host.address}/24" in shown
     assert cluster["pg"].address not in shown and cluster.gateway not in shown
+
+
+def test_a_hosts_dns_servers_are_unreachable_so_a_lookup_fails_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(
+        "# a comment\nnameserver 10.255.255.53\nnameserver 127.0.0.53\n"
+        "nameserver fe80::1%eth0\noptions timeout:5\nnameserver\n"
+    )
+    assert nameservers(str(resolv)) == ["10.255.255.53", "fe80::1"]  # not loopback
+    assert nameservers(str(tmp_path / "none")) == []
+    for server in nameservers():
+        route = cluster["trainer0"].run(["ip", "route", "get", server], check=False,
+                                        capture_output=True, text=True)  # fmt: skip
+        assert route.returncode != 0 and "No route to host" in route.stderr, route
 
 
 def test_kill_ends_the_whole_process_group(cluster: Cluster) -> None:

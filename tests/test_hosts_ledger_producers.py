@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dataflow import Kind, Ledger
@@ -101,13 +101,19 @@ def test_a_commit_whose_reply_is_lost_for_any_time_is_committed_once_with_its_fe
     assert outcome.results["after"]["result"] == ["s-2"], outcome
 
 
+# Each kind of cut (silent or loud, shorter or longer than D) once for sure, at spread
+# moments and lengths (seed: 0.02-0.52 s in, 0.1-0.35 D or 1.9-2.3 D), and two drawn.
 @settings(
-    max_examples=8,
+    max_examples=2,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(seed=st.integers(0, 2**16), silent=st.booleans(), long=st.booleans())
+@example(seed=65535, silent=True, long=True)
+@example(seed=12345, silent=True, long=False)
+@example(seed=4242, silent=False, long=True)
+@example(seed=1, silent=False, long=False)
 def test_emits_cut_off_at_random_moments_are_each_committed_once(
     cluster, server, seed: int, silent: bool, long: bool
 ) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dataflow.testing._host_faults_ledger import (
@@ -75,13 +75,19 @@ def test_a_rank_whose_committed_write_lost_its_reply_retries_without_loss_or_a_s
     assert outcome.results["rest"]["stuck"] is None, outcome
 
 
+# Each kind of cut (silent or loud, shorter or longer than D) once for sure, at spread
+# moments and lengths (seed: 0.02-0.52 s in, 0.1-0.35 D or 1.9-2.3 D), and one drawn.
 @settings(
-    max_examples=6,
+    max_examples=1,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(seed=st.integers(0, 2**16), silent=st.booleans(), long=st.booleans())
+@example(seed=65535, silent=True, long=True)
+@example(seed=12345, silent=True, long=False)
+@example(seed=4242, silent=False, long=True)
+@example(seed=1, silent=False, long=False)
 def test_a_rank_cut_off_at_random_moments_trains_every_sample_once(
     cluster, server, seed: int, silent: bool, long: bool
 ) -> None:

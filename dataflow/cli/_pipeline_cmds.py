@@ -129,7 +129,11 @@ def add_pipeline_commands(sub: Any) -> None:
         help="where the trials' ledgers, features, checkpoints and logs go "
         "(default: ./dataflow-chaos)",
     )
-    p.add_argument("--quick", action="store_true", help="smaller trials (128 samples, not 256)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller trials (128 samples, not 256; with --hosts 384, not 768)",
+    )
     p.add_argument(
         "--mode",
         choices=("alternate", "streaming", "offline"),
@@ -220,7 +224,7 @@ def cmd_chaos_hosts(args: argparse.Namespace) -> int:
     from dataflow.demo._chaos_hosts import HostsUnavailable, clean_hosts, run_hosts_chaos
     from dataflow.demo._chaos_hosts_plan import HostsChaosOptions
 
-    for name in ("ledger", "start_postgres", "targets", "quick"):
+    for name in ("ledger", "start_postgres", "targets"):
         if getattr(args, name):
             flag = "--" + name.replace("_", "-")
             raise Usage(f"{flag} does not go with --hosts: the cluster runs its own PostgreSQL")
@@ -238,6 +242,7 @@ def cmd_chaos_hosts(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         json_path=args.json,
         mooncake=None if args.store is None else args.store == "mooncake://",
+        quick=args.quick,
     )
     try:
         summary = run_hosts_chaos(options)

@@ -29,7 +29,6 @@ from dataflow.demo._chaos import _percentile, _same_weights, trial_totals
 from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
     FAULTS,
-    HOSTS_SIZE,
     HostsChaosOptions,
     assign,
     plan_faults,
@@ -150,7 +149,7 @@ class HostsChaos:
                 workdir=str(where),
                 quick=True,
                 seed=self.options.seed,
-                samples=HOSTS_SIZE[0],
+                samples=self.options.size[0],
                 ledger=ledger,
             )
             run = HostsTrial(
@@ -161,8 +160,9 @@ class HostsChaos:
                 faults=plans,
                 ambient=ambient,
                 streaming=stream,
-                size=HOSTS_SIZE,
+                size=self.options.size,
                 seed=seed,
+                gloo_timeout_s=self.options.gloo_timeout_s,
             )
             return run.run()
 

@@ -52,8 +52,13 @@ LATENCY_S, JITTER_S = 0.05, 0.02
 BUSY_TIMEOUT_S = 3.0
 #: The ranks' gloo timeout: how long a rank cut from its peer waits before it fails.
 GLOO_TIMEOUT_S = 20.0
+#: With ``--quick``: still room for a peer that a loaded machine starves for seconds.
+QUICK_GLOO_TIMEOUT_S = 10.0
 #: (samples, checkpoint_every, eval_every): optimizer steps of 16 samples.
 HOSTS_SIZE = (768, 8, 8)
+#: With ``--quick`` (the test suite's size): half the samples, a checkpoint as often in
+#: samples trained, so that every fault still lands mid-run.
+QUICK_HOSTS_SIZE = (384, 4, 8)
 
 
 class HostsPlanError(ValueError):
@@ -73,6 +78,19 @@ class HostsChaosOptions:
     json_path: str | None = None
     mooncake: bool | None = None
     """Run the store on a Mooncake master host; None: when Mooncake is installed."""
+    quick: bool = False
+    """Smaller trials (``QUICK_HOSTS_SIZE``) and a shorter gloo timeout
+    (``QUICK_GLOO_TIMEOUT_S``): the test suite's size."""
+
+    @property
+    def size(self) -> tuple[int, int, int]:
+        """(samples, checkpoint_every, eval_every) of each trial."""
+        return QUICK_HOSTS_SIZE if self.quick else HOSTS_SIZE
+
+    @property
+    def gloo_timeout_s(self) -> float:
+        """The ranks' gloo timeout (a ``gloo-cut`` waits that long for both to stop)."""
+        return QUICK_GLOO_TIMEOUT_S if self.quick else GLOO_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:

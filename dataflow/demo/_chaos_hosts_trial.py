@@ -29,11 +29,17 @@ from dataflow.demo._chaos_hosts_plan import (
 from dataflow.demo._chaos_trial import ChaosTrial
 from dataflow.demo._child import write_config
 from dataflow.demo._hosts import host_of, run_on_host
-from dataflow.demo._model import producer_id
 from dataflow.demo._options import DemoError, DemoOptions
 from dataflow.demo._run import PRODUCERS, RANKS, _with_query
 from dataflow.model._events import Kind
 from dataflow.model._fold import RunState
+
+
+def producer_id(index: int) -> str:
+    """Demo producer ``index``'s id, as ``dataflow.demo._model.producer_id`` names it:
+    that module imports torch, which the conductor does not need (seconds a run)."""
+    return f"producer-{index}"
+
 
 #: The port each rank's receiver binds on its own host.
 STREAM_PORT = 5600
@@ -65,8 +71,10 @@ class HostsTrial(ChaosTrial):
         streaming: bool,
         size: tuple,
         seed: int,
+        gloo_timeout_s: float = GLOO_TIMEOUT_S,
     ) -> None:
         super().__init__(options, plan=None, streaming=streaming, size=size, postgres=postgres)
+        self.gloo_timeout_s = gloo_timeout_s
         self.cluster, self.master = cluster, master
         self.plans, self.ambient = faults, ambient
         self.skew = {SKEWED_HOST: SKEW_S} if "clock-skew" in ambient else {}
@@ -112,7 +120,7 @@ class HostsTrial(ChaosTrial):
                 own["gloo"] = {
                     "master_addr": self.cluster["trainer0"].address,
                     "ifname": host.interface,
-                    "timeout_s": GLOO_TIMEOUT_S,
+                    "timeout_s": self.gloo_timeout_s,
                 }
                 if curve is not None:
                     own["curve"] = {

@@ -17,7 +17,6 @@ import os
 import time
 import warnings
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from dataflow.demo._model import (
     producer_id,
     sample_index,
 )
-from dataflow.live._collectives import join_loopback_gloo
+from dataflow.live._collectives import join_gloo, join_loopback_gloo
 from dataflow.streams import CurveServerConfig, ReceiverConfig, ZmqRefReceiver
 from eval import Evaluator
 from stores import open_store
@@ -222,15 +221,9 @@ def train(config: dict, rank: int, attempt: int, port: int) -> None:
 
 
 def _join_gloo(rank: int, port: int, *, master_addr: str, ifname: str, timeout_s: float) -> None:
-    """Join the gloo group whose rank 0 listens on ``master_addr``, over ``ifname``."""
-    os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{master_addr}:{port}",
-        rank=rank,
-        world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    """Join the gloo group whose rank 0 listens on ``master_addr``, over ``ifname``
+    (``timeout_s`` bounds each collective, not the join: a slow start is no failure)."""
+    join_gloo(rank, WORLD_SIZE, master_addr, port, timeout_s=timeout_s, interface=ifname)
 
 
 def _curve(config: dict) -> CurveServerConfig | None:

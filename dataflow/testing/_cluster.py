@@ -275,6 +275,11 @@ class Cluster:
             ip("addr", "add", f"{host.address}/24", "dev", INTERFACE, netns=ns)
             ip("link", "set", INTERFACE, "up", netns=ns)
             ip("route", "add", "default", "via", self.gateway, netns=ns)
+            # No host reaches this machine's DNS servers: a lookup fails at once instead
+            # of after the resolver's timeouts (gloo's reverse lookup of every peer's
+            # address took 10 s a join).
+            for server in _netns.nameservers():
+                ip("route", "add", "unreachable", server, netns=ns, check=False)
         for host in self.hosts.values():
             _netns.wait_forwarding(host.root_interface)
 

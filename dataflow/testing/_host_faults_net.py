@@ -46,6 +46,8 @@ HEARTBEATS = {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0}
 RANK_MODULE = "dataflow.testing._net_rank"
 PRODUCER_MODULE = "dataflow.testing._net_producer"
 _POLL_S = 0.05
+#: The port a rank's receiver binds on its host (each host is a namespace of its own).
+STREAM_PORT = 5601
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,15 @@ class Trial:
         self.store_uri = f"dir://{self.dir}/features"
         (self.dir / "ckpt").mkdir()
         self.children: list[tuple[Host, subprocess.Popen[Any], str]] = []
+        self.phases: dict[str, float] = {}
+        self._since = time.monotonic()
+
+    def phase(self, name: str) -> None:
+        """End the trial's phase ``name`` (its seconds since the last one ended): where a
+        trial's time goes, in ``facts["phases"]``."""
+        now = time.monotonic()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self._since, 2)
+        self._since = now
 
     def config(self, name: str, **more: Any) -> dict[str, Any]:
         """A child's config: the trial's ledger, store and run, and files of its own."""
@@ -204,6 +215,7 @@ class Trial:
         (``dataflow gc`` run on ``gc_host`` when given: a store reached through this
         process's relays cannot be opened here, see :func:`collect_orphans_on`)."""
         uri = store_uri or self.store_uri
+        self.phase("run")
         with Ledger.open(self.ledger_url) as ledger:
             state = replay(ledger, self.run_id)
             committed = set(state.committed)
@@ -212,6 +224,7 @@ class Trial:
                 orphans = collect_orphans(ledger, uri, self.run_id)
         if gc_host is not None:
             orphans = collect_orphans_on(self.cluster[gc_host], self.ledger_url, uri, self.run_id)
+        self.phase("checks and gc")
         return NetFaultOutcome(
             kind=self.kind,
             lost=len(committed - set(trained)),
@@ -222,7 +235,7 @@ class Trial:
             committed=len(committed),
             violations=tuple(state.verify()),
             errors=tuple(errors),
-            facts=dict(facts or {}),
+            facts={**(facts or {}), "phases": dict(self.phases)},
         )
 
 
@@ -359,6 +372,10 @@ def _stream_partition(
     cluster = trial.cluster
     server_curve, client_curve = curve_keys(trial.dir)
     endpoint_file = trial.dir / "endpoint"
+    # A port known beforehand (the trainer host's own namespace has it free): the
+    # producer starts with the rank (torch imported meanwhile) and connects once the
+    # rank's receiver is up.
+    endpoint = f"tcp://{cluster[trainer].address}:{STREAM_PORT}"
     rank = trial.start(
         trainer,
         RANK_MODULE,
@@ -368,14 +385,13 @@ def _stream_partition(
             consumer_id="rank0",
             batch=4,
             stream={
-                "endpoint": f"tcp://{cluster[trainer].address}:0",
+                "endpoint": endpoint,
                 "endpoint_file": str(endpoint_file),
                 "curve": server_curve,
                 **HEARTBEATS,
             },
         ),
     )
-    trial.wait_for("the rank's receiver", endpoint_file.exists, 30)
     sender = trial.start(
         producer,
         PRODUCER_MODULE,
@@ -384,8 +400,9 @@ def _stream_partition(
             producer_id="p0",
             samples=samples,
             interval_s=0.03,
+            after=[str(endpoint_file)],
             stream={
-                "endpoints": [endpoint_file.read_text()],
+                "endpoints": [endpoint],
                 "curve": client_curve,
                 "send_timeout": 0.25,
                 "close_timeout": 1.0,
@@ -393,7 +410,9 @@ def _stream_partition(
             },
         ),
     )
+    trial.wait_for("the rank's receiver", endpoint_file.exists, 60)
     trial.wait_for("a third of the samples", lambda: trial.emitted("p0") >= samples // 3, 30)
+    trial.phase("up, a third emitted")
     cluster.cut(producer, trainer, silent=silent)
     cut_at = time.monotonic()
     if cut_s is None:
@@ -469,7 +488,10 @@ def _gloo_partition(
 ) -> NetFaultOutcome:
     cluster = trial.cluster
     commit_samples(trial, samples)
+    trial.phase("commit")
     port = random.Random(seed).randrange(20000, 30000)
+
+    go = trial.dir / "restart"
 
     def start_ranks(attempt: int) -> list[subprocess.Popen[Any]]:
         return [
@@ -478,6 +500,10 @@ def _gloo_partition(
                 RANK_MODULE,
                 trial.config(
                     f"rank{r}-attempt{attempt}",
+                    # The second attempt starts with the first and waits (torch imported)
+                    # for the restart: it joins, resumes and trains only after the heal.
+                    after=[str(go)] if attempt > 1 else [],
+                    after_s=2 * timeout_s + collective_timeout_s * 3 + 60,
                     rank=r,
                     world_size=2,
                     consumer_id=f"rank{r}",
@@ -497,18 +523,22 @@ def _gloo_partition(
 
     first_names = ["rank0-attempt1", "rank1-attempt1"]
     first = start_ranks(1)
+    second = start_ranks(2)
     trial.wait_for(
         "a third of the samples trained", lambda: trial.acked(first_names) >= samples // 3, 40
     )
+    trial.phase("ranks up, a third trained")
     cluster.cut(*ranks, silent=silent)
     cut_at = time.monotonic()
     hung = trial.wait(first, collective_timeout_s * 3 + 15)
+    trial.phase("cut until both stopped")
     stopped_s = time.monotonic() - cut_at
     errors = [trial.result(n).get("error") for n in first_names]
     cluster.heal(*ranks)
     restarted_at = time.monotonic()
-    second = start_ranks(2)
+    go.touch()
     hung += trial.wait(second, timeout_s)
+    trial.phase("restarted ranks finish")
     second_names = ["rank0-attempt2", "rank1-attempt2"]
     again = [trial.result(n).get("error") for n in second_names]
     back = trial.acks_after(second_names, restarted_at)

@@ -100,15 +100,23 @@ def _mooncake_partition(
             hold_s=timeout_s,
         ),
     )
-    trial.wait_for("the producer's first samples", lambda: trial.emitted("p0") >= 1, 40)
+    # Started with the producer (torch imported meanwhile), the rank joins once the
+    # producer's first samples are committed: a run with no producer yet is drained.
     rank = trial.start(
         trainer,
         RANK_MODULE,
         trial.config(
-            "rank0", rank=0, consumer_id="rank0", batch=4, store_uri=f"{uri}&segment_size=0"
+            "rank0",
+            rank=0,
+            consumer_id="rank0",
+            batch=4,
+            store_uri=f"{uri}&segment_size=0",
+            after=[str(trial.dir / "p0.progress")],
         ),
     )
+    trial.wait_for("the producer's first samples", lambda: trial.emitted("p0") >= 1, 60)
     trial.wait_for("a third of the samples", lambda: trial.emitted("p0") >= samples // 3, 40)
+    trial.phase("up, a third emitted")
     cluster.cut(producer, master_host, silent=silent)
     cut_at = time.monotonic()
     emitted_at_cut = trial.emitted("p0")
@@ -184,6 +192,7 @@ def latency_run(
     ``OperationalError`` (a reset) and an emit, same id; the ledger settles whether a
     call whose reply was lost landed.
     """
+    began = time.monotonic()
     server = cluster.start_postgres(pg_host)
     relays: list[Relay] = []
     try:
@@ -197,7 +206,8 @@ def latency_run(
             return f"postgresql+psycopg://postgres@{relay.address}/{database}"
 
         trial = Trial(cluster, "latency", ledger_url=_direct(cluster, server, database))
-        master = None
+        trial.phases["postgres"] = round(time.monotonic() - began, 2)
+        master = direct_store = None
         if master_host is not None:
             master = cluster.start_mooncake_master(master_host)
             relayed = [
@@ -207,11 +217,15 @@ def latency_run(
                 for i, port in enumerate((master.rpc_port, master.http_port))
             ]
             relays += relayed
-            trial.store_uri = _relayed_store_uri(master, *relayed)
+            namespace = f"nf-{uuid.uuid4().hex[:8]}"
+            trial.store_uri = _relayed_store_uri(master, *relayed, namespace)
+            # The checks afterwards open the same store at the master's own address.
+            direct_store = f"{master.store_uri(namespace=namespace)}&segment_size=0"
+            trial.phase("mooncake master")
         try:
             return _latency_run(
                 trial, ledger_via_relay, relays, delay_s, jitter_s, faults, samples, seed,
-                producer, ranks, timeout_s, master is not None,
+                producer, ranks, timeout_s, direct_store,
             )  # fmt: skip
         finally:
             trial.stop()
@@ -223,14 +237,14 @@ def latency_run(
         server.close()
 
 
-def _relayed_store_uri(master: Any, rpc: Relay, metadata: Relay) -> str:
+def _relayed_store_uri(master: Any, rpc: Relay, metadata: Relay, namespace: str) -> str:
     """The master's store URI with its RPC and metadata ports behind ``rpc`` and
     ``metadata`` (its HTTP listing, for ``gc``, direct)."""
     query = urllib.parse.urlencode(
         {
             "metadata": f"http://{metadata.address}/metadata",
             "protocol": "tcp",
-            "namespace": f"nf-{uuid.uuid4().hex[:8]}",
+            "namespace": namespace,
             "admin": master.admin_address,
         },
         quote_via=urllib.parse.quote,
@@ -266,9 +280,10 @@ def _latency_run(
     producer: str,
     ranks: tuple[str, str],
     timeout_s: float,
-    mooncake: bool,
+    direct_store: str | None,
 ) -> NetFaultOutcome:
     cluster = trial.cluster
+    mooncake = direct_store is not None
     # On Mooncake the producer lends the memory the samples are put into; the ranks none.
     producer_store = f"{trial.store_uri}&segment_size=32M" if mooncake else trial.store_uri
     rank_store = f"{trial.store_uri}&segment_size=0" if mooncake else trial.store_uri
@@ -277,7 +292,17 @@ def _latency_run(
     server_curve, client_curve = curve_keys(trial.dir)
     common = {"busy_timeout": 4.0, "retry_s": 30.0}
     port = random.Random(seed).randrange(30000, 40000)
+    # Each rank's receiver binds a port known beforehand (its host's own namespace has it
+    # free), so the relays to it exist before it starts, and the producer starts with the
+    # ranks (it imports torch meanwhile) and connects once their receivers are up.
+    stream_port = port + 1
     names = ["rank0", "rank1"]
+    endpoints = []
+    for host in ranks:
+        relay = cluster.relay(host, stream_port, delay_s=delay_s, jitter_s=jitter_s,
+                              seed=seed + 100 + len(relays))  # fmt: skip
+        relays.append(relay)
+        endpoints.append(f"tcp://{relay.address}")
     processes: list[subprocess.Popen[Any]] = []
     for r, host in enumerate(ranks):
         processes.append(
@@ -300,7 +325,7 @@ def _latency_run(
                         "timeout_s": 30.0,
                     },
                     stream={
-                        "endpoint": f"tcp://{cluster[host].address}:0",
+                        "endpoint": f"tcp://{cluster[host].address}:{stream_port}",
                         "endpoint_file": str(trial.dir / f"{names[r]}.endpoint"),
                         "curve": server_curve,
                         **HEARTBEATS,
@@ -308,15 +333,6 @@ def _latency_run(
                 ),
             )
         )
-    endpoints = []
-    for name, host in zip(names, ranks, strict=True):
-        where = trial.dir / f"{name}.endpoint"
-        trial.wait_for(f"{name}'s receiver", where.exists, 40)
-        stream_port = int(where.read_text().rsplit(":", 1)[1])
-        relay = cluster.relay(host, stream_port, delay_s=delay_s, jitter_s=jitter_s,
-                              seed=seed + 100 + len(relays))  # fmt: skip
-        relays.append(relay)
-        endpoints.append(f"tcp://{relay.address}")
     processes.append(
         trial.start(
             producer,
@@ -329,6 +345,7 @@ def _latency_run(
                 samples=samples,
                 batch=4,
                 interval_s=0.0,
+                after=[str(trial.dir / f"{name}.endpoint") for name in names],
                 store_uri=producer_store,
                 hold=str(hold),
                 hold_s=timeout_s,
@@ -342,8 +359,12 @@ def _latency_run(
             ),
         )
     )
+    for name in names:
+        trial.wait_for(f"{name}'s receiver", (trial.dir / f"{name}.endpoint").exists, 60)
+    trial.phase("ranks up")
     # The faults come once the run is under way (every component joined, one commit in).
     trial.wait_for("the first commit", lambda: trial.emitted("p0") >= 1, 60)
+    trial.phase("producer up")
     started = time.monotonic()
     injected: list[str] = []
     stop = threading.Event()
@@ -352,8 +373,10 @@ def _latency_run(
     )
     chaos.start()
     hung = trial.wait(processes[:2], timeout_s)
+    trial.phase("training")
     hold.touch()  # the ranks read everything: the producer's memory may go
     hung += trial.wait(processes[2:], 15)
+    trial.phase("producer exit")
     stop.set()
     chaos.join(5)
     for relay in relays:
@@ -377,8 +400,10 @@ def _latency_run(
         recovery_s=None,
         detail=detail,
         errors=errors,
-        store_uri=rank_store,
-        gc_host=ranks[0] if mooncake else None,
+        # The checks open the store here, past the relays (their run is over): a Mooncake
+        # client holds the interpreter's lock in its calls, and would stop a relay of this
+        # process that it talked through.
+        store_uri=direct_store or rank_store,
         facts={
             "exits": [p.returncode for p in processes],
             "injected": injected,

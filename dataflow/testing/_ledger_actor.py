@@ -4,6 +4,9 @@ Run inside a host's namespace by :mod:`dataflow.testing._host_faults_ledger`::
 
     python -m dataflow.testing._ledger_actor ROLE LEDGER_URL STORE_DIR RUN_ID ACTOR_ID BUSY_TIMEOUT
 
+or without arguments, started ahead of its trial (its imports done meanwhile): then its
+first line on stdin is ``{"argv": [ROLE, LEDGER_URL, ...]}``.
+
 ``ROLE`` is ``producer`` (a :class:`Producer` on a shared-dir store) or ``rank`` (a
 :class:`Consumer` that resumes). It says ``{"ready": true}``, then answers each command
 line on stdin with one line on stdout: ``{"ok": true, "result": ..., "at": T}`` or
@@ -171,8 +174,10 @@ def _end_with_parent() -> None:
 
 
 def main(argv: list[str]) -> None:
-    role, url, root, run_id, actor, busy = argv
     _end_with_parent()
+    if not argv:  # started ahead of its trial: the arguments come as the first line
+        argv = json.loads(sys.stdin.readline())["argv"]
+    role, url, root, run_id, actor, busy = argv
     ledger = Ledger.open(url, busy_timeout=float(busy))
     store = SharedDirFeatureStore(root)
     pause = _CommitPause(ledger)

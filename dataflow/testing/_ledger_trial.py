@@ -70,25 +70,53 @@ class LedgerFaultOutcome:
         return not (self.lost or self.duplicated or self.orphans or self.problems)
 
 
+#: Per host, an actor process started ahead, importing torch (seconds of CPU) while a
+#: trial runs, waiting on stdin for the arguments of the next trial's actor there.
+_SPARES: dict[str, tuple[Any, subprocess.Popen[str], Path]] = {}
+
+
+def _spawn(cluster: Any, host: str) -> tuple[Any, subprocess.Popen[str], Path]:
+    log = Path(cluster.workdir) / "actors" / f"{host}-{uuid.uuid4().hex[:6]}.log"
+    log.parent.mkdir(exist_ok=True)
+    with open(log, "w") as file:
+        process: subprocess.Popen[str] = cluster[host].popen(
+            [sys.executable, "-m", "dataflow.testing._ledger_actor"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=file,
+            text=True,
+            bufsize=1,
+        )
+    return cluster, process, log
+
+
+def _take_spare(cluster: Any, host: str) -> tuple[subprocess.Popen[str], Path]:
+    """The actor process started ahead on ``host`` (a new one if there is none), and
+    another started ahead in its place."""
+    spare = _SPARES.pop(host, None)
+    if spare is not None and (spare[0] is not cluster or spare[1].poll() is not None):
+        if spare[1].poll() is None:
+            spare[0][host].kill(spare[1])
+        spare[1].communicate()  # reaped, its pipes closed
+        spare = None
+    _, process, log = spare or _spawn(cluster, host)
+    _SPARES[host] = _spawn(cluster, host)
+    return process, log
+
+
 class Actor:
-    """A producer or rank process on a host, answering JSON lines (see _ledger_actor)."""
+    """A producer or rank process on a host, answering JSON lines (see _ledger_actor).
+
+    The process was started ahead (it imported what it needs during the previous
+    trial); it opens the ledger and the store once told its arguments, here."""
 
     def __init__(
         self, cluster: Any, host: str, role: str, url: str, root: Path, actor: str, busy: float
     ) -> None:
-        argv = [sys.executable, "-m", "dataflow.testing._ledger_actor", role, url, str(root)]
         self.name = f"{role} {actor} on {host}"
-        self.log = root.parent / f"{actor}-{uuid.uuid4().hex[:6]}.log"
-        with open(self.log, "w") as log:
-            self.process: subprocess.Popen[str] = cluster[host].popen(
-                [*argv, RUN, actor, str(busy)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                bufsize=1,
-            )
+        self.process, self.log = _take_spare(cluster, host)
         self.host = cluster[host]
+        self.tell(argv=[role, url, str(root), RUN, actor, str(busy)])
         self.said(STARTUP_S, expect="ready")
 
     def said(self, within: float, *, expect: str | None = None) -> dict[str, Any]:

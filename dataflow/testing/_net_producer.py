@@ -11,7 +11,9 @@ whether a commit whose reply was lost landed. Each failure is counted by its err
 type, and the first message of each type kept. It appends its progress (the count
 emitted) to ``progress`` and writes ``result`` (JSON). With ``hold`` it then waits for
 that file to appear before it exits (its memory may hold the features: a Mooncake
-segment). Exit status 0, or 3 when an error stopped it.
+segment). With ``after`` (paths) it first waits for those files to appear (at most
+``after_s`` seconds): started beside the ranks, it imports torch while they do, and
+connects once their receivers are up. Exit status 0, or 3 when an error stopped it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataflow.model._errors import OperationalError, StoreError
 from dataflow.recorder._ledger import Ledger
 from dataflow.streams._security import CurveClientConfig
 from dataflow.streams._sender import SenderConfig, ZmqRefSender
-from dataflow.testing._net_rank import RETRIED, retrying, run_and_exit
+from dataflow.testing._net_rank import RETRIED, retrying, run_and_exit, wait_for_files
 from stores import open_store
 
 
@@ -58,6 +60,7 @@ def features(index: int) -> dict[str, torch.Tensor]:
 def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     """Emit, then close; fills ``result`` as it goes."""
     retry_s = config.get("retry_s", 0.0)
+    wait_for_files(config.get("after", ()), config.get("after_s", 60.0))
     ledger = retrying(
         retry_s, Ledger.open, config["ledger_url"], busy_timeout=config.get("busy_timeout", 30.0)
     )

@@ -9,8 +9,10 @@ until the run is drained on every rank. Ledger calls that fail with an
 
 It appends what it acked to ``progress`` (a JSON line per step: its monotonic time and
 the ids) and writes ``result`` (JSON: acked ids, producer losses, the receiver's
-counters, the error that stopped it if one did). Exit status 0 when the run is drained,
-3 when an error stopped it. The config keys are those :mod:`_host_faults_net` writes.
+counters, the error that stopped it if one did). With ``after`` (paths) it first waits
+for those files to appear (at most ``after_s`` seconds): a rank started ahead of its
+moment. Exit status 0 when the run is drained, 3 when an error stopped it. The config
+keys are those :mod:`_host_faults_net` writes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def retrying(retry_s: float, call: Callable[..., _T], *args: Any, **kwargs: Any)
             time.sleep(0.1)
 
 
+def wait_for_files(paths: list[str], timeout_s: float) -> None:
+    """Wait until every file of ``paths`` exists, at most ``timeout_s`` seconds, then go
+    on regardless: a child started ahead imports torch (seconds of CPU) meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not all(Path(p).exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _receiver(config: dict[str, Any]) -> ZmqRefReceiver | None:
     stream = config.get("stream")
     if stream is None:
@@ -77,6 +87,9 @@ def _receiver(config: dict[str, Any]) -> ZmqRefReceiver | None:
 
 def run(config: dict[str, Any], result: dict[str, Any]) -> None:
     """The rank's life; fills ``result`` as it goes."""
+    if config.get("gloo") is not None:
+        import torch.distributed  # noqa: F401 (seconds: before the wait, not after)
+    wait_for_files(config.get("after", ()), config.get("after_s", 60.0))
     rank, world_size = config["rank"], config.get("world_size", 1)
     retry_s = config.get("retry_s", 0.0)
     gloo = config.get("gloo")

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import functools
 import glob
+import ipaddress
 import json
 import os
 import re
@@ -52,6 +53,23 @@ def ip(*args: str, netns: str | None = None, check: bool = True) -> str:
     if check and result.returncode != 0:
         raise ClusterError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
     return result.stdout
+
+
+def nameservers(resolv_conf: str = "/etc/resolv.conf") -> list[str]:
+    """The DNS servers this machine's resolver asks, but those on loopback."""
+    try:
+        lines = Path(resolv_conf).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "nameserver":
+            address = fields[1].split("%", 1)[0]  # an IPv6 zone index is no address
+            with contextlib.suppress(ValueError):
+                if not ipaddress.ip_address(address).is_loopback:
+                    found.append(address)
+    return found
 
 
 def names(slot: int) -> tuple[str, str]:
