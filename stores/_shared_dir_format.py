@@ -14,8 +14,8 @@ length, generation and header JSON. A header that fails its checksum, or names
 another sample, is corruption; only an intact header of another generation
 means the ref's generation is gone (stale).
 
-A file is written with generation and header checksum zero, and sealed
-(:func:`seal`) once its generation is chosen, just before it is renamed into place.
+A file is written whole once its generation is chosen (:func:`sealed_head`), then
+renamed into place.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ MAGIC = b"DFFEAT02"
 _MAGIC_FAMILY = b"DFFEAT"
 _PREFIX = struct.Struct("<8sQQQ")
 _SUMMED = struct.Struct("<8sQQ")  # what the header xxh3 covers, with the header JSON
-_SEALED = struct.Struct("<QQ")  # generation and header xxh3, written last, at offset 16
 _HEADER_READ = 4096
 _MAX_HEADER = 64 << 20
 _IOV_MAX = 512
@@ -62,8 +61,10 @@ def file_pieces(
     dense: dict[str, torch.Tensor],
     specs: dict[str, FeatureSpec],
     checksums: bool,
-) -> tuple[list[memoryview], bytes]:
-    """The bytes of a new (unsealed) file of ``sample_id``, as pieces, and its header JSON.
+) -> tuple[bytes, list[Any], int]:
+    """A new file of ``sample_id`` but for its first bytes: its header JSON, the buffers
+    that follow the header (pads and tensor bytes), and the file's size;
+    :func:`sealed_head` gives the first bytes once the generation is chosen.
 
     The layout is ``_tensors.layout(specs)``'s, each tensor's size taken from its bytes
     (a dense tensor of its spec has as many), in one pass.
@@ -73,7 +74,7 @@ def file_pieces(
     sums: dict[str, str | None] = {}
     end = 0
     for name in sorted(specs):
-        view = _tensors.byte_view(dense[name]).numpy()
+        view = _buffer(dense[name])
         data[name] = view
         spans[name] = (end, view.nbytes)
         sums[name] = _tensors.checksum(view) if checksums else None
@@ -81,15 +82,32 @@ def file_pieces(
     header = _header(sample_id, specs, spans, end, sums)
     position = _PREFIX.size + len(header)
     start = _tensors.align(position)
-    pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0, 0) + header)]
+    pieces: list[Any] = []
     for name, (offset, nbytes) in spans.items():  # every pad is under ALIGN bytes
         if start + offset > position:
             pieces.append(_ZEROS[: start + offset - position])
-        pieces.append(memoryview(data[name]))
+        pieces.append(data[name])
         position = start + offset + nbytes
     if start + end > position:
         pieces.append(_ZEROS[: start + end - position])
-    return pieces, header
+    return header, pieces, start + end
+
+
+def _buffer(tensor: torch.Tensor) -> Any:
+    """The bytes of a dense CPU tensor as a numpy array, without a copy: the tensor's own
+    array where numpy has its dtype (a third of the cost of the uint8 view), else a
+    :func:`_tensors.byte_view` (bfloat16, float8, complex32)."""
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks
+        return _tensors.byte_view(tensor).numpy()
+
+
+def sealed_head(header: bytes, generation: int) -> bytes:
+    """The first bytes of the file of ``header`` and ``generation``: magic, lengths,
+    generation, the header's checksum, then the header JSON."""
+    checksum = _header_checksum(header, generation)
+    return _PREFIX.pack(MAGIC, len(header), generation, checksum) + header
 
 
 def _header(
@@ -114,31 +132,31 @@ def _header(
     return _encode_json(doc)
 
 
-def writev_all(fd: int, buffers: list[memoryview]) -> None:
+def writev_all(fd: int, buffers: list[Any], nbytes: int) -> None:
+    """Write ``buffers`` (``nbytes`` in all) at ``fd``'s offset, after short writes too."""
     written = 0
     if len(buffers) <= _IOV_MAX:
         written = os.writev(fd, buffers)
-        if written == sum(map(len, buffers)):
+        if written == nbytes:
             return  # the usual: one call wrote it all
-    buffers = [b for b in buffers if len(b)]
+    views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
     while True:  # after a short write: skip what went, write the rest
-        while buffers and written >= len(buffers[0]):
-            written -= len(buffers.pop(0))
-        if not buffers:
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if not views:
             return
         if written:
-            buffers[0] = buffers[0][written:]
-        written = os.writev(fd, buffers[:_IOV_MAX])
-
-
-def seal(fd: int, header: bytes, generation: int) -> None:
-    """Write the generation and the header checksum of an unsealed file."""
-    os.pwrite(fd, _SEALED.pack(generation, _header_checksum(header, generation)), 16)
+            views[0] = views[0][written:]
+        written = os.writev(fd, views[:_IOV_MAX])
 
 
 # -- reading -------------------------------------------------------------------
 def current_generation(path: str, sample_id: str) -> int:
     """Generation in ``path``; 0 when there is none, or a corrupt one (so replaceable)."""
+    # A put's usual case is a new sample: os.access answers it without the exception an
+    # open raises (which cost half as much again as the syscall).
+    if not os.access(path, os.F_OK):
+        return 0
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
