@@ -27,6 +27,8 @@ from dataflow.model import FeatureSpec, SampleRef
 from stores import _tensors
 from stores._pool import ChunkPool
 from stores._shared_dir_format import (
+    FileLayout,
+    array_of,
     check_header,
     current_generation,
     file_pieces,
@@ -39,16 +41,10 @@ from stores._shared_dir_layout import TMP_NAME_RE, _Directory
 from stores._shared_dir_scan import UNFINISHED_PREFIX, _Scan
 
 _POOL_FROM = 4 << 20
+#: Layouts kept per store handle (one per set of specs put; cleared when full).
+_LAYOUTS = 1024
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 log = logging.getLogger(__name__)
-
-
-def _spec_of(tensor: torch.Tensor) -> FeatureSpec:
-    """``FeatureSpec.of(tensor)``, without the checks a tensor's shape and dtype pass."""
-    spec = object.__new__(FeatureSpec)
-    object.__setattr__(spec, "shape", tuple(tensor.shape))
-    object.__setattr__(spec, "dtype", tensor.dtype)
-    return spec
 
 
 def _checked_ref(
@@ -59,14 +55,9 @@ def _checked_ref(
     metadata (a plain JSON copy) before the hook, the specs are ``FeatureSpec.of`` a
     tensor and the generation a positive int. The checks were a tenth of a put's CPU."""
     ref = object.__new__(SampleRef)
-    for name, value in (
-        ("sample_id", sample_id),
-        ("store", store),
-        ("generation", generation),
-        ("specs", specs),
-        ("metadata", metadata),
-    ):
-        object.__setattr__(ref, name, value)
+    ref.__dict__.update(
+        sample_id=sample_id, store=store, generation=generation, specs=specs, metadata=metadata
+    )
     return ref
 
 
@@ -113,6 +104,7 @@ class SharedDirFeatureStore(FeatureStore):
         self._pool = ChunkPool(recycle_bytes)
         self._last_generation = 0
         self._generation_lock = threading.Lock()
+        self._layouts: dict[Any, FileLayout] = {}
 
     @classmethod
     def from_uri(cls, uri: str) -> SharedDirFeatureStore:
@@ -163,11 +155,11 @@ class SharedDirFeatureStore(FeatureStore):
         self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> tuple[SampleRef, str]:
         """A put but for the fsync of its directory: its ref, and that directory."""
-        dense = {name: _tensors.dense(t) for name, t in tensors.items()}
-        specs = {name: _spec_of(t) for name, t in dense.items()}
+        layout = self._layout(tensors)
+        arrays = [array_of(tensors[name]) for name in layout.names]
         path = self._file(sample_id)
         try:
-            generation = self._put_file(sample_id, path, dense, specs)
+            generation = self._put_file(sample_id, path, layout, arrays)
         except OSError as exc:
             if exc.errno not in _DISK_FULL:
                 raise
@@ -177,16 +169,20 @@ class SharedDirFeatureStore(FeatureStore):
                 "previous generation, if any, is intact: free space there (`dataflow gc` "
                 "deletes released samples) and put it again"
             ) from exc
-        ref = _checked_ref(sample_id, self.uri, generation, specs, metadata)
+        ref = _checked_ref(sample_id, self.uri, generation, dict(layout.specs), metadata)
         return ref, path.rpartition("/")[0]  # its directory
 
-    def _put_file(
-        self,
-        sample_id: str,
-        path: str,
-        dense: dict[str, torch.Tensor],
-        specs: dict[str, FeatureSpec],
-    ) -> int:
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> FileLayout:
+        """The file layout of samples of ``tensors``' names, shapes and dtypes."""
+        key = tuple([(name, t.shape, t.dtype) for name, t in tensors.items()])
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[key] = FileLayout(key, self._checksums)
+        return layout
+
+    def _put_file(self, sample_id: str, path: str, layout: FileLayout, arrays: list[Any]) -> int:
         """Write a new generation of ``sample_id`` and rename it over ``path``; its generation.
 
         The caller fsyncs the directory of ``path`` (once for a batch of puts). The file
@@ -194,7 +190,7 @@ class SharedDirFeatureStore(FeatureStore):
         for the file's fsync anyway, and a file sealed afterwards cost another write (of a
         third of the syscalls a put adds to the file's own).
         """
-        header, body, size = file_pieces(sample_id, dense, specs, self._checksums)
+        header, body, size = file_pieces(sample_id, arrays, layout)
         unlock = self._dir.lock(sample_id)
         try:
             generation = self._next_generation(current_generation(path, sample_id) + 1)
