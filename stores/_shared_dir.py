@@ -45,6 +45,7 @@ _POOL_FROM = 4 << 20
 _LAYOUTS = 1024
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 log = logging.getLogger(__name__)
+_new, _set = object.__new__, object.__setattr__
 
 
 def _checked_ref(
@@ -54,10 +55,14 @@ def _checked_ref(
     without its checks: ``FeatureStore.put``/``put_many`` checked the id, the names and the
     metadata (a plain JSON copy) before the hook, the specs are ``FeatureSpec.of`` a
     tensor and the generation a positive int. The checks were a tenth of a put's CPU."""
-    ref = object.__new__(SampleRef)
-    ref.__dict__.update(
-        sample_id=sample_id, store=store, generation=generation, specs=specs, metadata=metadata
-    )
+    # Attribute by attribute: ref.__dict__ would make each ref carry a dict object (one
+    # more for the garbage collector) where Python keeps its values inline.
+    ref = _new(SampleRef)
+    _set(ref, "sample_id", sample_id)
+    _set(ref, "store", store)
+    _set(ref, "generation", generation)
+    _set(ref, "specs", specs)
+    _set(ref, "metadata", metadata)
     return ref
 
 

@@ -45,9 +45,23 @@ def _commits_sql(dialect: Any, size: int) -> tuple[str, bool]:
     return str(compiled), bool(compiled.positional)
 
 
+#: The same read on psycopg: the ids as one array, sent in binary. psycopg parses a
+#: statement of more than 50 parameters again on every call (it caches none of those),
+#: and its text-format array dumper escapes each element with a regular expression.
+_PG_COMMITS = (
+    f"SELECT seq, sample_id, revision, payload FROM {events.name} "
+    "WHERE run_id = %(run_id)s AND kind = %(kind)s AND revision IS NOT NULL "
+    "AND sample_id = ANY(%(ids)b::text[])"
+)
+
+
 def _commit_rows(conn: Connection, run_id: str, ids: list[str]) -> CursorResult[Any]:
     """(seq, sample id, revision, payload) of every commit row of ``ids`` (at most CHUNK,
     at least one) in the run."""
+    if conn.dialect.driver == "psycopg":
+        return conn.exec_driver_sql(
+            _PG_COMMITS, {"run_id": run_id, "kind": Kind.COMMIT, "ids": ids}
+        )
     size = next(size for size in _SIZES if size >= len(ids))
     sql, positional = _commits_sql(conn.dialect, size)
     padded = ids + [ids[-1]] * (size - len(ids))
