@@ -478,12 +478,12 @@ def test_a_file_lays_its_tensors_out_as_the_specs_say(tmp_path, features) -> Non
 
 @settings(max_examples=60, deadline=None)
 @given(features=feature_dicts(max_features=4), checksums=st.booleans(), sample_id=sample_ids())
-def test_a_header_filled_into_a_shared_layout_is_the_json_of_its_fields(
+def test_a_header_of_a_shared_layout_is_the_json_of_its_fields(
     features, checksums, sample_id
 ) -> None:
-    """Puts of samples with the same specs share a FileLayout, its header text written
-    once: what it fills in for a sample is the compact JSON of the header's fields, keys
-    in the order the format gives, tensors in the order of the put."""
+    """Puts of samples with the same specs share a FileLayout: the header it writes for a
+    sample is the compact JSON of the header's fields, keys in the order the format
+    gives, tensors in the order of the put, and the file as long as the pieces."""
     layout = FileLayout(tuple((n, t.shape, t.dtype) for n, t in features.items()), checksums)
     header, pieces, size = file_pieces(
         sample_id, [array_of(features[name]) for name in layout.names], layout
