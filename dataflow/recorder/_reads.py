@@ -18,9 +18,9 @@ from dataflow.recorder._sql import per_dialect
 #: Ids per ``IN (...)`` list: under SQLite's default limit of bound parameters.
 CHUNK = 900
 #: The lengths of the compiled ``IN (...)`` lists: a chunk is padded to the next one
-#: with its last id (a repeated id changes no answer), so a few statements serve
-#: every size.
-_SIZES = (1, 8, 64, 256, CHUNK)
+#: with its last id (a repeated id changes no answer), so a few statements (each
+#: compiled when first used) serve every size.
+_SIZES = (*(1 << power for power in range(10) if 1 << power < CHUNK), CHUNK)
 
 
 @per_dialect
