@@ -27,28 +27,25 @@ from dataflow.model import FeatureSpec, SampleRef
 from stores import _tensors
 from stores._pool import ChunkPool
 from stores._shared_dir_format import (
+    FileLayout,
+    array_of,
     check_header,
     current_generation,
     file_pieces,
     read_header,
     read_tensor,
-    seal,
+    sealed_head,
     writev_all,
 )
 from stores._shared_dir_layout import TMP_NAME_RE, _Directory
 from stores._shared_dir_scan import UNFINISHED_PREFIX, _Scan
 
 _POOL_FROM = 4 << 20
+#: Layouts kept per store handle (one per set of specs put; cleared when full).
+_LAYOUTS = 1024
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 log = logging.getLogger(__name__)
-
-
-def _spec_of(tensor: torch.Tensor) -> FeatureSpec:
-    """``FeatureSpec.of(tensor)``, without the checks a tensor's shape and dtype pass."""
-    spec = object.__new__(FeatureSpec)
-    object.__setattr__(spec, "shape", tuple(tensor.shape))
-    object.__setattr__(spec, "dtype", tensor.dtype)
-    return spec
+_new, _set = object.__new__, object.__setattr__
 
 
 def _checked_ref(
@@ -58,15 +55,14 @@ def _checked_ref(
     without its checks: ``FeatureStore.put``/``put_many`` checked the id, the names and the
     metadata (a plain JSON copy) before the hook, the specs are ``FeatureSpec.of`` a
     tensor and the generation a positive int. The checks were a tenth of a put's CPU."""
-    ref = object.__new__(SampleRef)
-    for name, value in (
-        ("sample_id", sample_id),
-        ("store", store),
-        ("generation", generation),
-        ("specs", specs),
-        ("metadata", metadata),
-    ):
-        object.__setattr__(ref, name, value)
+    # Attribute by attribute: ref.__dict__ would make each ref carry a dict object (one
+    # more for the garbage collector) where Python keeps its values inline.
+    ref = _new(SampleRef)
+    _set(ref, "sample_id", sample_id)
+    _set(ref, "store", store)
+    _set(ref, "generation", generation)
+    _set(ref, "specs", specs)
+    _set(ref, "metadata", metadata)
     return ref
 
 
@@ -113,6 +109,7 @@ class SharedDirFeatureStore(FeatureStore):
         self._pool = ChunkPool(recycle_bytes)
         self._last_generation = 0
         self._generation_lock = threading.Lock()
+        self._layouts: dict[Any, FileLayout] = {}
 
     @classmethod
     def from_uri(cls, uri: str) -> SharedDirFeatureStore:
@@ -163,11 +160,11 @@ class SharedDirFeatureStore(FeatureStore):
         self, sample_id: str, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]
     ) -> tuple[SampleRef, str]:
         """A put but for the fsync of its directory: its ref, and that directory."""
-        dense = {name: _tensors.dense(t) for name, t in tensors.items()}
-        specs = {name: _spec_of(t) for name, t in dense.items()}
+        layout = self._layout(tensors)
+        arrays = [array_of(tensors[name]) for name in layout.names]
         path = self._file(sample_id)
         try:
-            generation = self._put_file(sample_id, path, dense, specs)
+            generation = self._put_file(sample_id, path, layout, arrays)
         except OSError as exc:
             if exc.errno not in _DISK_FULL:
                 raise
@@ -177,37 +174,44 @@ class SharedDirFeatureStore(FeatureStore):
                 "previous generation, if any, is intact: free space there (`dataflow gc` "
                 "deletes released samples) and put it again"
             ) from exc
-        ref = _checked_ref(sample_id, self.uri, generation, specs, metadata)
+        ref = _checked_ref(sample_id, self.uri, generation, dict(layout.specs), metadata)
         return ref, path.rpartition("/")[0]  # its directory
 
-    def _put_file(
-        self,
-        sample_id: str,
-        path: str,
-        dense: dict[str, torch.Tensor],
-        specs: dict[str, FeatureSpec],
-    ) -> int:
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> FileLayout:
+        """The file layout of samples of ``tensors``' names, shapes and dtypes."""
+        key = tuple([(name, t.shape, t.dtype) for name, t in tensors.items()])
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[key] = FileLayout(key, self._checksums)
+        return layout
+
+    def _put_file(self, sample_id: str, path: str, layout: FileLayout, arrays: list[Any]) -> int:
         """Write a new generation of ``sample_id`` and rename it over ``path``; its generation.
 
-        The caller fsyncs the directory of ``path`` (once for a batch of puts).
+        The caller fsyncs the directory of ``path`` (once for a batch of puts). The file
+        is written under the lock, whole, once its generation is chosen: the lock is held
+        for the file's fsync anyway, and a file sealed afterwards cost another write (of a
+        third of the syscalls a put adds to the file's own).
         """
-        fd, tmp, header = self._write_tmp(sample_id, dense, specs)
+        header, body, size = file_pieces(sample_id, arrays, layout)
+        unlock = self._dir.lock(sample_id)
         try:
-            unlock = self._dir.lock(sample_id)
+            generation = self._next_generation(current_generation(path, sample_id) + 1)
+            fd, tmp = self._dir.open_tmp()
             try:
-                current = current_generation(path, sample_id)
-                generation = self._next_generation(current + 1)
-                seal(fd, header, generation)
+                writev_all(fd, [sealed_head(header, generation), *body], size)
                 os.fsync(fd)
                 self._rename_into_place(tmp, path, sample_id)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
             finally:
-                unlock()
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+                os.close(fd)
         finally:
-            os.close(fd)
+            unlock()
         return generation
 
     def _rename_into_place(self, tmp: str, path: str, sample_id: str) -> None:
@@ -307,23 +311,6 @@ class SharedDirFeatureStore(FeatureStore):
         self._dir.close()
 
     # -- writing -----------------------------------------------------------
-    def _write_tmp(
-        self, sample_id: str, dense: dict[str, torch.Tensor], specs: dict[str, FeatureSpec]
-    ) -> tuple[int, str, bytes]:
-        """Write all but generation and header checksum to a new temporary file.
-
-        Returns the open fd, the file's path and the header JSON.
-        """
-        pieces, header = file_pieces(sample_id, dense, specs, self._checksums)
-        fd, tmp = self._dir.open_tmp()
-        try:
-            writev_all(fd, pieces)
-        except BaseException:
-            os.close(fd)
-            os.unlink(tmp)
-            raise
-        return fd, tmp, header
-
     def _next_generation(self, floor: int) -> int:
         with self._generation_lock:
             generation = max(time.time_ns(), floor, self._last_generation + 1)

@@ -14,8 +14,8 @@ length, generation and header JSON. A header that fails its checksum, or names
 another sample, is corruption; only an intact header of another generation
 means the ref's generation is gone (stale).
 
-A file is written with generation and header checksum zero, and sealed
-(:func:`seal`) once its generation is chosen, just before it is renamed into place.
+A file is written whole once its generation is chosen (:func:`sealed_head`), then
+renamed into place.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ MAGIC = b"DFFEAT02"
 _MAGIC_FAMILY = b"DFFEAT"
 _PREFIX = struct.Struct("<8sQQQ")
 _SUMMED = struct.Struct("<8sQQ")  # what the header xxh3 covers, with the header JSON
-_SEALED = struct.Struct("<QQ")  # generation and header xxh3, written last, at offset 16
 _HEADER_READ = 4096
 _MAX_HEADER = 64 << 20
 _IOV_MAX = 512
@@ -57,39 +56,88 @@ def _header_checksum(header: bytes, generation: int) -> int:
 
 
 # -- writing -------------------------------------------------------------------
-def file_pieces(
-    sample_id: str,
-    dense: dict[str, torch.Tensor],
-    specs: dict[str, FeatureSpec],
-    checksums: bool,
-) -> tuple[list[memoryview], bytes]:
-    """The bytes of a new (unsealed) file of ``sample_id``, as pieces, and its header JSON.
+#: A tensor's name, shape and dtype, for each tensor of a sample in the order given.
+LayoutKey = tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
 
-    The layout is ``_tensors.layout(specs)``'s, each tensor's size taken from its bytes
-    (a dense tensor of its spec has as many), in one pass.
+
+class FileLayout:
+    """What the files of samples with the same specs share: their specs, where each
+    tensor goes and the pads between them.
+
+    A producer's samples mostly share their specs, so a put works this out once for many
+    (``SharedDirFeatureStore._layout``) and only hashes, heads and writes each file.
     """
-    data: dict[str, Any] = {}
-    spans: dict[str, tuple[int, int]] = {}
-    sums: dict[str, str | None] = {}
-    end = 0
-    for name in sorted(specs):
-        view = _tensors.byte_view(dense[name]).numpy()
-        data[name] = view
-        spans[name] = (end, view.nbytes)
-        sums[name] = _tensors.checksum(view) if checksums else None
-        end = _tensors.align(end + view.nbytes)
-    header = _header(sample_id, specs, spans, end, sums)
+
+    def __init__(self, key: LayoutKey, checksums: bool) -> None:
+        #: The specs, in the order given (a ref's, and the header's).
+        self.specs = {name: _spec(shape, dtype) for name, shape, dtype in key}
+        self.checksums = checksums
+        self._spans = _tensors.layout(self.specs)
+        #: The tensors' names in the order the file holds their bytes (by name).
+        self.names = list(self._spans)
+        #: Bytes of data after the header: the tensors, each aligned.
+        self.data_bytes = _tensors.end_of(self._spans.values())
+        #: ``pads[i]``: the zeros after the i-th tensor of ``names``.
+        spans = list(self._spans.values())
+        ends = [offset for offset, _ in spans[1:]] + [self.data_bytes] * bool(spans)
+        self.pads = [
+            _ZEROS[: end - (offset + nbytes)]
+            for (offset, nbytes), end in zip(spans, ends, strict=True)
+        ]
+
+    def header(self, sample_id: str, sums: list[str]) -> bytes:
+        """The header JSON of ``sample_id`` with ``sums``, the checksums of the tensors in
+        the order of ``names`` (none without checksums)."""
+        named = dict(zip(self.names, sums, strict=True)) if self.checksums else {}
+        return _header(sample_id, self.specs, self._spans, self.data_bytes, named)
+
+
+def _spec(shape: tuple[int, ...], dtype: torch.dtype) -> FeatureSpec:
+    """``FeatureSpec(tuple(shape), dtype)`` of a tensor's own, without its checks."""
+    spec = object.__new__(FeatureSpec)
+    object.__setattr__(spec, "shape", tuple(shape))
+    object.__setattr__(spec, "dtype", dtype)
+    return spec
+
+
+def file_pieces(
+    sample_id: str, arrays: list[Any], layout: FileLayout
+) -> tuple[bytes, list[Any], int]:
+    """A new file of ``sample_id`` but for its first bytes: its header JSON, the buffers
+    that follow the header (pads and tensor bytes), and the file's size;
+    :func:`sealed_head` gives the first bytes once the generation is chosen.
+
+    ``arrays``: the tensors' bytes (:func:`array_of`), in the order of ``layout.names``.
+    """
+    sums = [_tensors.checksum(array) for array in arrays] if layout.checksums else []
+    header = layout.header(sample_id, sums)
     position = _PREFIX.size + len(header)
     start = _tensors.align(position)
-    pieces = [memoryview(_PREFIX.pack(MAGIC, len(header), 0, 0) + header)]
-    for name, (offset, nbytes) in spans.items():  # every pad is under ALIGN bytes
-        if start + offset > position:
-            pieces.append(_ZEROS[: start + offset - position])
-        pieces.append(memoryview(data[name]))
-        position = start + offset + nbytes
-    if start + end > position:
-        pieces.append(_ZEROS[: start + end - position])
-    return pieces, header
+    pieces: list[Any] = [_ZEROS[: start - position]]
+    for array, pad in zip(arrays, layout.pads, strict=True):
+        pieces += (array, pad)
+    return header, pieces, start + layout.data_bytes
+
+
+def array_of(tensor: torch.Tensor) -> Any:
+    """The bytes of ``tensor`` (CPU or not, any layout in memory) as a C-contiguous numpy
+    array: the tensor's own where it is a plain contiguous CPU tensor of a dtype numpy has
+    (without a copy), else a uint8 view of a dense copy (bfloat16, float8, complex32, a
+    strided view, a tensor that needs grad or lives on a GPU)."""
+    try:
+        array = tensor.numpy()
+        if array.flags.c_contiguous:
+            return array
+    except (TypeError, RuntimeError):  # a dtype numpy lacks, a GPU, grad, a conj bit
+        pass
+    return _tensors.byte_view(_tensors.dense(tensor)).numpy()
+
+
+def sealed_head(header: bytes, generation: int) -> bytes:
+    """The first bytes of the file of ``header`` and ``generation``: magic, lengths,
+    generation, the header's checksum, then the header JSON."""
+    checksum = _header_checksum(header, generation)
+    return _PREFIX.pack(MAGIC, len(header), generation, checksum) + header
 
 
 def _header(
@@ -105,7 +153,7 @@ def _header(
             "shape": list(spec.shape),
             "offset": spans[name][0],
             "nbytes": spans[name][1],
-            "xxh3": sums[name],
+            "xxh3": sums.get(name),
         }
         for name, spec in specs.items()
     }
@@ -114,31 +162,31 @@ def _header(
     return _encode_json(doc)
 
 
-def writev_all(fd: int, buffers: list[memoryview]) -> None:
+def writev_all(fd: int, buffers: list[Any], nbytes: int) -> None:
+    """Write ``buffers`` (``nbytes`` in all) at ``fd``'s offset, after short writes too."""
     written = 0
     if len(buffers) <= _IOV_MAX:
         written = os.writev(fd, buffers)
-        if written == sum(map(len, buffers)):
+        if written == nbytes:
             return  # the usual: one call wrote it all
-    buffers = [b for b in buffers if len(b)]
+    views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
     while True:  # after a short write: skip what went, write the rest
-        while buffers and written >= len(buffers[0]):
-            written -= len(buffers.pop(0))
-        if not buffers:
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if not views:
             return
         if written:
-            buffers[0] = buffers[0][written:]
-        written = os.writev(fd, buffers[:_IOV_MAX])
-
-
-def seal(fd: int, header: bytes, generation: int) -> None:
-    """Write the generation and the header checksum of an unsealed file."""
-    os.pwrite(fd, _SEALED.pack(generation, _header_checksum(header, generation)), 16)
+            views[0] = views[0][written:]
+        written = os.writev(fd, views[:_IOV_MAX])
 
 
 # -- reading -------------------------------------------------------------------
 def current_generation(path: str, sample_id: str) -> int:
     """Generation in ``path``; 0 when there is none, or a corrupt one (so replaceable)."""
+    # A put's usual case is a new sample: os.access answers it without the exception an
+    # open raises (which cost half as much again as the syscall).
+    if not os.access(path, os.F_OK):
+        return 0
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

@@ -42,7 +42,18 @@ _MAX_NAME = 200
 TMP_NAME_RE = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.tmp")
 _BUCKET_NAME_RE = re.compile(r"[0-9a-f]{2}")
 _tmp_names = itertools.count()
+#: This process's id: ``os.getpid()`` is a syscall, and a put asked for it twice; a
+#: forked child sets its own (``os.register_at_fork``, below).
+_pid = os.getpid()
 log = logging.getLogger("stores._shared_dir")  # the store's logger, as documented
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def sample_file_name(sample_id: str) -> str:
@@ -80,7 +91,7 @@ class _Directory:
         self._lay_out()
         self._lock_fds: dict[str, int] = {}
         self._bucket_locks = {f"{b:02x}": threading.Lock() for b in range(BUCKETS)}
-        self._pid = os.getpid()
+        self._pid = _pid
 
     def _lay_out(self) -> None:
         root = self.root
@@ -149,7 +160,7 @@ class _Directory:
 
     def open_tmp(self) -> tuple[int, str]:
         """A new temporary file, open for writing, and its path."""
-        tmp = f"{self.tmp}/{os.getpid()}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
+        tmp = f"{self.tmp}/{_pid}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             return os.open(tmp, flags, 0o644), tmp
@@ -174,8 +185,8 @@ class _Directory:
         # a flock belongs to the open file, so it cannot keep apart our own
         # threads (they share the fd), and a forked child must open fds of its
         # own (the inherited ones share its parent's locks).
-        if self._pid != os.getpid():
-            self._lock_fds, self._pid = {}, os.getpid()
+        if self._pid != _pid:
+            self._lock_fds, self._pid = {}, _pid
             self._bucket_locks = {b: threading.Lock() for b in self._bucket_locks}
         bucket = _bucket(sample_id)
         thread_lock = self._bucket_locks[bucket]
@@ -205,7 +216,7 @@ class _Directory:
 
     def close(self) -> None:
         """Close the lock files (a forked child leaves its parent's alone)."""
-        if self._pid == os.getpid():
+        if self._pid == _pid:
             for fd in self._lock_fds.values():
                 os.close(fd)
         self._lock_fds = {}

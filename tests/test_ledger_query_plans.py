@@ -65,3 +65,35 @@ def test_a_commit_hidden_behind_a_seq_below_one_is_still_no_commit(ledger: Ledge
         )
     held = ledger.commits("r", ["s6", "s7"])
     assert set(held) == {"s6"}
+
+
+@pytest.mark.postgres
+def test_on_postgresql_the_held_ids_go_as_one_array_through_the_commit_index(
+    postgres_url: str,
+) -> None:
+    # psycopg parses a statement of more than 50 parameters again on every call: the ids
+    # go as one array (any number of them), and the commit index still answers.
+    with Ledger.open(postgres_url) as led, LocalFeatureStore() as store:
+        producer = Producer(led, store, run_id="r")
+        producer.commit([store.put(f"s{i}", {}) for i in range(300)])
+        sent: list[tuple[str, Any]] = []
+
+        def catch(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+            if statement.lstrip().upper().startswith("SELECT"):
+                sent.append((statement, parameters))
+
+        event.listen(led._engine, "before_cursor_execute", catch)
+        try:
+            held = led.commits("r", [f"s{i}" for i in range(0, 600, 3)])
+        finally:
+            event.remove(led._engine, "before_cursor_execute", catch)
+        assert set(held) == {f"s{i}" for i in range(0, 300, 3)}
+        (statement, parameters), *more = sent
+        assert not more and "ANY(" in statement and len(parameters) == 3
+        with led._engine.connect() as conn:
+            # The table is small enough that a scan is cheaper: is the index usable at all?
+            conn.exec_driver_sql("SET LOCAL enable_seqscan = off")
+            plan = " | ".join(
+                r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, parameters)
+            )
+        assert "ux_dataflow_events_commit" in plan, plan

@@ -16,12 +16,13 @@ import pytest
 import torch
 import xxhash
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import stores._shared_dir
 from dataflow import CorruptFeatureError, FeatureSpec, SampleRef, StaleRefError, StoreError
-from dataflow.testing import feature_dicts
+from dataflow.testing import feature_dicts, sample_ids
 from stores import SharedDirFeatureStore, _tensors, open_store
-from stores._shared_dir_format import MAGIC
+from stores._shared_dir_format import MAGIC, FileLayout, array_of, file_pieces
 from stores._shared_dir_layout import sample_file_name
 from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_same_tensor
 
@@ -473,6 +474,40 @@ def test_a_file_lays_its_tensors_out_as_the_specs_say(tmp_path, features) -> Non
         assert got == _tensors.byte_view(features[name].contiguous()).numpy().tobytes()
         used[start + offset : start + offset + nbytes] = b"\1" * nbytes
     assert all(byte == 0 for byte, mark in zip(data, used, strict=True) if not mark)
+
+
+@settings(max_examples=60, deadline=None)
+@given(features=feature_dicts(max_features=4), checksums=st.booleans(), sample_id=sample_ids())
+def test_a_header_of_a_shared_layout_is_the_json_of_its_fields(
+    features, checksums, sample_id
+) -> None:
+    """Puts of samples with the same specs share a FileLayout: the header it writes for a
+    sample is the compact JSON of the header's fields, keys in the order the format
+    gives, tensors in the order of the put, and the file as long as the pieces."""
+    layout = FileLayout(tuple((n, t.shape, t.dtype) for n, t in features.items()), checksums)
+    header, pieces, size = file_pieces(
+        sample_id, [array_of(features[name]) for name in layout.names], layout
+    )
+    spans = _tensors.layout(layout.specs)
+    tensors = {
+        name: {
+            "dtype": _tensors.dtype_str(t.dtype),
+            "shape": list(t.shape),
+            "offset": spans[name][0],
+            "nbytes": spans[name][1],
+            "xxh3": xxhash.xxh3_64_hexdigest(_tensors.byte_view(t.contiguous()).numpy().tobytes())
+            if checksums
+            else None,
+        }
+        for name, t in features.items()
+    }
+    fields = {
+        "sample_id": sample_id,
+        "data_bytes": _tensors.end_of(spans.values()),
+        "tensors": tensors,
+    }
+    assert header == json.dumps(fields, separators=(",", ":")).encode()
+    assert size == 32 + len(header) + sum(memoryview(piece).nbytes for piece in pieces)
 
 
 # -- the layout: one directory of sample files, or (stores made before) 256 buckets ----------
