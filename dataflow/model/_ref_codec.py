@@ -345,7 +345,14 @@ class RefReader:
         return ref
 
     def read_all(self, items: list[Any]) -> list[SampleRef] | None:
-        """:meth:`read` of each of ``items``; None if any gives None."""
+        """:meth:`read` of each of ``items``; None if any gives None.
+
+        Consecutive refs with the same specs share one specs dict (a copy of the
+        cached one, so no ref reaches the cache): a dict per ref would be one more
+        object per ref in flight for the garbage collector, which moves the refs
+        a receiver buffers into the oldest generation and so brings on full
+        collections (in a process that imported torch, a tenth of a second each).
+        """
         if self._check_ids and not _valid_ids([data.sample_id for data in items]):
             return None
         refs = []
@@ -358,12 +365,13 @@ class RefReader:
                 specs = self._specs.get(raw)
                 if specs is None and (specs := self._read_specs(raw)) is None:
                     return None
+                specs = specs.copy()
             ref = _new(SampleRef)
             fields = ref.__dict__
             fields["sample_id"] = data.sample_id
             fields["store"] = data.store
             fields["generation"] = data.generation
-            fields["specs"] = specs.copy()
+            fields["specs"] = specs
             fields["metadata"] = data.metadata
             append(ref)
         return refs
