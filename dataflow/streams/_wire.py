@@ -24,6 +24,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Annotated
 
 import msgspec
@@ -331,6 +332,18 @@ def encode(frame: Frame) -> bytes:
             raise bad_frame(MALFORMED, "a refs frame carries at least one ref")
         bodies = [encode_ref_body(ref) for ref in frame.refs]
         return b"%s%s]}" % (_head("refs", frame.receiver, frame.line), b",".join(bodies))
+    if (  # a receiver's most frequent frame: json.dumps' bytes, without json.dumps
+        type(frame) is CreditFrame
+        and type(frame.receiver) is str
+        and type(frame.line) is int
+        and type(frame.granted) is int
+    ):
+        return b'{"v":%d,"type":"credit","receiver":%s,"line":%d,"granted":%d}' % (
+            WIRE_VERSION,
+            _quote(frame.receiver).encode(),
+            frame.line,
+            frame.granted,
+        )
     data = {"v": WIRE_VERSION, "type": _TYPE_OF[type(frame)], **frame.__dict__}
     return json.dumps(data, separators=(",", ":")).encode()
 
