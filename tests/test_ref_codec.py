@@ -324,6 +324,27 @@ def test_a_batch_encoded_at_once_decodes_to_what_to_json_gives(batch: list[Sampl
     assert all(same(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_refs_of_a_frame_share_their_specs_but_not_with_later_frames() -> None:
+    # One specs dict for a frame's refs with the same specs, not one each: fewer objects
+    # in flight for the garbage collector (see RefReader.read_all). The dict is the
+    # frame's own: nothing done to it reaches the refs of another frame.
+    spec = {"x": FeatureSpec((2, 3), torch.float32)}
+    other = {"y": FeatureSpec((1,), torch.int64)}
+    batch = [SampleRef(f"s{i}", "mem://x", 1, specs=spec if i != 2 else other) for i in range(5)]
+
+    def received() -> tuple[SampleRef, ...]:
+        frame = decode([encode_refs("r", 1, ref_bodies(batch, 1 << 20))])
+        assert isinstance(frame, RefsFrame) and list(frame.refs) == batch
+        return frame.refs
+
+    first = received()
+    assert first[0].specs is first[1].specs and first[3].specs is first[4].specs
+    assert first[2].specs == other and first[1].specs is not first[3].specs
+    first[0].specs.clear()  # type: ignore[attr-defined]  # what no one should do to a ref
+    again = received()
+    assert again[0].specs == spec and again[0].specs is not first[0].specs
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), batch=st.lists(refs, min_size=1, max_size=3))
 def test_hostile_batches_are_decoded_as_the_strict_path_does(data, batch) -> None:
