@@ -178,8 +178,8 @@ class RefWriter:
         self._max_generation = max_generation
         self._max_store_chars = max_store_chars
         self._max_features = max_features
-        # (name, shape, dtype) of each spec -> the specs' JSON, valid and checked.
-        self._specs: dict[_SpecsKey, msgspec.Raw] = {}
+        # name, shape, dtype of each spec, flat -> the specs' JSON, valid and checked.
+        self._specs: dict[tuple[Any, ...], msgspec.Raw] = {}
 
     def bodies(self, refs: Sequence[object]) -> list[bytes] | None:
         """The JSON object of each of ``refs``, or None where one needs the careful path."""
@@ -205,7 +205,7 @@ class RefWriter:
                     or not 0 < len(store) <= max_store
                 ):
                     return None
-                key = tuple([(name, spec.shape, spec.dtype) for name, spec in specs.items()])
+                key = _writer_key(specs)
                 text = cache.get(key)
                 if text is None:
                     text = self._specs_text(key)
@@ -222,17 +222,28 @@ class RefWriter:
         except (TypeError, AttributeError, ValueError, RecursionError):
             return None  # not plain data after all (a surrogate, a spec that is no FeatureSpec)
 
-    def _specs_text(self, key: _SpecsKey) -> msgspec.Raw | None:
-        if len(key) > self._max_features:
+    def _specs_text(self, key: tuple[Any, ...]) -> msgspec.Raw | None:
+        if len(key) > 3 * self._max_features:
             return None
+        specs = tuple(zip(key[0::3], key[1::3], key[2::3], strict=True))
         try:
-            text = msgspec.Raw(_specs_json(key, self._check).encode())
+            text = msgspec.Raw(_specs_json(specs, self._check).encode())
         except (DataflowError, TypeError, ValueError):
             return None
         if len(self._specs) >= _CACHE_SIZE:
             self._specs.clear()
         self._specs[key] = text
         return text
+
+
+def _writer_key(specs: dict[Any, Any]) -> tuple[Any, ...]:
+    """Name, shape and dtype of each spec, one flat tuple: :class:`RefWriter`'s cache key."""
+    if len(specs) > 4:
+        return tuple([x for name, spec in specs.items() for x in (name, spec.shape, spec.dtype)])
+    key: tuple[Any, ...] = ()
+    for name, spec in specs.items():  # a third faster than a comprehension in Python 3.11
+        key += (name, spec.shape, spec.dtype)
+    return key
 
 
 def _plain_json(value: object) -> bool:
