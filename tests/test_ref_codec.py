@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflow import BadFrameError, FeatureSpec, SampleRef
-from dataflow.model._ref_codec import _valid_ids, ref_from_json, ref_json
+from dataflow.model._ref_codec import RefBatch, _valid_ids, ref_from_json, ref_json
 from dataflow.model._refs import ref_from_ledger, validate_sample_id
 from dataflow.streams._wire import (
     _TENSOR_MAGIC,
@@ -343,6 +343,21 @@ def test_refs_of_a_frame_share_their_specs_but_not_with_later_frames() -> None:
     first[0].specs.clear()  # type: ignore[attr-defined]  # what no one should do to a ref
     again = received()
     assert again[0].specs == spec and again[0].specs is not first[0].specs
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(refs, min_size=2, max_size=6), cut=st.integers(0, 6))
+def test_a_lazy_frame_builds_the_refs_an_eager_one_holds(batch: list[SampleRef], cut: int) -> None:
+    # What a receiver buffers: refs checked on receipt, built as receive hands them out.
+    data = encode_refs("r", 1, ref_bodies(batch, 1 << 20))
+    eager, lazy = decode([data]), decode([data], lazy=True)
+    assert isinstance(eager, RefsFrame) and isinstance(lazy, RefsFrame)
+    pending = lazy.refs
+    assert isinstance(pending, RefBatch) and len(pending) == len(batch)
+    assert pending.build() == list(eager.refs) == batch
+    assert pending[:cut].build() + pending[cut:].build() == batch
+    assert [pending[i] for i in range(len(batch))] == batch
+    assert all(same(a, b) for a, b in zip(pending.build(), eager.refs, strict=True))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -355,21 +355,25 @@ class RefReader:
         fields["metadata"] = data.metadata
         return ref
 
-    def read_all(self, items: list[Any]) -> list[SampleRef] | None:
+    def read_all(
+        self, items: list[Any], *, lazy: bool = False
+    ) -> list[SampleRef] | RefBatch | None:
         """:meth:`read` of each of ``items``; None if any gives None.
 
-        Consecutive refs with the same specs share one specs dict (a copy of the
-        cached one, so no ref reaches the cache): a dict per ref would be one more
-        object per ref in flight for the garbage collector, which moves the refs
-        a receiver buffers into the oldest generation and so brings on full
-        collections (in a process that imported torch, a tenth of a second each).
+        With ``lazy``, the refs are checked now and built as they are taken
+        (:class:`RefBatch`), so that a receiver's buffer holds no objects the garbage
+        collector tracks, only one list per frame. Consecutive refs with the same specs
+        share one specs dict (a copy of the cached one, so no ref reaches the cache).
+        Why both: each tracked object per buffered ref is moved by the collections of
+        the younger generations to the oldest, and so brings on full collections (in
+        a process that imported torch, a tenth of a second each).
         """
         if self._check_ids and not _valid_ids([data.sample_id for data in items]):
             return None
-        refs = []
-        append = refs.append
+        shared = []
+        append = shared.append
         last = specs = None
-        for data in items:  # read(), inlined: this loop is most of a frame's decoding
+        for data in items:
             if data.specs != last:  # a frame's refs mostly share their specs' text
                 last = data.specs
                 raw = bytes(last)
@@ -377,15 +381,9 @@ class RefReader:
                 if specs is None and (specs := self._read_specs(raw)) is None:
                     return None
                 specs = specs.copy()
-            ref = _new(SampleRef)
-            fields = ref.__dict__
-            fields["sample_id"] = data.sample_id
-            fields["store"] = data.store
-            fields["generation"] = data.generation
-            fields["specs"] = specs
-            fields["metadata"] = data.metadata
-            append(ref)
-        return refs
+            append(specs)
+        batch = RefBatch(items, shared)
+        return batch if lazy else batch.build()
 
     def _read_specs(self, raw: bytes) -> dict[str, FeatureSpec] | None:
         if not _FAST:
@@ -406,6 +404,42 @@ class RefReader:
             self._specs.clear()
         self._specs[raw] = specs
         return specs
+
+
+class RefBatch:
+    """Refs that :meth:`RefReader.read_all` checked, built when taken (:meth:`build`).
+
+    Sliced, it gives the batch of those refs; indexed, the one ref.
+    """
+
+    __slots__ = ("_items", "_specs")
+
+    def __init__(self, items: list[Any], specs: list[dict[str, FeatureSpec]]) -> None:
+        self._items = items
+        self._specs = specs
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: slice | int) -> Any:
+        if isinstance(index, slice):
+            return RefBatch(self._items[index], self._specs[index])
+        return RefBatch([self._items[index]], [self._specs[index]]).build()[0]
+
+    def build(self) -> list[SampleRef]:
+        """The SampleRefs, in order (new ones at each call)."""
+        refs = []
+        append = refs.append
+        for data, specs in zip(self._items, self._specs, strict=True):
+            ref = _new(SampleRef)
+            fields = ref.__dict__
+            fields["sample_id"] = data.sample_id
+            fields["store"] = data.store
+            fields["generation"] = data.generation
+            fields["specs"] = specs
+            fields["metadata"] = data.metadata
+            append(ref)
+        return refs
 
 
 def _valid_ids(ids: list[str]) -> bool:
