@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflow import BadFrameError, FeatureSpec, SampleRef
-from dataflow.model._ref_codec import _valid_ids, ref_from_json, ref_json
+from dataflow.model._ref_codec import RefBatch, _valid_ids, ref_from_json, ref_json
 from dataflow.model._refs import ref_from_ledger, validate_sample_id
 from dataflow.streams._wire import (
     _TENSOR_MAGIC,
@@ -322,6 +322,42 @@ def test_a_batch_encoded_at_once_decodes_to_what_to_json_gives(batch: list[Sampl
     assert fast == slow
     got, want = (f.refs if isinstance(f, RefsFrame) else [f.ref] for f in (fast, slow))  # type: ignore[union-attr]
     assert all(same(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_refs_of_a_frame_share_their_specs_but_not_with_later_frames() -> None:
+    # One specs dict for a frame's refs with the same specs, not one each: fewer objects
+    # in flight for the garbage collector (see RefReader.read_all). The dict is the
+    # frame's own: nothing done to it reaches the refs of another frame.
+    spec = {"x": FeatureSpec((2, 3), torch.float32)}
+    other = {"y": FeatureSpec((1,), torch.int64)}
+    batch = [SampleRef(f"s{i}", "mem://x", 1, specs=spec if i != 2 else other) for i in range(5)]
+
+    def received() -> tuple[SampleRef, ...]:
+        frame = decode([encode_refs("r", 1, ref_bodies(batch, 1 << 20))])
+        assert isinstance(frame, RefsFrame) and list(frame.refs) == batch
+        return frame.refs
+
+    first = received()
+    assert first[0].specs is first[1].specs and first[3].specs is first[4].specs
+    assert first[2].specs == other and first[1].specs is not first[3].specs
+    first[0].specs.clear()  # type: ignore[attr-defined]  # what no one should do to a ref
+    again = received()
+    assert again[0].specs == spec and again[0].specs is not first[0].specs
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(refs, min_size=2, max_size=6), cut=st.integers(0, 6))
+def test_a_lazy_frame_builds_the_refs_an_eager_one_holds(batch: list[SampleRef], cut: int) -> None:
+    # What a receiver buffers: refs checked on receipt, built as receive hands them out.
+    data = encode_refs("r", 1, ref_bodies(batch, 1 << 20))
+    eager, lazy = decode([data]), decode([data], lazy=True)
+    assert isinstance(eager, RefsFrame) and isinstance(lazy, RefsFrame)
+    pending = lazy.refs
+    assert isinstance(pending, RefBatch) and len(pending) == len(batch)
+    assert pending.build() == list(eager.refs) == batch
+    assert pending[:cut].build() + pending[cut:].build() == batch
+    assert [pending[i] for i in range(len(batch))] == batch
+    assert all(same(a, b) for a, b in zip(pending.build(), eager.refs, strict=True))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -76,6 +76,15 @@ def test_round_trip(frame: object) -> None:
     assert decode([data]) == frame
 
 
+@settings(max_examples=200, deadline=None)
+@given(receiver=st.text(min_size=1, max_size=40), line=st.integers(0, 2**63 - 1))
+def test_credit_frames_are_json_dumps_bytes(receiver: str, line: int) -> None:
+    frame = CreditFrame(receiver, line, line // 2)
+    want = {"v": WIRE_VERSION, "type": "credit", "receiver": receiver, "line": line}
+    want["granted"] = line // 2
+    assert encode(frame) == json.dumps(want, separators=(",", ":")).encode()
+
+
 def test_ref_frame_layout() -> None:
     ref = make_ref()
     obj = json.loads(encode_ref(RECEIVER, 2, encode_ref_body(ref)))

@@ -313,7 +313,7 @@ class ZmqRefReceiver(RefReceiver):
             self._session(rid)
             return
         try:
-            frame: Frame = decode(body, max_bytes=self.config.max_frame_bytes)
+            frame: Frame = decode(body, max_bytes=self.config.max_frame_bytes, lazy=True)
         except BadFrameError as exc:
             kind = exc.kind  # type: ignore[attr-defined]
             self._window.count_bad(kind)

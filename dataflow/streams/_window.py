@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from dataflow.model._checks import check_count, check_seconds
 from dataflow.model._errors import InvalidArgumentError, ProducerLostError, StreamIdleError
+from dataflow.model._ref_codec import RefBatch
 from dataflow.model._refs import SampleRef
 from dataflow.streams._wire import BAD_FRAME_KINDS
 
@@ -66,7 +67,10 @@ class Window:
     def __init__(self, size: int, expected_producers: int) -> None:
         self.size = size
         self.expected_producers = expected_producers
-        self.buffer: deque[SampleRef] = deque()
+        # Refs accepted and not yet handed out, in order: a frame's tuple or list, or its
+        # RefBatch (built when handed out), and how many refs they hold.
+        self._queue: deque[Sequence[SampleRef] | RefBatch] = deque()
+        self.queued = 0
         self.in_flight = 0
         self.closed: set[str] = set()
         self.lost: list[str] = []
@@ -76,21 +80,23 @@ class Window:
 
     @property
     def exhausted(self) -> bool:
-        return len(self.closed) >= self.expected_producers and not self.buffer
+        return len(self.closed) >= self.expected_producers and not self.queued
 
     def has_room(self, reserved: int = 0) -> bool:
         return self.in_flight + reserved < self.size
 
     def accept(self, ref: SampleRef) -> None:
-        self.buffer.append(ref)
+        self._queue.append((ref,))
+        self.queued += 1
         self.in_flight += 1
         self._counts["received"] += 1
         if self.in_flight > self._max_in_flight:
             self._max_in_flight = self.in_flight
 
-    def accept_many(self, refs: Sequence[SampleRef]) -> None:
-        """``accept`` of each of ``refs``, in order."""
-        self.buffer.extend(refs)
+    def accept_many(self, refs: Sequence[SampleRef] | RefBatch) -> None:
+        """``accept`` of each of ``refs``, in order (a RefBatch's are built when handed out)."""
+        self._queue.append(refs)
+        self.queued += len(refs)
         self.in_flight += len(refs)
         self._counts["received"] += len(refs)
         self._max_in_flight = max(self._max_in_flight, self.in_flight)
@@ -118,7 +124,7 @@ class Window:
 
     def credit(self, count: int) -> None:
         check_count("credit count", count, minimum=0)
-        handed_out = self.in_flight - len(self.buffer)
+        handed_out = self.in_flight - self.queued
         if count > handed_out:
             raise InvalidArgumentError(
                 f"credit({count}) but only {handed_out} received refs are unfinished; "
@@ -145,15 +151,8 @@ class Window:
                     "its refs stay committed in the ledger and come back through reconcile",
                     producer_id=producer,
                 )
-            buffer = self.buffer
-            if buffer:
-                count = min(max_refs, len(buffer))
-                self._counts["delivered"] += count
-                if count == len(buffer):
-                    batch = list(buffer)
-                    buffer.clear()
-                    return batch
-                return [buffer.popleft() for _ in range(count)]
+            if self.queued:
+                return self._take(min(max_refs, self.queued))
             if self.exhausted:
                 return []
             remaining = deadline - time.monotonic()
@@ -163,6 +162,22 @@ class Window:
                     f"({len(self.closed)} of {self.expected_producers} producers closed)"
                 )
             wait(remaining)
+
+    def _take(self, count: int) -> list[SampleRef]:
+        """The first ``count`` queued refs (there are as many), out of the queue."""
+        self._counts["delivered"] += count
+        self.queued -= count
+        queue = self._queue
+        batch: list[SampleRef] = []
+        while count > 0:
+            chunk = queue[0]
+            if len(chunk) <= count:
+                queue.popleft()
+            else:
+                chunk, queue[0] = chunk[:count], chunk[count:]
+            count -= len(chunk)
+            batch.extend(chunk.build() if type(chunk) is RefBatch else chunk)
+        return batch
 
     def stats(self) -> ReceiverStats:
         c = self._counts

@@ -24,6 +24,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Annotated
 
 import msgspec
@@ -119,6 +120,7 @@ class RefsFrame:
     receiver: str
     line: int
     refs: tuple[SampleRef, ...]
+    """The refs; a RefBatch where ``decode`` was asked for ``lazy``."""
 
 
 Frame = RefFrame | RefsFrame | HeartbeatFrame | EofFrame | CreditFrame | EofAckFrame
@@ -331,12 +333,30 @@ def encode(frame: Frame) -> bytes:
             raise bad_frame(MALFORMED, "a refs frame carries at least one ref")
         bodies = [encode_ref_body(ref) for ref in frame.refs]
         return b"%s%s]}" % (_head("refs", frame.receiver, frame.line), b",".join(bodies))
+    if (  # a receiver's most frequent frame: json.dumps' bytes, without json.dumps
+        type(frame) is CreditFrame
+        and type(frame.receiver) is str
+        and type(frame.line) is int
+        and type(frame.granted) is int
+    ):
+        return b'{"v":%d,"type":"credit","receiver":%s,"line":%d,"granted":%d}' % (
+            WIRE_VERSION,
+            _quote(frame.receiver).encode(),
+            frame.line,
+            frame.granted,
+        )
     data = {"v": WIRE_VERSION, "type": _TYPE_OF[type(frame)], **frame.__dict__}
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """Decode one message (its frames, routing id removed); raise BadFrameError on any flaw."""
+def decode(
+    parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, lazy: bool = False
+) -> Frame:
+    """Decode one message (its frames, routing id removed); raise BadFrameError on any flaw.
+
+    With ``lazy``, a ``refs`` frame's refs may come as a :class:`RefBatch` (checked, built
+    when taken) instead of a tuple: what a receiver buffers (see ``RefReader.read_all``).
+    """
     if len(parts) != 1:
         raise bad_frame(
             TENSOR,
@@ -350,7 +370,7 @@ def decode(parts: list[bytes], *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> F
         )
     if data.startswith(_TENSOR_MAGIC):
         raise bad_frame(TENSOR, "binary payload (pickle, torch.save or .npy); never unpickled")
-    frame = _fast_decode(data)
+    frame = _fast_decode(data, lazy)
     return _strict_decode(data) if frame is None else frame
 
 
@@ -483,7 +503,7 @@ _WRITER = RefWriter(
 _reencode = msgspec.json.Encoder().encode
 
 
-def _fast_decode(data: bytes) -> Frame | None:
+def _fast_decode(data: bytes, lazy: bool = False) -> Frame | None:
     """The frame in ``data``, or None where the strict path must decide.
 
     msgspec keeps the last of repeated keys; a frame with one is left to the strict
@@ -505,8 +525,10 @@ def _fast_decode(data: bytes) -> Frame | None:
     ):
         return None
     if kind is _RefsWire:
-        refs = _READER.read_all(wire.refs)
-        return RefsFrame(wire.receiver, wire.line, tuple(refs)) if refs else None
+        refs = _READER.read_all(wire.refs, lazy=lazy)
+        if not refs:
+            return None
+        return RefsFrame(wire.receiver, wire.line, refs if lazy else tuple(refs))  # type: ignore[arg-type]
     if kind is _RefWire:
         ref = _READER.read(wire.ref)
         return None if ref is None else RefFrame(wire.receiver, wire.line, ref)
