@@ -1,4 +1,4 @@
-"""CheckpointManager across two real gloo ranks (spawned processes, one SQLite ledger file).
+"""CheckpointManager across two real gloo ranks (real processes, one SQLite ledger file).
 
 Covers: every rank saving its own ``rank-XXXXX.pt`` next to rank 0's ``state.pt``
 and loading it back (RNG included) after a resume in new processes; an error on

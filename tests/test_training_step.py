@@ -1,6 +1,6 @@
 """StepHelper: the optimizer boundary known before backward, no_sync() off it, one ack per step.
 
-In process on a real SQLite ledger for the helper's own logic; two spawned processes
+In process on a real SQLite ledger for the helper's own logic; two processes
 with a real gloo group and real DistributedDataParallel for the deferred reductions.
 """
 
