@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -306,20 +307,26 @@ def _alive(processes: set[tuple[int, str]]) -> set[tuple[int, str]]:
     return alive
 
 
+@pytest.fixture
+def servers() -> Iterator[Path]:
+    """A directory for chaos's PostgreSQL server (its TMPDIR): the server's processes are
+    told from those of other tests' servers by it. Short, because the server's Unix socket
+    lives there (at most 107 bytes); readable by the postgres user."""
+    directory = Path(tempfile.mkdtemp(prefix="dfchaos-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.postgres
-def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None:
+def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path, servers: Path) -> None:
     # It only failed the trial it came in (chaos went on with the next), and one that came
     # outside a trial left the --start-postgres server running.
     _need_server_binaries()
     workdir = tmp_path / "w"
     args = ["--quick", "--trials", "3", "--mode", "streaming", "--targets", "producer"]
     args += ["--start-postgres", "--workdir", str(workdir)]
-    # The server's directory (tempfile's) under a short TMPDIR of this test's own: its
-    # processes are told from those of other tests' servers by it. Short, because the
-    # server's Unix socket lives there (at most 107 bytes); readable by the postgres user.
-    servers = Path(tempfile.mkdtemp(prefix="dfchaos-"))
-    servers.chmod(0o755)
     process = subprocess.Popen(
         [sys.executable, "-m", "dataflow.cli", "chaos", *args],
         cwd=tmp_path,
@@ -345,6 +352,6 @@ def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None
     deadline = time.monotonic() + 30
     while (_alive(started) or _postgres_processes(servers)) and time.monotonic() < deadline:
         time.sleep(0.2)  # the server's processes exit after its postmaster
-    left = _alive(started) | _postgres_processes(servers)
-    shutil.rmtree(servers, ignore_errors=True)
-    assert not left, "the server chaos started is still running"
+    assert not _alive(started) | _postgres_processes(servers), (
+        "the server chaos started is still running"
+    )
