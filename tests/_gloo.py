@@ -77,15 +77,22 @@ def join(process: multiprocessing.Process) -> int | None:
     return process.exitcode
 
 
-def forkserver_start(*preload: str) -> Callable[..., multiprocessing.Process]:
-    """A ``start(target, *args)`` whose processes fork from a server that imported torch and
-    ``preload`` once (as the demo's ranks do): a spawned process imports them again,
+def forkserver_context(*preload: str) -> multiprocessing.context.ForkServerContext:
+    """The ``forkserver`` context, whose processes fork from a server that imported torch
+    and ``preload`` once (as the demo's ranks do): a spawned process imports them again,
     seconds of CPU each on a busy machine. The processes, their SIGKILLs and their gloo
     groups are as real either way. One fork server serves the whole test session, so the
     first module to start one decides what it preloads; a later one imports the rest.
     """
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "dataflow", "stores", "training", *preload])
+    return context
+
+
+def forkserver_start(*preload: str) -> Callable[..., multiprocessing.Process]:
+    """A ``start(target, *args)`` whose processes fork from the server of
+    :func:`forkserver_context` (``preload``: what it imports besides)."""
+    context = forkserver_context(*preload)
 
     def start_forked(target: Callable[..., Any], *args: Any) -> multiprocessing.Process:
         process = context.Process(target=target, args=args)

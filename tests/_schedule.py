@@ -32,7 +32,6 @@ LONG_MODULES = (
     "test_hosts_ledger_ranks.py",
     "test_hosts_ledger_producers.py",
     "test_property_ledger.py",
-    "test_training_checkpoint_ranks.py",
     "test_chaos.py",
     "test_hosts_mooncake.py",
     "test_hosts_latency.py",
@@ -58,6 +57,7 @@ LONG_MODULES = (
     "test_cli.py",
     "test_metrics.py",
     "test_ledger_lineage.py",
+    "test_training_checkpoint_ranks.py",  # 6 s since its ranks fork (72 s spawned)
     "test_clocks.py",
     "test_forget_finished.py",
 )

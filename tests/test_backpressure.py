@@ -7,7 +7,6 @@ store and a real consumer process; the gate's state machine against a reference 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _gloo import forkserver_context
 from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -242,7 +242,7 @@ def test_a_blocked_producer_resumes_below_the_low_mark_as_a_consumer_process_tra
     store_dir = str(tmp_path / "features")
     led, store = Ledger.open(sqlite_url), SharedDirFeatureStore(store_dir)
     prod = Producer(led, store, run_id=RUN, backpressure=Watermarks(high_refs=8, low_refs=4))
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context(__name__)
     producer_waits = context.Event()
     handler = _SetOnWait(producer_waits)
     logger = logging.getLogger("dataflow")

@@ -4,10 +4,14 @@ each target, restarts, and the checks (verify, each sample once, weights, orphan
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -271,31 +275,62 @@ def test_a_kill_the_watch_sees_only_after_its_part_of_the_run_is_counted_as_late
     assert "1 late: after the victim's part of the run" in format_table(summary)
 
 
-def _postgres_pids() -> set[int]:
-    pids = set()
+def _postgres_processes(under: Path) -> set[tuple[int, str]]:
+    """The postgres processes of the servers whose data directory lies under ``under``
+    (the postmaster names it in its command line; its children are its children), each as
+    (pid, start time): a pid reused later by another process is not taken for one of them."""
+    found: dict[int, tuple[int, str]] = {}  # pid: (parent, start time)
+    ours: set[int] = set()
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and (proc / "comm").read_text().strip() == "postgres":
-                pids.add(int(proc.name))
+            if not proc.name.isdigit() or (proc / "comm").read_text().strip() != "postgres":
+                continue
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            found[int(proc.name)] = (int(stat[1]), stat[19])  # ppid, starttime
+            if str(under) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                ours.add(int(proc.name))
         except OSError:
             continue
-    return pids
+    return {(pid, start) for pid, (parent, start) in found.items() if {pid, parent} & ours}
+
+
+def _alive(processes: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """Those of ``processes`` still running (an orphan too, whose parent is gone)."""
+    alive = set()
+    for pid, start in processes:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[19] == start and stat[0] != "Z":
+            alive.add((pid, start))
+    return alive
+
+
+@pytest.fixture
+def servers() -> Iterator[Path]:
+    """A directory for chaos's PostgreSQL server (its TMPDIR): the server's processes are
+    told from those of other tests' servers by it. Short, because the server's Unix socket
+    lives there (at most 107 bytes); readable by the postgres user."""
+    directory = Path(tempfile.mkdtemp(prefix="dfchaos-"))
+    directory.chmod(0o755)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.mark.slow
 @pytest.mark.postgres
-@pytest.mark.alone  # it looks for new postgres processes: no other test may start one
-def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None:
+def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path, servers: Path) -> None:
     # It only failed the trial it came in (chaos went on with the next), and one that came
     # outside a trial left the --start-postgres server running.
     _need_server_binaries()
-    before = _postgres_pids()
     workdir = tmp_path / "w"
     args = ["--quick", "--trials", "3", "--mode", "streaming", "--targets", "producer"]
     args += ["--start-postgres", "--workdir", str(workdir)]
     process = subprocess.Popen(
         [sys.executable, "-m", "dataflow.cli", "chaos", *args],
         cwd=tmp_path,
+        env={**os.environ, "TMPDIR": str(servers)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -305,6 +340,7 @@ def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None
         while not (workdir / "trial-000").exists() and process.poll() is None:
             assert time.monotonic() < deadline, "trial 0 never started"
             time.sleep(0.1)
+        started = _postgres_processes(servers)  # the server is up before the first trial
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=120)
     finally:
@@ -312,7 +348,10 @@ def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path) -> None
             process.kill()
     assert process.returncode == 1 and "stopped by SIGTERM" in err, err
     assert not (workdir / "trial-001").exists()  # no trial after it
+    assert started, "no server of chaos's own was found running during trial 0"
     deadline = time.monotonic() + 30
-    while _postgres_pids() - before and time.monotonic() < deadline:
+    while (_alive(started) or _postgres_processes(servers)) and time.monotonic() < deadline:
         time.sleep(0.2)  # the server's processes exit after its postmaster
-    assert not _postgres_pids() - before, "the server chaos started is still running"
+    assert not _alive(started) | _postgres_processes(servers), (
+        "the server chaos started is still running"
+    )

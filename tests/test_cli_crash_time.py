@@ -9,7 +9,6 @@ not the producer's commit just before the resume; the outage runs to the first l
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -19,13 +18,14 @@ from typing import Any
 
 import pytest
 import torch
+from _gloo import forkserver_context
 
 from dataflow import Consumer, Ledger, Producer
 from dataflow.cli import main
 from stores import SharedDirFeatureStore
 
 RUN = "run"
-SPAWN = mp.get_context("spawn")
+FORKED = forkserver_context(__name__)
 WAIT = 120.0  # seconds before a stuck child fails the test instead of hanging it
 
 
@@ -56,8 +56,8 @@ def test_replay_dates_the_crash_by_the_ranks_last_write_and_shows_the_outage(
     ledger = Ledger.open(url)
     producer = Producer(ledger, SharedDirFeatureStore(features), run_id=RUN, producer_id="p")
     producer.emit_many((f"s{i}", _features(i)) for i in range(400))
-    ready = SPAWN.Event()
-    rank = SPAWN.Process(target=_rank, args=(url, features, ready), daemon=True)
+    ready = FORKED.Event()
+    rank = FORKED.Process(target=_rank, args=(url, features, ready), daemon=True)
     rank.start()
     try:
         assert ready.wait(WAIT), "the rank never acked"

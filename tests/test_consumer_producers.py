@@ -9,7 +9,6 @@ process test is a real process.
 
 from __future__ import annotations
 
-import multiprocessing
 import tempfile
 import threading
 import warnings
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _gloo import forkserver_context
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -201,7 +201,7 @@ def test_a_lease_that_waits_is_answered_by_a_producer_process_that_starts_late(
         cons = Consumer(led, store, run_id="r", consumer_id="t", producers=["a", "b"])
         cons.resume()
         assert train_all(cons) == ["a0"]
-        context = multiprocessing.get_context("spawn")
+        context = forkserver_context(__name__)
         started = context.Event()
         late = context.Process(target=_late_producer, args=(ledger_url, store_dir, "r", started))
         late.start()

@@ -42,7 +42,6 @@ def test_the_page_has_every_step() -> None:
         assert command in script, command
 
 
-@pytest.mark.alone  # the page sleeps through an outage and waits 60 s for the ranks
 def _free_port_pair() -> int:
     """A port whose successor is free too (both bound once, then released)."""
     for _ in range(200):

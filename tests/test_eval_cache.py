@@ -2,7 +2,6 @@
 
 import copy
 import dataclasses
-import multiprocessing
 import os
 import pathlib
 import pickle
@@ -10,6 +9,7 @@ import time
 import types
 
 import pytest
+from _gloo import forkserver_context
 
 from eval import EvalCache, EvalConfig, EvalError
 
@@ -356,7 +356,7 @@ def race(root: str, marker: str, barrier, out: str) -> None:
 
 @pytest.mark.slow
 def test_racing_processes_run_the_producer_once(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context(__name__)
     barrier = context.Barrier(RACERS)
     marker = tmp_path / "produced.log"
     outs = [tmp_path / f"racer{i}.txt" for i in range(RACERS)]

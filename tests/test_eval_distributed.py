@@ -1,7 +1,6 @@
 """Evaluator across two real gloo ranks: uneven and empty shards, failures, no deadlock."""
 
 import json
-import multiprocessing
 import os
 import re
 import socket
@@ -9,6 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from _gloo import forkserver_context
 
 from dataflow.live._collectives import join_loopback_gloo
 from eval import EvalError, Evaluator
@@ -92,7 +92,7 @@ def rank_results(tmp_path_factory) -> list[dict]:
 def run_ranks(target, out_dir) -> list[dict]:
     """Run ``target(rank, port, out_dir)`` on every rank, each in its own process; what
     each wrote to ``out_dir/rank<N>.json``."""
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context(__name__)
     port = free_port()
     processes = [
         context.Process(target=target, args=(rank, port, str(out_dir)))

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,7 +21,6 @@ EXAMPLE = ROOT / "examples" / "eagle3"
 sys.path.insert(0, str(EXAMPLE))
 
 import draft as eagle3  # noqa: E402  (examples/eagle3/draft.py)
-from target import QUICK, build_target, features, make_prompts  # noqa: E402
 
 from eval import simulated_acceptance_length  # noqa: E402
 from training import PadCollate  # noqa: E402
@@ -61,13 +61,26 @@ def target():
 
 
 @functools.cache
+def _example() -> ModuleType:
+    """examples/eagle3/target.py, imported by the tests that use it: it imports
+    transformers, a third of a second in each xdist worker's collection otherwise."""
+    import target
+
+    return target
+
+
+def features(target: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    return _example().features(target, tokens)
+
+
+@functools.cache
 def _target() -> torch.nn.Module:
-    return build_target(QUICK, 0)
+    return _example().build_target(_example().QUICK, 0)
 
 
 @functools.cache
 def _prompts() -> list[torch.Tensor]:
-    return make_prompts(_target(), QUICK, 0, "eval")
+    return _example().make_prompts(_target(), _example().QUICK, 0, "eval")
 
 
 def test_features_are_bf16_sequences_of_one_length_and_regenerate_bit_for_bit(target):

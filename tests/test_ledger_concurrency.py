@@ -2,7 +2,6 @@
 never miss an event, on SQLite and PostgreSQL."""
 
 import json
-import multiprocessing
 import threading
 import time
 import traceback
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy
 import torch
+from _gloo import forkserver_context
 from _threads import errors_of_threads
 
 from dataflow import Event, Kind, Ledger, OperationalError, Producer
@@ -118,7 +118,7 @@ def run_plans() -> dict[str, list[list[str]]]:
     scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
 def producer_runs(request, tmp_path_factory):
-    """Four spawned producer processes write both runs of ``run_plans`` into one ledger,
+    """Four producer processes write both runs of ``run_plans`` into one ledger,
     while a follower thread per run tails it. Yields (ledger, reports, followers, exit codes)."""
     tmp = tmp_path_factory.mktemp("producers")
     if request.param == "sqlite":
@@ -132,7 +132,7 @@ def producer_runs(request, tmp_path_factory):
     followers = {run_id: Follower(url, run_id) for run_id in plans}
     for follower in followers.values():
         follower.start()
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context(__name__)
     barrier = context.Barrier(PROCESSES)
     outs = [tmp / f"producer-{i}.json" for i in range(PROCESSES)]
     processes = [

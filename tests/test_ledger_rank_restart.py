@@ -1,10 +1,10 @@
 """One rank restarts alone (``Consumer.rejoin``), and retries go back to the rank that nacked.
 
-Real SQLite files, a real shared-directory store and real processes (spawn): a rank is
+Real SQLite files, a real shared-directory store and real processes (from a fork server): a rank is
 SIGKILLed while it holds leases and a new process with the same consumer id rejoins the
 epoch, gets those leases back first and never fences the rank that went on. A retry
 nacked after the other rank drained and exited is still trained. The workers live at
-module level so that spawned children can import them.
+module level so that the children can import them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from _gloo import forkserver_context
 
 from dataflow import (
     Consumer,
@@ -38,7 +39,7 @@ from stores import LocalFeatureStore, SharedDirFeatureStore
 pytestmark = pytest.mark.slow
 
 RUN = "run"
-SPAWN = mp.get_context("spawn")
+FORKED = forkserver_context(__name__)
 WAIT = 120.0  # seconds before a stuck child fails the test instead of hanging it
 
 
@@ -113,15 +114,15 @@ def rank1_drains(url: str, features: str, events: Any) -> None:
 
 # -- helpers -------------------------------------------------------------------------------
 class Children:
-    """Spawned processes and their messages; killed at the end whatever happens."""
+    """Child processes and their messages; killed at the end whatever happens."""
 
     def __init__(self) -> None:
         self.procs: list[mp.process.BaseProcess] = []
-        self.events = SPAWN.Queue()
+        self.events = FORKED.Queue()
         self.backlog: list[tuple[Any, ...]] = []
 
     def start(self, target: Any, *args: Any) -> mp.process.BaseProcess:
-        proc = SPAWN.Process(target=target, args=args, daemon=True)
+        proc = FORKED.Process(target=target, args=args, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -190,10 +191,10 @@ def test_a_killed_rank_rejoins_gets_its_leases_back_first_and_fences_no_one(
     children: Children, dataset: tuple[str, str]
 ) -> None:
     url, features = dataset
-    go = SPAWN.Event()
+    go = FORKED.Event()
     rank0 = children.start(rank0_trains_across_the_restart, url, features, children.events, go)
     (epoch,) = children.expect("rank0", "halfway")
-    reader, writer = SPAWN.Pipe(duplex=False)
+    reader, writer = FORKED.Pipe(duplex=False)
     doomed = children.start(rank1_dies_holding_leases, url, features, writer)
     assert reader.poll(WAIT), "rank 1 never took its leases"
     held = reader.recv()

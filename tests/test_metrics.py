@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import os
 import re
 import selectors
@@ -18,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from _gloo import forkserver_context
 from _paths import ckpt, in_tmp_path  # noqa: F401 - in_tmp_path is an autouse fixture
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -226,7 +226,7 @@ def test_a_sidecar_counts_what_other_processes_wrote_folding_only_new_events(
     metrics = RunMetrics(led, RUN, store=store)
     with serve_metrics(0, metrics) as server:
         assert value(scrape(server.url), "dataflow_lag_refs", run=RUN) == 0
-        process = multiprocessing.get_context("spawn").Process(
+        process = forkserver_context(__name__).Process(
             target=produce, args=(sqlite_url, store_dir, 10)
         )
         process.start()
@@ -530,7 +530,7 @@ def test_the_store_gauges_say_what_the_store_holds_in_every_process(sqlite_url, 
     # and every rank reported 0: the gauges counted what this process's handle had put.
     here, there = store_uris
     store = open_store(here)  # on Mooncake, the memory the objects live in
-    context = multiprocessing.get_context("spawn")
+    context = forkserver_context(__name__)
     port, done = context.Queue(), context.Event()
     producer = context.Process(target=produce_and_serve, args=(sqlite_url, there, 12, port, done))
     producer.start()

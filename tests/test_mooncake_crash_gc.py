@@ -27,6 +27,8 @@ from tests._crash import PRODUCER, RANK, RUN, SAMPLES, child, kill_at_random, li
 
 pytestmark = pytest.mark.mooncake
 
+LEASE_MS = 6000  # the read lease in the close() test: long beside a close that does not wait
+
 
 def _namespace_keys(admin: str, namespace: str) -> list[str]:
     """Every key of ``namespace`` that the master holds, from its admin API."""
@@ -162,10 +164,9 @@ _CLOSER = """
 """
 
 
-@pytest.mark.alone  # close() within a second
 def test_close_returns_within_a_second_and_gc_frees_what_a_lease_held(mooncake_installed, tmp_path):
     # A lease long enough to see close() wait for it (Mooncake's default is 10 s).
-    with MooncakeMaster(lease_ttl_ms=3000) as master:
+    with MooncakeMaster(lease_ttl_ms=LEASE_MS) as master:
         namespace = "close"
         lender = MooncakeFeatureStore(  # the memory, in a process that outlives the closer
             master.master_address,
@@ -181,12 +182,13 @@ def test_close_returns_within_a_second_and_gc_frees_what_a_lease_held(mooncake_i
             assert closer.returncode == 0
             took, teardown = (float(word) for word in out.split())
             # The old close waited out the lease; Mooncake's own teardown of a client that
-            # lends nothing (about 1 s) runs on after close() returns.
-            assert took < 1.0, f"close() took {took:.2f}s"
+            # lends nothing (about 1 s) runs on after close() returns. (It returns in
+            # milliseconds: half the lease only catches such a wait, not a loaded machine.)
+            assert took < LEASE_MS / 2000, f"close() took {took:.2f}s"
             assert teardown > 0, "the client was torn down before the process ended"
             assert _unreferenced(master.admin_address, namespace, set())  # left to gc
 
-            deadline = time.monotonic() + 10  # the lease, 3 s, ends meanwhile
+            deadline = time.monotonic() + 60  # the lease ends meanwhile
             while _unreferenced(master.admin_address, namespace, set()):
                 assert time.monotonic() < deadline
                 collect_garbage(led, lender, grace=0)

@@ -191,7 +191,6 @@ def test_a_restarted_master_loses_payloads_that_are_regenerated_and_trained_once
     assert not any(e.kind == Kind.NACK for e in events)
 
 
-@pytest.mark.alone  # the restarted master takes the client back within its timeouts
 def test_a_store_outlives_its_master(master: MooncakeMaster) -> None:
     # While the master is down, calls wait connect_timeout and raise StoreUnavailableError
     # naming it; once a fresh one is up, the same handle serves again: what was put before
@@ -205,8 +204,9 @@ def test_a_store_outlives_its_master(master: MooncakeMaster) -> None:
         with pytest.raises(StoreUnavailableError, match=rf"{master.master_address}.*running"):
             store.put("b", {"x": torch.ones(4)})
         master.start()
-        # From here on a generous wait for the new master to take this client back.
-        store._client.settings = dataclasses.replace(store._client.settings, connect_timeout=30.0)
+        # From here on a wait for the new master to take this client back that only a
+        # hang outlasts, however loaded the machine.
+        store._client.settings = dataclasses.replace(store._client.settings, connect_timeout=90.0)
         with pytest.raises(StaleRefError):
             store.get(ref)
         try:

@@ -160,15 +160,17 @@ def test_objects_are_hard_pinned(cluster):
     assert cluster.anchor._client.config.with_hard_pin
 
 
-@pytest.mark.alone  # within a second
 def test_delete_right_after_get_does_not_stall(cluster):
     with cluster.store() as store:
-        refs = [store.put(f"s{i}", {"x": torch.ones(256)}) for i in range(50)]
+        refs = [store.put(f"s{i}", {"x": torch.ones(256)}) for i in range(100)]
         start = time.perf_counter()
         for ref in refs:
             store.get(ref)
             store.delete(ref)
-        assert time.perf_counter() - start < 1.0  # a lease wait would take 0.2 s per sample
+        # A delete that waited out the read lease (0.2 s) would take 20 s for these: half
+        # of that only catches such a wait, not a loaded machine.
+        lease_s = cluster.master.lease_ttl_ms / 1000
+        assert time.perf_counter() - start < len(refs) * lease_s / 2
         keys = [_data_key(store, ref, "x") for ref in refs]
         assert store._client.removals.pending(f"{store.namespace}/")  # leased: queued
         for ref in refs:
@@ -312,13 +314,14 @@ def test_get_returns_registered_memory_and_recycles_it(cluster):
         assert first == second
 
 
-@pytest.mark.alone  # within five seconds
 def test_unreachable_master_fails_fast_with_its_address(mooncake_installed):
     address = f"127.0.0.1:{free_port()}"
     start = time.perf_counter()
     with pytest.raises(StoreUnavailableError, match=address):
         MooncakeFeatureStore(address, metadata=f"http://127.0.0.1:{free_port()}/metadata")
-    assert time.perf_counter() - start < 5
+    # Mooncake's own setup retries an unreachable master for about 90 s; a refused
+    # connection answers at once, however loaded the machine.
+    assert time.perf_counter() - start < 45
 
 
 def test_unreachable_metadata_server_fails_fast(cluster):

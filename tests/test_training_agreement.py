@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import init_gloo, join, rank_consumer, run_args, start
+from _gloo import forkserver_start, init_gloo, join, rank_consumer, run_args
 
 from dataflow import Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -25,6 +25,9 @@ from training import (
     Trainer,
     TrainerConfig,
 )
+
+# Forked from a server that imported these once: a spawned rank imports torch again.
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
 
 RUN = "run"
 

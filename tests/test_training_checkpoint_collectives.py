@@ -15,13 +15,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import init_gloo, join, rank_consumer, run_args, start
+from _gloo import forkserver_start, init_gloo, join, rank_consumer, run_args
 
 from dataflow import Ledger, replay
 from training import CheckpointConfig, CheckpointManager
 
 #: Meetings of one save with a consumer: the manager's start, files and last one, and
 #: the consumer's two (docs/training.md); each is one all_gather of small messages.
+# Forked from a server that imported these once: a spawned rank imports torch again.
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
+
 WITH_CONSUMER = 5
 #: Without a consumer nothing is recorded: start, files, and the last meeting.
 WITHOUT_CONSUMER = 3

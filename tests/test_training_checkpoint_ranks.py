@@ -1,4 +1,4 @@
-"""CheckpointManager across two real gloo ranks (spawned processes, one SQLite ledger file).
+"""CheckpointManager across two real gloo ranks (real processes, one SQLite ledger file).
 
 Covers: every rank saving its own ``rank-XXXXX.pt`` next to rank 0's ``state.pt``
 and loading it back (RNG included) after a resume in new processes; an error on
@@ -24,12 +24,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import init_gloo, join, run_args, start
+from _gloo import forkserver_start, init_gloo, join, run_args
 
 import training
 from dataflow import Consumer, Kind, Ledger, replay
 from stores import SharedDirFeatureStore
 from training import CheckpointConfig, CheckpointError, CheckpointManager
+
+# Forked from a server that imported these once: a spawned rank imports torch again.
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
 
 RUN = "run"
 ACC = "eval/simulated_acc_len"

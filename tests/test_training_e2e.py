@@ -1,6 +1,6 @@
 """Trainer end to end on real components: a SQLite ledger, real stores, a real torch model.
 
-In process: a whole run with grad accumulation, evals and checkpoints. In spawned
+In process: a whole run with grad accumulation, evals and checkpoints. In child
 processes: a trainer SIGKILLed mid-run and resumed from the latest and from an older
 checkpoint; and two gloo ranks training their shares of one run.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _gloo import free_port, init_gloo
+from _gloo import forkserver_context, free_port, init_gloo
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from eval import Evaluator
@@ -253,8 +253,8 @@ def _train_in_child(args: dict[str, Any]) -> None:
     (out / f"done-{attempt}").touch()
 
 
-def _spawn(target: Any, *args: Any) -> multiprocessing.Process:
-    process = multiprocessing.get_context("spawn").Process(target=target, args=args)
+def _start(target: Any, *args: Any) -> multiprocessing.Process:
+    process = forkserver_context(__name__).Process(target=target, args=args)
     process.start()
     return process
 
@@ -296,7 +296,7 @@ def test_sigkilled_trainer_resumes_from_latest_and_from_an_older_checkpoint(
         "samples": 64,
     }
     # 1: checkpoints at steps 3 and 6, then killed inside step 7, before its ack.
-    first = _spawn(_train_in_child, {**args, "attempt": 1, "checkpoint": "latest", "block_at": 7})
+    first = _start(_train_in_child, {**args, "attempt": 1, "checkpoint": "latest", "block_at": 7})
     _wait_for(tmp_path / "blocked-1", first)
     os.kill(first.pid, signal.SIGKILL)
     first.join(CHILD_TIMEOUT_S)
@@ -305,7 +305,7 @@ def test_sigkilled_trainer_resumes_from_latest_and_from_an_older_checkpoint(
     assert [c.step for c in replay(led, RUN).checkpoints] == [3, 6]
 
     # 2: resumes from the latest checkpoint (6) and trains to the end.
-    second = _spawn(_train_in_child, {**args, "attempt": 2, "checkpoint": "latest"})
+    second = _start(_train_in_child, {**args, "attempt": 2, "checkpoint": "latest"})
     _join(second)
     _assert_same_model(tmp_path / "restored-2.pt", tmp_path / "saved-1-6.pt")
     state = replay(led, RUN)
@@ -313,7 +313,7 @@ def test_sigkilled_trainer_resumes_from_latest_and_from_an_older_checkpoint(
     assert set(state.trained) == {sample_id(i) for i in range(64)}
 
     # 3: goes back to the older checkpoint (3): what was trained after it is trained again.
-    third = _spawn(_train_in_child, {**args, "attempt": 3, "checkpoint": 3})
+    third = _start(_train_in_child, {**args, "attempt": 3, "checkpoint": 3})
     _join(third)
     _assert_same_model(tmp_path / "restored-3.pt", tmp_path / "saved-1-3.pt")
     state = replay(led, RUN)
@@ -400,7 +400,7 @@ def test_two_gloo_ranks_train_their_shares_once(tmp_path: Path) -> None:
         # 33 + 32 samples in batches of 8: rank 0 has 5 micro-batches, rank 1 only 4.
         "samples": 65,
     }
-    ranks = [_spawn(_rank_in_child, rank, args) for rank in range(2)]
+    ranks = [_start(_rank_in_child, rank, args) for rank in range(2)]
     for process in ranks:
         _join(process)
 

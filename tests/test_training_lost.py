@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import forkserver_start, free_port, init_gloo, join
 
 from dataflow import Consumer, Kind, Ledger, Producer, replay
 from stores import SharedDirFeatureStore
@@ -28,6 +28,9 @@ from training import (
     Trainer,
     TrainerConfig,
 )
+
+# Forked from a server that imported these once: a spawned rank imports torch again.
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
 
 RUN = "run"
 SAMPLES = 24

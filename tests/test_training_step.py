@@ -1,6 +1,6 @@
 """StepHelper: the optimizer boundary known before backward, no_sync() off it, one ack per step.
 
-In process on a real SQLite ledger for the helper's own logic; two spawned processes
+In process on a real SQLite ledger for the helper's own logic; two processes
 with a real gloo group and real DistributedDataParallel for the deferred reductions.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import free_port, init_gloo, join, start
+from _gloo import forkserver_start, free_port, init_gloo, join
 
 from dataflow import Consumer, Kind, Ledger, LedgerStateError, Producer, replay
 from stores import LocalFeatureStore, SharedDirFeatureStore
@@ -30,6 +30,9 @@ from training import (
     Trainer,
     TrainerConfig,
 )
+
+# Forked from a server that imported these once: a spawned rank imports torch again.
+start = forkserver_start("torch.distributed", "torch.nn.parallel", __name__)
 
 RUN = "run"
 CHILD_TIMEOUT_S = 120
