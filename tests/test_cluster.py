@@ -8,6 +8,7 @@ under CI=true.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import socket
@@ -22,7 +23,7 @@ import pytest
 
 from dataflow import DataflowError, InvalidArgumentError
 from dataflow.testing import Cluster, ClusterError, PostgresServer, Relay, cluster_unavailable
-from dataflow.testing._netns import alive, nameservers
+from dataflow.testing._netns import alive, nameservers, remove_dead_faketime_files
 from tests.conftest import unavailable
 
 ECHO_PORT = 7000
@@ -465,3 +466,19 @@ def test_bad_arguments_are_refused_with_clear_errors(cluster: Cluster, tmp_path:
     with pytest.raises(InvalidArgumentError, match="delay_s"):
         relay.set_delay(-1.0)
     relay.close()
+
+
+def test_libfaketime_files_of_dead_processes_are_removed_and_others_kept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {
+        f"faketime_shm_{dead.pid}": False,
+        f"sem.faketime_sem_{dead.pid}": False,
+        f"faketime_shm_{os.getpid()}": True,  # a live process's: still in use
+        "faketime_shm_notapid": True,
+        "PostgreSQL.123": True,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    remove_dead_faketime_files(tmp_path)
+    assert {n: (tmp_path / n).exists() for n in names} == names

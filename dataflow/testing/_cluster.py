@@ -299,6 +299,8 @@ class Cluster:
             for host in self.hosts.values():
                 _netns.kill_namespace(host.netns)
             _netns.remove_slot(self.slot)
+            if any(host.skew_s for host in self.hosts.values()):
+                _netns.remove_dead_faketime_files()
         finally:
             self._relays.clear()
             self._services.clear()

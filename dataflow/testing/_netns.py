@@ -216,3 +216,21 @@ def libfaketime() -> str:
         "a skewed host needs libfaketime, which is not installed: "
         f"apt-get install {FAKETIME_PACKAGE} (Debian/Ubuntu), or pass no skew"
     )
+
+
+_FAKETIME_FILE = re.compile(r"(?:sem\.)?faketime_(?:shm|sem)_(\d+)")
+
+
+def remove_dead_faketime_files(shm: Path = Path("/dev/shm")) -> None:
+    """Remove the shared-memory files libfaketime left for processes that are gone.
+
+    libfaketime removes its ``faketime_shm_PID`` and ``sem.faketime_sem_PID`` when a
+    process exits normally; a skewed host's process that was SIGKILLed leaves them.
+    """
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(shm):
+            match = _FAKETIME_FILE.fullmatch(entry.name)
+            if match is None or Path(f"/proc/{match[1]}").exists():
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
