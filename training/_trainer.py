@@ -394,8 +394,12 @@ class Trainer(_Resuming):
         if max_steps is not None and self.step >= max_steps:
             return False
         self.loader.flush()
+        # None: this rank's share is not fixed (a rank's regeneration is still open), so
+        # work may be left, e.g. a regenerated sample already leased ahead; agreeing on
+        # "nothing left" then would end run() with that batch leased and never trained.
+        remaining = self.loader.remaining_batches(fresh=True)
         # Not counted in self.agreements.
-        [left] = reduce_max([int(bool(self.loader.remaining_batches(fresh=True)))])
+        [left] = reduce_max([int(remaining is None or remaining > 0)])
         if not left:
             return False
         self._batches_left = None
