@@ -34,3 +34,18 @@ def test_a_ref_decoded_without_torch_imports_it_when_its_dtype_is_needed() -> No
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["12", "torch.bfloat16", "True"]
+
+
+def test_importing_stores_leaves_torch_out_until_a_store_class_is_used() -> None:
+    code = (
+        "import sys, stores\n"
+        "before = 'torch' in sys.modules\n"
+        "stores.known_schemes()\n"
+        "after_schemes = 'torch' in sys.modules\n"
+        "from stores import SharedDirFeatureStore\n"
+        "print(before, after_schemes, 'torch' in sys.modules, SharedDirFeatureStore.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["False", "False", "True", "SharedDirFeatureStore"]
