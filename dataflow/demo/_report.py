@@ -10,6 +10,7 @@ from typing import Any
 
 from dataflow.model._events import Event, Kind
 from dataflow.model._fold import RunState
+from dataflow.tools._lineage_acks import final_lineage_acks
 
 
 @dataclass
@@ -24,39 +25,22 @@ class Lineage:
 
 
 def lineage_report(events: Iterable[Event]) -> Lineage:
-    """Count each sample's acks in the final lineage, from the events alone.
-
-    A resume from the checkpoint at step S of epoch E starts a new epoch whose lineage is
-    E's acks up to step S, and so on back; what E acked after S was abandoned. (The demo
-    never starts a new data epoch, so one lineage is one pass over the data.)
+    """Count each sample's acks in the final lineage, from the events alone
+    (:func:`~dataflow.tools._lineage_acks.final_lineage_acks`), and when the run
+    leased, acked, checkpointed and resumed. (The demo never starts a new data epoch,
+    so one lineage is one pass over the data.)
     """
-    lineage = Lineage()
-    checkpoint_at: dict[int, tuple[int, int]] = {}  # seq -> (epoch, step)
-    parent: dict[int, tuple[int, int] | None] = {}  # epoch -> (epoch, cut step) it resumed
-    acks: dict[int, list[tuple[int, str]]] = {}  # epoch -> (step, sample id)
-    final = 0
+    events = list(events)
+    lineage = Lineage(acks=final_lineage_acks(events))
     for event in events:
         if event.kind == Kind.CHECKPOINT:
-            checkpoint_at[event.seq] = (event.epoch, event.step or 0)
             lineage.checkpoints.append((event.ts, event.step or 0))
         elif event.kind == Kind.RESUME:
-            seq = event.payload.get("checkpoint_seq")
-            parent[event.epoch] = checkpoint_at.get(seq) if seq is not None else None
             lineage.resume_ts.append(event.ts)
-            final = event.epoch
         elif event.kind == Kind.ACK and event.sample_ids:
-            acks.setdefault(event.epoch, []).extend(
-                (step or 0, s) for s, step in zip(event.sample_ids, event.sample_steps, strict=True)
-            )
             lineage.last_ack_ts = event.ts
         elif event.kind == Kind.LEASE and lineage.first_lease_ts is None:
             lineage.first_lease_ts = event.ts
-    epoch: int | None = final
-    cut: int | None = None
-    while epoch:
-        lineage.acks.update(sid for step, sid in acks.get(epoch, ()) if cut is None or step <= cut)
-        back = parent.get(epoch)
-        epoch, cut = back if back is not None else (None, None)
     return lineage
 
 
