@@ -24,3 +24,11 @@ def run_cli(
         timeout=timeout,
         check=False,
     )
+
+
+def assert_one_line_exit_2(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    """A refused command line: exit 2, nothing on stdout, one stderr line saying ``expected``."""
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr

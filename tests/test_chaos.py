@@ -23,7 +23,7 @@ from dataflow.demo import DemoOptions
 from dataflow.demo._chaos import ChaosTrial, KillPlan, _same_weights, clean, format_table, summarize
 from dataflow.demo._run import _Child
 from dataflow.testing._postgres import find_bin_dir
-from tests._cli import run_cli
+from tests._cli import assert_one_line_exit_2, run_cli
 from tests.conftest import unavailable
 
 
@@ -148,11 +148,7 @@ def test_a_killed_postgres_server_loses_no_sample(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
-    result = _chaos(*args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert_one_line_exit_2(_chaos(*args, cwd=tmp_path), expected)
     assert not (tmp_path / "dataflow-chaos").exists()  # nothing was started
 
 

@@ -30,7 +30,7 @@ from dataflow.demo._chaos_hosts_plan import (
     streaming,
 )
 from dataflow.testing import cluster_unavailable
-from tests._cli import run_cli
+from tests._cli import assert_one_line_exit_2, run_cli
 from tests.conftest import unavailable
 
 
@@ -128,11 +128,7 @@ def test_a_producer_host_hours_ahead_leaves_no_orphans_on_mooncake(
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
-    result = _chaos(*args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert result.stdout == ""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert_one_line_exit_2(_chaos(*args, cwd=tmp_path), expected)
     assert not (tmp_path / "dataflow-chaos").exists()  # nothing was started
 
 
