@@ -39,18 +39,25 @@ def test_e2e_and_memory_print_one_table_and_write_the_rows(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr
     header = "| metric "
     assert result.stdout.count(header) == 1
-    for name in ("end to end, trainer side", "end to end: 2 producers", "full window"):
+    for name in (
+        "end to end, trainer side",
+        "end to end: 2 producers",
+        "the raw limit",
+        "full window",
+    ):
         assert name in result.stdout
     assert "per committed sample" in result.stdout
     assert "benchmarks" in result.stderr  # the progress bar
     items = json.loads(out.read_text())
-    assert len(items) == 4
+    assert len(items) == 5
     for item in items:
         assert set(item) == KEYS
         assert item["value"] > 0 and item["baseline_value"] > 0
-    # Both end-to-end rows: the committed dataset (the trainer side), then streaming.
-    assert [item["target"] for item in items[:2]] == [">= 0.95", ">= 0.85"]
+    # The end-to-end rows: the committed dataset (the trainer side), streaming, and the
+    # streaming row's raw limit (reported, no target).
+    assert [item["target"] for item in items[:3]] == [">= 0.95", ">= 0.85", None]
     assert all(isinstance(item["met"], bool) for item in items[:2])
+    assert "the raw limit" in items[2]["name"] and items[2]["met"] is None
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]  # the work dir is gone
 
 
