@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -179,7 +180,7 @@ class ForkedPopen(subprocess.Popen):
     docstring for what it runs and what it refuses). Pipes, ``communicate``, ``wait``
     with a timeout, ``kill`` and ``send_signal`` work as in :mod:`subprocess`."""
 
-    def _execute_child(  # noqa: PLR0913 (subprocess's signature)
+    def _execute_child(
         self,
         args: Any,
         executable: Any,
@@ -250,9 +251,7 @@ class ForkedPopen(subprocess.Popen):
                 chunk = conn.recv(4096)
                 if not chunk:
                     conn.close()
-                    raise RuntimeError(
-                        f"the test zygote went away before child {self.pid} ended"
-                    )
+                    raise RuntimeError(f"the test zygote went away before child {self.pid} ended")
                 self._zygote_buffer += chunk
         except (TimeoutError, BlockingIOError):
             return False
@@ -281,7 +280,7 @@ class ForkedPopen(subprocess.Popen):
         return self.returncode
 
 
-def Popen(args: Sequence[str], **kwargs: Any) -> ForkedPopen:  # noqa: N802 (as subprocess's)
+def Popen(args: Sequence[str], **kwargs: Any) -> ForkedPopen:
     """:class:`subprocess.Popen` for ``[sys.executable, "-c"|"-m", ...]``, forked warm."""
     return ForkedPopen(args, **kwargs)
 
@@ -289,7 +288,7 @@ def Popen(args: Sequence[str], **kwargs: Any) -> ForkedPopen:  # noqa: N802 (as 
 def run(
     args: Sequence[str],
     *,
-    input: Any = None,  # noqa: A002 (as subprocess.run's)
+    input: Any = None,
     capture_output: bool = False,
     timeout: float | None = None,
     check: bool = False,
@@ -388,10 +387,8 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 
 
 def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a test that gave up on its child needs no word
         conn.sendall(json.dumps(message).encode() + b"\n")
-    except OSError:
-        pass  # the test gave up on this child; it needs no word
 
 
 def _report_ended(children: dict[int, socket.socket]) -> None:
@@ -430,7 +427,7 @@ def _child_main(started: tuple[dict[str, Any], list[int]]) -> None:
             main = types.ModuleType("__main__")
             main.__builtins__ = builtins
             sys.modules["__main__"] = main
-            exec(compile(request["target"], "<string>", "exec"), main.__dict__)  # noqa: S102
+            exec(compile(request["target"], "<string>", "exec"), main.__dict__)
         else:
             import runpy
 
