@@ -42,6 +42,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 from collections.abc import Sequence
@@ -319,6 +320,24 @@ def run(
     return subprocess.CompletedProcess(process.args, code, stdout, stderr)
 
 
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """:func:`tests._cli.run_cli` forked warm: ``python -m dataflow.cli ARGS``, its output
+    captured; without ``env``, the test's environment less ``DATAFLOW_LEDGER``."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k != "DATAFLOW_LEDGER"}
+    return run(
+        [sys.executable, "-m", "dataflow.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
 # ---------------------------------------------------------------- the zygote's side
 
 
@@ -419,6 +438,7 @@ def _child_main(started: tuple[dict[str, Any], list[int]]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # the zygote's, if an import asked for it: TMPDIR may differ
     _set_path(request["mode"], zygote_path)
     _set_streams(unbuffered=request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
     sys.argv = [request["mode"], *request["argv"]]
