@@ -64,6 +64,11 @@ PRELOAD = (
 )
 
 _HEADER = struct.Struct("!I")  # the length of the request that follows
+# The zygote's environment: the suite's, as it was when the tests were collected, not that
+# of whichever test first asks for a child (a monkeypatched variable would otherwise stay
+# in what the preloaded modules read at import for the rest of the session). Each child
+# gets its own environment from the request.
+_ENVIRON = dict(os.environ)
 _BOOT = (
     "import sys; sys.path.insert(0, sys.argv[1]); from tests import _zygote; "
     "del sys.path[0]; _zygote._child_main(_zygote._serve())"
@@ -82,7 +87,7 @@ class Zygote:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.address)
         listener.listen(64)
-        env = dict(os.environ, DATAFLOW_TESTS_ZYGOTE_PRELOAD=",".join(preload))
+        env = dict(_ENVIRON, DATAFLOW_TESTS_ZYGOTE_PRELOAD=",".join(preload))
         try:
             # The listener is bound before the server starts, so a request made while it
             # still imports waits in the backlog. Its stdin is a pipe whose end (EOF) is
@@ -246,13 +251,16 @@ class ForkedPopen(subprocess.Popen):
         """Read the child's end from the zygote within ``timeout`` s (None: wait); whether
         it came. The caller holds ``_waitpid_lock``."""
         conn = self._zygote_conn
+        lost = f"the test zygote went away before child {self.pid} ended: its end is unknown"
+        if conn.fileno() == -1:
+            raise RuntimeError(lost)
         conn.settimeout(timeout)
         try:
             while not self._zygote_buffer.endswith(b"\n"):
                 chunk = conn.recv(4096)
                 if not chunk:
                     conn.close()
-                    raise RuntimeError(f"the test zygote went away before child {self.pid} ended")
+                    raise RuntimeError(lost)
                 self._zygote_buffer += chunk
         except (TimeoutError, BlockingIOError):
             return False
@@ -266,8 +274,9 @@ class ForkedPopen(subprocess.Popen):
                 if self.returncode is None:
                     self._zygote_status(0)
             except (OSError, RuntimeError):
-                if _deadstate is not None:
-                    self.returncode = _deadstate
+                if _deadstate is None:
+                    raise  # a poll() loop would otherwise wait for ever
+                self.returncode = _deadstate  # from __del__: nobody waits any more
             finally:
                 self._waitpid_lock.release()
         return self.returncode

@@ -119,3 +119,19 @@ def test_what_a_zygote_cannot_run_as_asked_is_refused() -> None:
     ]:
         with pytest.raises(ValueError, match=r"subprocess|zygote"):
             _zygote.run(args, **kwargs)
+
+
+def test_a_child_whose_zygote_died_says_so_and_the_next_child_gets_a_new_one() -> None:
+    process = _zygote.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        server = _zygote.zygote().server
+        server.kill()
+        server.wait()
+        with pytest.raises(RuntimeError, match="went away before child"):
+            process.wait(30)
+        with pytest.raises(RuntimeError, match="went away before child"):
+            process.poll()  # not None for ever
+    finally:
+        os.kill(process.pid, signal.SIGKILL)  # an orphan now: nobody else would
+    again = _zygote.run([sys.executable, "-c", "print('ok')"], capture_output=True, text=True)
+    assert (again.returncode, again.stdout) == (0, "ok\n")
