@@ -21,8 +21,9 @@ What differs from a fresh interpreter, and so stays on :mod:`subprocess`:
 * the child is the zygote's child, not the test's (``os.waitpid`` and
   ``multiprocessing.active_children`` do not see it; :class:`ForkedPopen` does);
 * only ``[sys.executable, "-c", CODE, *ARGS]`` and ``[sys.executable, "-m", MODULE,
-  *ARGS]`` (each optionally with ``-u``) are served; anything else is refused with
-  ``ValueError`` rather than run differently.
+  *ARGS]`` (each optionally with ``-u``) are served, and only with the zygote's
+  interpreter settings (``PYTHON*`` variables but PYTHONPATH and PYTHONUNBUFFERED);
+  anything else is refused with ``ValueError`` rather than run differently.
 """
 
 from __future__ import annotations
@@ -181,6 +182,21 @@ def _parse(args: Sequence[str]) -> dict[str, Any]:
     return {"mode": rest[0], "target": rest[1], "argv": rest[2:], "unbuffered": unbuffered}
 
 
+def _check_startup_settings(environ: dict[str, str]) -> None:
+    """Refuse an interpreter setting that only a fresh start reads (PYTHONWARNINGS,
+    PYTHONHASHSEED, PYTHONDEVMODE ...) when the child's differs from the zygote's: the
+    child would run with the zygote's. PYTHONPATH and PYTHONUNBUFFERED are applied."""
+    names = {n for n in (*environ, *_ENVIRON) if n.startswith("PYTHON")}
+    differ = sorted(
+        n for n in names - {"PYTHONPATH", "PYTHONUNBUFFERED"} if environ.get(n) != _ENVIRON.get(n)
+    )
+    if differ:
+        raise ValueError(
+            f"a zygote child cannot take its own {', '.join(differ)} (read when an "
+            "interpreter starts): use subprocess"
+        )
+
+
 class ForkedPopen(subprocess.Popen):
     """:class:`subprocess.Popen` whose child is forked from the zygote (see the module's
     docstring for what it runs and what it refuses). Pipes, ``communicate``, ``wait``
@@ -228,12 +244,14 @@ class ForkedPopen(subprocess.Popen):
             if refused:
                 raise ValueError(f"a zygote child takes no {', '.join(refused)}: use subprocess")
             payload = _parse(args)
+            environ = {
+                os.fsdecode(k): os.fsdecode(v)
+                for k, v in (os.environ if env is None else env).items()
+            }
+            _check_startup_settings(environ)
             payload.update(
                 cwd=os.path.abspath(os.fspath(cwd) if cwd is not None else os.getcwd()),
-                env={
-                    os.fsdecode(k): os.fsdecode(v)
-                    for k, v in (os.environ if env is None else env).items()
-                },
+                env=environ,
                 new_session=bool(start_new_session),
             )
             fds = [

@@ -116,6 +116,7 @@ def test_what_a_zygote_cannot_run_as_asked_is_refused() -> None:
         ([sys.executable, "script.py"], {}),
         ([sys.executable, "-c", "pass"], {"shell": True}),
         ([sys.executable, "-c", "pass"], {"preexec_fn": os.getpid}),
+        ([sys.executable, "-c", "pass"], {"env": {**os.environ, "PYTHONWARNINGS": "error"}}),
     ]:
         with pytest.raises(ValueError, match=r"subprocess|zygote"):
             _zygote.run(args, **kwargs)
