@@ -15,13 +15,12 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed
 
 from benchmarks import _runner  # noqa: E402
 from benchmarks._rows import row  # noqa: E402
-from tests import _zygote  # noqa: E402
 
 KEYS = {"name", "value", "unit", "baseline", "baseline_value", "ratio", "target", "met", "note"}
 
 
 def _benchmarks(*args: str) -> subprocess.CompletedProcess[str]:
-    return _zygote.run(  # forked warm: the runner's own imports of torch and dataflow
+    return subprocess.run(
         [sys.executable, "-m", "benchmarks", *args],
         cwd=ROOT,
         capture_output=True,
