@@ -19,7 +19,8 @@ What differs from a fresh interpreter, and so stays on :mod:`subprocess`:
   zygote (the test process's): a test about what a fresh process imports, how long it
   takes to start, or an import-time setting from the environment needs a fresh one;
 * the child is the zygote's child, not the test's (``os.waitpid`` and
-  ``multiprocessing.active_children`` do not see it; :class:`ForkedPopen` does);
+  ``multiprocessing.active_children`` do not see it; :class:`ForkedPopen` does), and its
+  ``/proc/PID/cmdline`` is the zygote's: find it by its pid, not by its command line;
 * only ``[sys.executable, "-c", CODE, *ARGS]`` and ``[sys.executable, "-m", MODULE,
   *ARGS]`` (each optionally with ``-u``) are served, and only with the zygote's
   interpreter settings (``PYTHON*`` variables but PYTHONPATH and PYTHONUNBUFFERED);
