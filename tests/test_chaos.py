@@ -23,7 +23,8 @@ from dataflow.demo import DemoOptions
 from dataflow.demo._chaos import ChaosTrial, KillPlan, _same_weights, clean, format_table, summarize
 from dataflow.demo._run import _Child
 from dataflow.testing._postgres import find_bin_dir
-from tests._cli import assert_one_line_exit_2, run_cli
+from tests._cli import assert_one_line_exit_2
+from tests._zygote import Popen, run_cli
 from tests.conftest import unavailable
 
 
@@ -323,7 +324,7 @@ def test_a_sigterm_stops_chaos_and_the_server_it_started(tmp_path: Path, servers
     workdir = tmp_path / "w"
     args = ["--quick", "--trials", "3", "--mode", "streaming", "--targets", "producer"]
     args += ["--start-postgres", "--workdir", str(workdir)]
-    process = subprocess.Popen(
+    process = Popen(  # forked warm, as every chaos command here
         [sys.executable, "-m", "dataflow.cli", "chaos", *args],
         cwd=tmp_path,
         env={**os.environ, "TMPDIR": str(servers)},

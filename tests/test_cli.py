@@ -14,7 +14,7 @@ import torch
 
 from dataflow import Consumer, Ledger, Producer
 from stores import LocalFeatureStore
-from tests._cli import run_cli
+from tests._zygote import run_cli  # forked warm: the imports cost more than a command
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import torch
 from dataflow import Consumer, Ledger, Producer, replay
 from dataflow.cli import main
 from stores import LocalFeatureStore
-from tests._cli import run_cli
+from tests._zygote import run_cli  # forked warm: the imports cost more than a command
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dataflow import Ledger, replay
-from tests._cli import run_cli
+from tests._zygote import run_cli  # forked warm: the demo imports torch
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

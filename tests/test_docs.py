@@ -1,4 +1,11 @@
-"""Every ```python block in README.md and docs/*.md runs as written."""
+"""Every ```python block in README.md and docs/*.md runs as written.
+
+Each example runs as ``python -c CODE`` in a process of its own (its own cwd, environment
+and output, ``__name__ == "__main__"``, exit status checked), forked from the test zygote
+(``tests/_zygote.py``), which imported torch, dataflow, stores, training and eval once:
+46 fresh interpreters imported torch 41 times, over a minute of CPU. An example that
+needs a fresh interpreter says so in :data:`FRESH_INTERPRETER`.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from tests import _zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+#: The examples that run in a fresh interpreter, not forked from the zygote: (page, a line
+#: of the example) -> why. An example belongs here when what it shows depends on a fresh
+#: process: what importing a module costs or pulls in, an import-time setting read from
+#: the environment, or multiprocessing's "spawn" of a function in a main *file*. None does
+#: now (the multi-rank examples fork their ranks from the example's own process).
+FRESH_INTERPRETER: dict[tuple[str, str], str] = {}
 
 
 def _blocks() -> list[pytest.param]:
@@ -22,14 +38,20 @@ def _blocks() -> list[pytest.param]:
             continue
         for n, match in enumerate(_BLOCK.finditer(page.read_text())):
             line = page.read_text()[: match.start()].count("\n") + 1
-            params.append(pytest.param(match.group(1), id=f"{page.name}:{line}:{n}"))
+            code = match.group(1)
+            fresh = [
+                why
+                for (name, text), why in FRESH_INTERPRETER.items()
+                if name == page.name and text in code.splitlines()
+            ]
+            params.append(pytest.param(code, bool(fresh), id=f"{page.name}:{line}:{n}"))
     return params
 
 
-@pytest.mark.parametrize("code", _blocks())
-def test_doc_example_runs(code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("code", "fresh"), _blocks())
+def test_doc_example_runs(code: str, fresh: bool, tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    result = subprocess.run(
+    result = (subprocess.run if fresh else _zygote.run)(
         [sys.executable, "-c", code],
         cwd=tmp_path,
         env=env,
@@ -38,6 +60,14 @@ def test_doc_example_runs(code: str, tmp_path: Path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def test_every_fresh_interpreter_entry_names_one_example() -> None:
+    for (page, text), why in FRESH_INTERPRETER.items():
+        path = {p.name: p for p in PAGES}[page]
+        blocks = [m.group(1) for m in _BLOCK.finditer(path.read_text())]
+        found = [code for code in blocks if text in code.splitlines()]
+        assert len(found) == 1, f"{page}: {text!r} ({why}) is in {len(found)} examples, not 1"
 
 
 def test_every_docs_page_is_linked_from_the_readme() -> None:

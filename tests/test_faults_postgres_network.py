@@ -38,6 +38,7 @@ from sqlalchemy.engine import make_url
 from dataflow import Kind, Ledger, Producer, replay
 from dataflow.testing._postgres import PostgresServer
 from stores import SharedDirFeatureStore
+from tests import _zygote
 from tests._netns import Link, veth_namespace, why_unavailable
 from tests.conftest import unavailable
 
@@ -207,14 +208,15 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def python(script: str, *args: object) -> list[str]:
-    """The argv that runs ``script`` with ``args`` in a fresh Python process."""
+    """The argv that runs ``script`` with ``args`` in a Python process of its own."""
     return [sys.executable, "-c", script, *map(str, args)]
 
 
 def start(started: list[subprocess.Popen[str]], argv: list[str]) -> subprocess.Popen[str]:
-    process = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
-    )
+    # A python child on this host forks from the test zygote (torch imported once); one
+    # in the namespace starts afresh there (``ip netns exec``).
+    popen = _zygote.Popen if argv[0] == sys.executable else subprocess.Popen
+    process = popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     started.append(process)
     return process
 

@@ -27,6 +27,7 @@ import torch
 
 from dataflow import Kind, Ledger, LedgerFilesReplacedError, Producer, replay
 from stores import SharedDirFeatureStore
+from tests import _zygote
 
 RUN = "run"
 
@@ -75,7 +76,8 @@ class Holder:
     """A child process holding the ledger open."""
 
     def __init__(self, tmp_path: Path, producer_id: str) -> None:
-        self.proc = subprocess.Popen(
+        # forked from the test zygote: a process of its own, without torch imported anew
+        self.proc = _zygote.Popen(
             [sys.executable, "-c", HOLDER, str(tmp_path / "ledger.db"), str(tmp_path / "store"),
              producer_id],
             stdin=subprocess.PIPE,

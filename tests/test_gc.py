@@ -18,7 +18,7 @@ import torch
 
 from dataflow import Consumer, GcReport, Ledger, Producer, collect_garbage, replay
 from stores import SharedDirFeatureStore
-from tests._cli import run_cli
+from tests._zygote import run_cli  # forked warm: the store's module imports torch
 
 RUN = "run"
 HOUR = 3600.0

@@ -49,3 +49,19 @@ def test_importing_stores_leaves_torch_out_until_a_store_class_is_used() -> None
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == ["False", "False", "True", "SharedDirFeatureStore"]
+
+
+def test_importing_the_testing_harness_leaves_torch_out_until_a_strategy_is_used() -> None:
+    # The cluster's and PostgresServer's users (a ledger actor inside a simulated host, a
+    # chaos trial's PostgreSQL) import dataflow.testing; torch would cost each a second.
+    code = (
+        "import sys, dataflow.testing\n"
+        "from dataflow.testing import Cluster, PostgresServer, cluster_unavailable\n"
+        "before = ','.join(m for m in ('torch', 'hypothesis') if m in sys.modules) or '-'\n"
+        "from dataflow.testing import tensors\n"
+        "print(before, 'torch' in sys.modules, tensors.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["-", "True", "tensors"]

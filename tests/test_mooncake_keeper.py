@@ -18,6 +18,7 @@ import pytest
 
 from stores import open_store
 from stores.mooncake_master import MooncakeMaster
+from tests import _zygote
 
 pytestmark = pytest.mark.mooncake
 
@@ -46,7 +47,9 @@ def _put_get(master: MooncakeMaster, **env: str) -> subprocess.CompletedProcess[
     environ = {k: v for k, v in os.environ.items() if k != "DATAFLOW_MOONCAKE_LOG"}
     if "DATAFLOW_SET_MC_LOG_LEVEL" not in environ:  # a level set by hand, not by dataflow
         environ.pop("MC_LOG_LEVEL", None)
-    return subprocess.run(
+    # Forked from the test zygote, which has not loaded Mooncake's client: its log level
+    # is still read from this child's environment, when the store loads it.
+    return _zygote.run(
         [sys.executable, "-c", textwrap.dedent(_PUT_GET), uri],
         env={**environ, **env},
         capture_output=True,
@@ -57,7 +60,7 @@ def _put_get(master: MooncakeMaster, **env: str) -> subprocess.CompletedProcess[
 
 def test_the_keeper_lends_memory_until_sigterm_and_exits_0(master):
     lent = master.store_uri(namespace="keeper") + f"&segment_size={urllib.parse.quote('64M')}"
-    keeper = subprocess.Popen(
+    keeper = _zygote.Popen(
         [sys.executable, "-m", "dataflow", "mooncake-keeper", "--store", lent],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -80,7 +83,7 @@ def test_the_keeper_lends_memory_until_sigterm_and_exits_0(master):
 
 def test_the_keeper_refuses_a_store_that_lends_nothing(master):
     lends_none = f"{master.store_uri(namespace='keeper')}&segment_size=0"
-    done = subprocess.run(
+    done = _zygote.run(
         [sys.executable, "-m", "dataflow", "mooncake-keeper", "--store", lends_none],
         capture_output=True,
         text=True,

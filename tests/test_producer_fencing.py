@@ -43,6 +43,7 @@ from dataflow.streams import (
     ZmqRefSender,
 )
 from stores import LocalFeatureStore, SharedDirFeatureStore
+from tests import _zygote
 
 RUN = "run"
 WAIT_S = 120.0  # only ever waited out when something is broken
@@ -80,7 +81,8 @@ class ProducerProcess:
     """A real producer process of id "rollout-0", driven line by line."""
 
     def __init__(self, ledger_url: str, store_uri: str) -> None:
-        self.proc = subprocess.Popen(
+        # forked from the test zygote: a process of its own, without torch imported anew
+        self.proc = _zygote.Popen(
             [sys.executable, "-c", _PRODUCER, ledger_url, store_uri, RUN],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -25,6 +25,7 @@ from stores import SharedDirFeatureStore, _tensors, open_store
 from stores._shared_dir_format import MAGIC, FileLayout, array_of, file_pieces
 from stores._shared_dir_layout import sample_file_name
 from stores.testing import LOOKALIKE_SAMPLE_IDS, FeatureStoreContract, assert_same_tensor
+from tests import _zygote
 
 
 class TestSharedDirFeatureStore(FeatureStoreContract):
@@ -283,7 +284,9 @@ def test_created_is_the_files_mtime(store):
 
 # -- real processes ------------------------------------------------------------
 def _python(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    """``python -c CODE ARGS``, forked from the test zygote: a process of its own (its
+    files, locks and crashes as real), without a fresh import of torch (11 of them here)."""
+    return _zygote.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -12,23 +12,58 @@
   :class:`Relay` s that delay, stall or reset TCP connections (root only; see
   :func:`cluster_unavailable`).
 
-Needs the ``test`` extra (hypothesis).
+The strategies and the state machine need the ``test`` extra (hypothesis) and torch,
+both imported on first use of their names.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from dataflow.testing._cluster import DEFAULT_HOSTS, Cluster, Host
-from dataflow.testing._machine import PROFILES, LedgerMachine, machine_settings, run_ledger_machine
 from dataflow.testing._netns import ClusterError, cluster_unavailable
 from dataflow.testing._postgres import PostgresServer, postgres_url_from_env
 from dataflow.testing._relay import Relay
-from dataflow.testing._strategies import (
-    DTYPES,
-    feature_dicts,
-    invalid_sample_ids,
-    json_values,
-    sample_ids,
-    sample_refs,
-    tensors,
-)
+
+if TYPE_CHECKING:
+    from dataflow.testing._machine import (
+        PROFILES,
+        LedgerMachine,
+        machine_settings,
+        run_ledger_machine,
+    )
+    from dataflow.testing._strategies import (
+        DTYPES,
+        feature_dicts,
+        invalid_sample_ids,
+        json_values,
+        sample_ids,
+        sample_refs,
+        tensors,
+    )
+
+# Names whose modules import torch and hypothesis: loaded on first use, so that a process
+# that only needs the cluster or a PostgresServer (a ledger actor inside a simulated host,
+# a chaos trial's PostgreSQL) pays for neither (torch alone costs a second of CPU).
+_LAZY = {
+    **dict.fromkeys(
+        ("LedgerMachine", "PROFILES", "machine_settings", "run_ledger_machine"),
+        "dataflow.testing._machine",
+    ),
+    **dict.fromkeys(
+        (
+            "DTYPES",
+            "feature_dicts",
+            "invalid_sample_ids",
+            "json_values",
+            "sample_ids",
+            "sample_refs",
+            "tensors",
+        ),
+        "dataflow.testing._strategies",
+    ),
+}
 
 __all__ = [
     "Cluster",
@@ -51,3 +86,16 @@ __all__ = [
     "sample_refs",
     "tensors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
