@@ -15,7 +15,7 @@ another sample, is corruption; only an intact header of another generation
 means the ref's generation is gone (stale).
 
 A file is written whole once its generation is chosen (:func:`sealed_head`), then
-renamed into place.
+linked or renamed into place (``SharedDirFeatureStore._put_file``).
 """
 
 from __future__ import annotations
@@ -180,21 +180,31 @@ def writev_all(fd: int, buffers: list[Any], nbytes: int) -> None:
         written = os.writev(fd, views[:_IOV_MAX])
 
 
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write ``data`` at ``offset`` of ``fd``, after short writes too."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
 # -- reading -------------------------------------------------------------------
 def current_generation(path: str, sample_id: str) -> int:
     """Generation in ``path``; 0 when there is none, or a corrupt one (so replaceable)."""
-    # A put's usual case is a new sample: os.access answers it without the exception an
-    # open raises (which cost half as much again as the syscall).
-    if not os.access(path, os.F_OK):
-        return 0
+    return file_generation(path, sample_id)[1]
+
+
+def file_generation(path: str, sample_id: str) -> tuple[bool, int]:
+    """Whether anything is at ``path`` (a file, or what a hand put there), and the
+    generation it holds: 0 when there is none, or a corrupt one (so replaceable)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return 0
+        return False, 0
     try:
-        return read_sealed(fd, path, sample_id)[0]
+        return True, read_sealed(fd, path, sample_id)[0]
     except CorruptFeatureError:
-        return 0
+        return True, 0
     finally:
         os.close(fd)
 
