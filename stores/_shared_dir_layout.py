@@ -107,6 +107,8 @@ class _Directory:
         #: /proc, through which an unnamed file is linked (``self/fd/N``, resolved at each
         #: link, so a forked child links its own fds); None: files are written named.
         self._proc = _open_proc()
+        #: Whether new files are written unnamed (see the module).
+        self.unnamed = self._proc is not None
         #: Whether new files are linked into place (False: the file system has no links).
         self.links = True
 
@@ -178,7 +180,7 @@ class _Directory:
     def open_new(self, folder: str) -> tuple[int, str | None]:
         """A new file to be linked into ``folder``, open for writing, and its temporary
         path: None where it has no name (an ``O_TMPFILE``, see the module)."""
-        if self._proc is not None:
+        if self.unnamed:
             flags = os.O_WRONLY | _UNNAMED
             try:
                 return os.open(folder, flags, 0o644), None
@@ -189,7 +191,7 @@ class _Directory:
                 if exc.errno not in _NO_UNNAMED:
                     raise
                 log.debug("%s: no unnamed files in %s (%s); naming them", self.uri, folder, exc)
-                self._close_proc()
+                self.unnamed = False  # the fd stays open: another thread may be linking
         return self.open_tmp()
 
     def open_tmp(self) -> tuple[int, str]:

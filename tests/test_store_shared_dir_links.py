@@ -31,7 +31,7 @@ _SPEC = FeatureSpec((64,), torch.int64)
 
 def _named(store: SharedDirFeatureStore) -> SharedDirFeatureStore:
     """``store`` writing each new file to a temporary name, as where there is no O_TMPFILE."""
-    store._dir._close_proc()
+    store._dir.unnamed = False
     return store
 
 
@@ -79,7 +79,7 @@ def test_without_hard_links_a_put_renames_and_says_nothing_is_left(tmp_path, mon
 
 def test_an_unnamed_new_file_leaves_no_temporary_name(tmp_path, monkeypatch):
     with SharedDirFeatureStore(tmp_path / "store") as store:
-        if store._dir._proc is None:
+        if not store._dir.unnamed:
             pytest.skip("no O_TMPFILE here: new files are written named")
         made: list[str] = []
         open_tmp = store._dir.open_tmp
@@ -99,7 +99,7 @@ _RACER = """
     writer, seed, ops = (int(arg) for arg in sys.argv[2:5])
     store = SharedDirFeatureStore(root)
     if named:
-        store._dir._close_proc()  # new files written named in tmp/, then linked
+        store._dir.unnamed = False  # new files written named in tmp/, then linked
     rng = random.Random(seed)
     mine = []  # refs this process put, newest last
     for n in range(ops):
@@ -173,3 +173,19 @@ def test_processes_putting_replacing_and_deleting_the_same_ids_keep_the_newest(t
                 with pytest.raises(StaleRefError):
                     store.get(SampleRef(sample_id, store.uri, older, {"x": _SPEC}))
         assert os.listdir(root / "tmp") == []
+
+
+def test_a_file_system_without_unnamed_files_gets_named_ones(tmp_path, monkeypatch):
+    with SharedDirFeatureStore(tmp_path / "store") as store:
+        opened = os.open
+
+        def no_tmpfile(path, flags, *args, **kwargs):
+            if flags & getattr(os, "O_TMPFILE", 0) == getattr(os, "O_TMPFILE", -1):
+                raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+            return opened(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", no_tmpfile)
+        refs = store.put_many([(f"s{i}", {"x": torch.full((2,), i)}) for i in range(3)])
+        assert not store._dir.unnamed
+        assert [store.get(r)["x"][0].item() for r in refs] == [0, 1, 2]
+        assert os.listdir(store.root / "tmp") == []
