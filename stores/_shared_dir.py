@@ -151,11 +151,11 @@ class SharedDirFeatureStore(FeatureStore):
     def _put_many(
         self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
     ) -> list[SampleRef]:
-        # Each file is fsynced before its rename, as in a put; the renames are made
-        # durable together, one fsync per bucket directory the batch touched, before
-        # this returns (so before a producer commits any of the refs). A crash before
-        # then may lose some of the renames: nothing is committed yet, and a lost
-        # rename leaves at most a temporary file for `dataflow gc`.
+        # Each file is fsynced before it is linked (or renamed) into place, as in a put;
+        # the links are made durable together, one fsync per directory the batch
+        # touched, before this returns (so before a producer commits any of the refs).
+        # A crash before then may lose some of the links: nothing is committed yet, and
+        # a lost one leaves nothing (an unnamed file) or a temporary file for `dataflow gc`.
         folders: dict[str, None] = {}
 
         def put_each() -> Iterator[list[SampleRef]]:
