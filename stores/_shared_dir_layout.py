@@ -217,7 +217,9 @@ class _Directory:
         try:
             self._link(fd, tmp, path)
         except FileExistsError:
-            return False
+            # Over NFS a link whose reply was lost is sent again, and then fails with
+            # EEXIST although it was made: then the file there is this one.
+            return tmp is not None and _same_file(tmp, path)
         except OSError as exc:
             if exc.errno in _NO_LINKS and tmp is not None:
                 log.debug("%s: no hard links in %s (%s); renaming", self.uri, path, exc)
@@ -315,6 +317,13 @@ class _Directory:
         proc, self._proc = self._proc, None
         if proc is not None:
             os.close(proc)
+
+
+def _same_file(one: str, other: str) -> bool:
+    try:
+        return os.path.samefile(one, other)
+    except OSError:
+        return False
 
 
 def _open_proc() -> int | None:

@@ -21,6 +21,7 @@ import textwrap
 import pytest
 import torch
 
+import stores._shared_dir
 import tests.test_store_shared_dir as plain
 from dataflow import FeatureSpec, SampleRef, StaleRefError
 from stores import SharedDirFeatureStore
@@ -189,3 +190,23 @@ def test_a_file_system_without_unnamed_files_gets_named_ones(tmp_path, monkeypat
         assert not store._dir.unnamed
         assert [store.get(r)["x"][0].item() for r in refs] == [0, 1, 2]
         assert os.listdir(store.root / "tmp") == []
+
+
+def test_a_link_made_whose_reply_was_lost_counts_as_made(tmp_path, monkeypatch):
+    """Over NFS a link whose reply was lost is sent again and fails with EEXIST: the put
+    finds its own file there and takes it as linked (not as another's to replace)."""
+    with _named(SharedDirFeatureStore(tmp_path / "store")) as store:
+        link = os.link
+
+        def resent(src, dst, **kwargs):
+            link(src, dst, **kwargs)
+            raise FileExistsError(errno.EEXIST, "File exists")
+
+        rewritten: list[int] = []  # a visible file rewritten in place could tear a read
+        monkeypatch.setattr(stores._shared_dir, "pwrite_all", lambda *a: rewritten.append(1))
+        monkeypatch.setattr(os, "link", resent)
+        ref = store.put("a", {"x": torch.arange(3)})
+        assert rewritten == []
+        monkeypatch.undo()
+        assert [(o.sample_id, o.generation) for o in store.scan()] == [("a", ref.generation)]
+        assert_same_tensor(store.get(ref)["x"], torch.arange(3))
