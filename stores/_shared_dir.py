@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from dataflow import CorruptFeatureError, InvalidRefError, StaleRefError, StoreFullError
+from dataflow import (
+    CorruptFeatureError,
+    InvalidRefError,
+    StaleRefError,
+    StoreError,
+    StoreFullError,
+)
 from dataflow.interfaces import FeatureStore, StoredObject, StoreStats, fsync_path
 from dataflow.model import FeatureSpec, SampleRef
 from stores import _tensors
@@ -31,7 +37,9 @@ from stores._shared_dir_format import (
     array_of,
     check_header,
     current_generation,
+    file_generation,
     file_pieces,
+    pwrite_all,
     read_header,
     read_tensor,
     sealed_head,
@@ -44,6 +52,8 @@ _POOL_FROM = 4 << 20
 #: Layouts kept per store handle (one per set of specs put; cleared when full).
 _LAYOUTS = 1024
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: A replacing put reads what is at the sample's file at most this often (see _replace).
+_TRIES = 8
 log = logging.getLogger(__name__)
 _new, _set = object.__new__, object.__setattr__
 
@@ -69,18 +79,20 @@ def _checked_ref(
 class SharedDirFeatureStore(FeatureStore):
     """Features as files in a directory shared by processes; URI ``dir:///ABS/PATH``.
 
-    Every put writes a new file to a temporary name, fsyncs it, renames it
-    over the sample's file and fsyncs the directory: a reader sees a whole
-    generation or none, also across a crash, and one that opened the previous
-    generation keeps reading it whole. Reads go straight from the file into
-    the memory of the returned tensors; for samples of 4 MiB and more that
-    memory is recycled once the caller drops the tensors (up to
-    ``recycle_bytes`` kept idle), which spares the page faults of fresh memory.
+    Every put writes a new file (unnamed, or to a temporary name), fsyncs it,
+    links it as the sample's file (or renames it over the one there) and fsyncs
+    the directory: a reader sees a whole generation or none, also across a
+    crash, and one that opened the previous generation keeps reading it whole.
+    Reads go straight from the file into the memory of the returned tensors;
+    for samples of 4 MiB and more that memory is recycled once the caller
+    drops the tensors (up to ``recycle_bytes`` kept idle), which spares the
+    page faults of fresh memory.
 
-    Generations are ``max(time_ns, current + 1)``, chosen under the flock of
-    the sample's bucket, so they are unique and increasing per id across
-    processes; a delete takes the same lock and removes the file only while it
-    still holds the ref's generation.
+    Generations are unique and increasing per id across processes: a new
+    sample's file is linked into place, which fails where any file is; one that
+    replaces a file is ``max(time_ns, current + 1)``, chosen under the flock of
+    the sample's bucket. A delete takes the same lock and removes the file
+    only while it still holds the ref's generation.
 
     Each tensor's XXH3-64 checksum is in the header, which has a checksum of
     its own; a get checks the header and every tensor it reads, and raises
@@ -89,8 +101,9 @@ class SharedDirFeatureStore(FeatureStore):
     ``scan`` walks the bucket directories lazily (constant memory), through
     directory fds and without following symlinks; a StoredObject's
     ``created`` is its file's mtime. It lists the temporary files too, as
-    samples ``tmp/NAME`` of generation 0: a put whose process died leaves one,
-    which a collector (``dataflow gc``) removes after its grace period. Files
+    samples ``tmp/NAME`` of generation 0: a put whose process died may leave one
+    (a file system without unnamed files, see ``_shared_dir_layout``, or a
+    replacement), which a collector (``dataflow gc``) removes after its grace period. Files
     that are corrupt, or that lie where their sample's file does not belong,
     are skipped with a logged warning: no ref can read them, and
     ``delete_stored`` could not name them.
@@ -138,11 +151,11 @@ class SharedDirFeatureStore(FeatureStore):
     def _put_many(
         self, items: list[tuple[str, dict[str, torch.Tensor], dict[str, Any]]]
     ) -> list[SampleRef]:
-        # Each file is fsynced before its rename, as in a put; the renames are made
-        # durable together, one fsync per bucket directory the batch touched, before
-        # this returns (so before a producer commits any of the refs). A crash before
-        # then may lose some of the renames: nothing is committed yet, and a lost
-        # rename leaves at most a temporary file for `dataflow gc`.
+        # Each file is fsynced before it is linked (or renamed) into place, as in a put;
+        # the links are made durable together, one fsync per directory the batch
+        # touched, before this returns (so before a producer commits any of the refs).
+        # A crash before then may lose some of the links: nothing is committed yet, and
+        # a lost one leaves nothing (an unnamed file) or a temporary file for `dataflow gc`.
         folders: dict[str, None] = {}
 
         def put_each() -> Iterator[list[SampleRef]]:
@@ -188,31 +201,69 @@ class SharedDirFeatureStore(FeatureStore):
         return layout
 
     def _put_file(self, sample_id: str, path: str, layout: FileLayout, arrays: list[Any]) -> int:
-        """Write a new generation of ``sample_id`` and rename it over ``path``; its generation.
+        """Write a new generation of ``sample_id`` as the file ``path``; its generation.
 
-        The caller fsyncs the directory of ``path`` (once for a batch of puts). The file
-        is written under the lock, whole, once its generation is chosen: the lock is held
-        for the file's fsync anyway, and a file sealed afterwards cost another write (of a
-        third of the syscalls a put adds to the file's own).
+        The file is written whole and fsynced, then linked into place, without a lock: a
+        link never replaces a file, so it makes only a sample that has none (a producer's
+        usual put), and any generation is then larger than none. Where a file is there,
+        the new one replaces it under the lock of the sample's bucket (:meth:`_replace`).
+        The caller fsyncs the directory of ``path`` (once for a batch of puts).
         """
         header, body, size = file_pieces(sample_id, arrays, layout)
-        unlock = self._dir.lock(sample_id)
+        generation = self._next_generation(1)
+        fd, tmp = self._dir.open_new(path.rpartition("/")[0])
         try:
-            generation = self._next_generation(current_generation(path, sample_id) + 1)
-            fd, tmp = self._dir.open_tmp()
-            try:
-                writev_all(fd, [sealed_head(header, generation), *body], size)
-                os.fsync(fd)
-                self._rename_into_place(tmp, path, sample_id)
-            except BaseException:
+            writev_all(fd, [sealed_head(header, generation), *body], size)
+            os.fsync(fd)
+            if not self._dir.link_new(fd, tmp, path):
+                generation = self._replace(sample_id, path, (header, generation), fd, tmp)
+        finally:
+            os.close(fd)
+            if tmp is not None:  # linked (it keeps that name too), or failed: not renamed
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-                raise
-            finally:
-                os.close(fd)
+        return generation
+
+    def _replace(
+        self, sample_id: str, path: str, written: tuple[bytes, int], fd: int, tmp: str | None
+    ) -> int:
+        """Put the file ``fd`` (named ``tmp``, or unnamed; ``written``: its header JSON and
+        generation) in place of what is at ``path``, with a generation larger than that
+        one's (the file's own where it is, else a new one, written over it); the generation.
+
+        Under the bucket's lock, which every replacement and delete of the sample takes:
+        the file read stays until this replaces it. Only a put without the lock can
+        come between, where nothing was (the link then fails, and this reads again).
+        """
+        header, generation = written
+        unlock = self._dir.lock(sample_id)
+        try:
+            for _ in range(_TRIES):
+                present, current = file_generation(path, sample_id)
+                if current >= generation:
+                    generation = self._next_generation(current + 1)
+                    pwrite_all(fd, sealed_head(header, generation), 0)
+                    os.fsync(fd)
+                if not present and self._dir.links:
+                    if self._dir.link_new(fd, tmp, path):
+                        return generation
+                    if self._dir.links:
+                        continue
+                named = self._dir.name(fd) if tmp is None else tmp
+                try:
+                    self._rename_into_place(named, path, sample_id)
+                except BaseException:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(named)
+                    raise
+                return generation
         finally:
             unlock()
-        return generation
+        raise StoreError(
+            f"cannot put sample {sample_id!r} to {path}: its file appeared and vanished "
+            f"{_TRIES} times while this put held its lock (something other than this store "
+            "removes files there); nothing was stored: stop that, then put it again"
+        )
 
     def _rename_into_place(self, tmp: str, path: str, sample_id: str) -> None:
         """Rename ``tmp`` over ``path``, mending what a hand may have broken in the layout."""
@@ -220,12 +271,10 @@ class SharedDirFeatureStore(FeatureStore):
             os.rename(tmp, path)
             return
         except FileNotFoundError:
-            # Its bucket directory was removed: make it again, not fail every put after.
+            # Its directory was removed: make it again, not fail every put after.
             if not os.path.exists(tmp):
                 raise
-            log.warning("%s: recreating the missing directory of %s", self.uri, path)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fsync_path(self._dir.samples, directory=True)
+            self._dir.mend(os.path.dirname(path))
         except IsADirectoryError:
             # A directory where the sample's file belongs: removable only while empty
             # (rmdir refuses otherwise), so nothing anybody put there is lost.

@@ -3,7 +3,7 @@
 Layout under the root::
 
     samples/all/<name of the sample id>              the sample's current generation
-    tmp/                                             files being written
+    tmp/                                             files being written (see below)
     locks/<bucket 00..ff>.lock                       flock per bucket, never deleted
 
 Every sample file lies in one directory, so that a batch of puts (``put_many``) makes
@@ -13,11 +13,17 @@ id (its lock's); a store with those (and no ``samples/all``) keeps that layout.
 ``samples/`` appears whole (made aside and renamed into place), so every process that
 opens the root sees the same layout. The directory fsyncs of a batch of 64 were a
 fifth of a producer's CPU on ext4 with the buckets (57 directories on average).
+
+A new file is written unnamed (``O_TMPFILE``) in the directory it is to be linked
+into, where the file system can (Linux: ext4, xfs, btrfs, tmpfs); elsewhere (NFS) and
+to replace a sample's file, it is written to a temporary name in ``tmp/``. An unnamed
+file that a crash interrupts vanishes with it; a named one is left for ``dataflow gc``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -41,6 +47,12 @@ _MAX_NAME = 200
 #: The name of a file in tmp/ (``{pid}-{thread}-{count}.tmp``).
 TMP_NAME_RE = re.compile(r"[0-9]+-[0-9]+-[0-9]+\.tmp")
 _BUCKET_NAME_RE = re.compile(r"[0-9a-f]{2}")
+#: Linux's flag for a file without a name until it is linked (0 where there is none).
+_UNNAMED = getattr(os, "O_TMPFILE", 0)
+#: What opening an unnamed file raises where the file system (or kernel) has none.
+_NO_UNNAMED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+#: What a link raises on a file system without hard links.
+_NO_LINKS = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS)
 _tmp_names = itertools.count()
 #: This process's id: ``os.getpid()`` is a syscall, and a put asked for it twice; a
 #: forked child sets its own (``os.register_at_fork``, below).
@@ -92,6 +104,13 @@ class _Directory:
         self._lock_fds: dict[str, int] = {}
         self._bucket_locks = {f"{b:02x}": threading.Lock() for b in range(BUCKETS)}
         self._pid = _pid
+        #: /proc, through which an unnamed file is linked (``self/fd/N``, resolved at each
+        #: link, so a forked child links its own fds); None: files are written named.
+        self._proc = _open_proc()
+        #: Whether new files are written unnamed (see the module).
+        self.unnamed = self._proc is not None
+        #: Whether new files are linked into place (False: the file system has no links).
+        self.links = True
 
     def _lay_out(self) -> None:
         root = self.root
@@ -158,16 +177,88 @@ class _Directory:
             return f"{self.one}/{sample_file_name(sample_id)}"
         return f"{self.samples}/{_bucket(sample_id)}/{sample_file_name(sample_id)}"
 
+    def open_new(self, folder: str) -> tuple[int, str | None]:
+        """A new file to be linked into ``folder``, open for writing, and its temporary
+        path: None where it has no name (an ``O_TMPFILE``, see the module)."""
+        if self.unnamed:
+            flags = os.O_WRONLY | _UNNAMED
+            try:
+                return os.open(folder, flags, 0o644), None
+            except FileNotFoundError:
+                self.mend(folder)
+                return os.open(folder, flags, 0o644), None
+            except OSError as exc:
+                if exc.errno not in _NO_UNNAMED:
+                    raise
+                log.debug("%s: no unnamed files in %s (%s); naming them", self.uri, folder, exc)
+                self.unnamed = False  # the fd stays open: another thread may be linking
+        return self.open_tmp()
+
     def open_tmp(self) -> tuple[int, str]:
         """A new temporary file, open for writing, and its path."""
-        tmp = f"{self.tmp}/{_pid}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
+        tmp = self._tmp_name()
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             return os.open(tmp, flags, 0o644), tmp
         except FileNotFoundError:  # tmp/ was removed: make it again, not fail every put after
-            log.warning("%s: recreating the missing directory %s", self.uri, self.tmp)
-            os.makedirs(self.tmp, exist_ok=True)
+            self.mend(self.tmp)
             return os.open(tmp, flags, 0o644), tmp
+
+    def _tmp_name(self) -> str:
+        return f"{self.tmp}/{_pid}-{threading.get_ident()}-{next(_tmp_names)}.tmp"
+
+    def link_new(self, fd: int, tmp: str | None, path: str) -> bool:
+        """Link the new file (``fd``, named ``tmp`` or unnamed) as ``path`` unless something
+        is there already (a link never replaces); whether it did. A named file keeps its
+        temporary name too: the caller removes it. On a file system without hard links,
+        False, and ``links`` is then False: puts rename, each under its lock."""
+        if not self.links:
+            return False
+        try:
+            self._link(fd, tmp, path)
+        except FileExistsError:
+            # Over NFS a link whose reply was lost is sent again, and then fails with
+            # EEXIST although it was made: then the file there is this one.
+            return tmp is not None and _same_file(tmp, path)
+        except OSError as exc:
+            if exc.errno in _NO_LINKS and tmp is not None:
+                log.debug("%s: no hard links in %s (%s); renaming", self.uri, path, exc)
+                self.links = False
+                return False
+            if not isinstance(exc, FileNotFoundError):
+                raise
+            # Its directory was removed: make it again, not fail every put after.
+            folder = os.path.dirname(path)
+            if os.path.isdir(folder):
+                raise
+            self.mend(folder)
+            try:
+                self._link(fd, tmp, path)
+            except FileExistsError:
+                return False
+        return True
+
+    def _link(self, fd: int, tmp: str | None, path: str) -> None:
+        if tmp is None:
+            os.link(f"self/fd/{fd}", path, src_dir_fd=self._proc, follow_symlinks=True)
+        else:
+            os.link(tmp, path)
+
+    def name(self, fd: int) -> str:
+        """Link the unnamed file ``fd`` into tmp/ (to rename it over a file); its path."""
+        tmp = self._tmp_name()
+        try:
+            self._link(fd, None, tmp)
+        except FileNotFoundError:
+            self.mend(self.tmp)
+            self._link(fd, None, tmp)
+        return tmp
+
+    def mend(self, folder: str) -> None:
+        """Make ``folder`` (a directory of the layout that was removed) again."""
+        log.warning("%s: recreating the missing directory %s", self.uri, folder)
+        os.makedirs(folder, exist_ok=True)
+        fsync_path(os.path.dirname(folder), directory=True)
 
     @contextlib.contextmanager
     def locked(self, sample_id: str) -> Iterator[None]:
@@ -215,8 +306,31 @@ class _Directory:
         return unlock
 
     def close(self) -> None:
-        """Close the lock files (a forked child leaves its parent's alone)."""
+        """Close the lock files (a forked child leaves its parent's alone) and /proc."""
         if self._pid == _pid:
             for fd in self._lock_fds.values():
                 os.close(fd)
         self._lock_fds = {}
+        self._close_proc()
+
+    def _close_proc(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            os.close(proc)
+
+
+def _same_file(one: str, other: str) -> bool:
+    try:
+        return os.path.samefile(one, other)
+    except OSError:
+        return False
+
+
+def _open_proc() -> int | None:
+    """A directory fd of /proc, where unnamed files can be written; else None."""
+    if not _UNNAMED:
+        return None
+    try:
+        return os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # no /proc mounted (a bare container): files are written named
+        return None

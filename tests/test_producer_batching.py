@@ -97,17 +97,17 @@ def test_a_failing_put_many_leaves_nothing_and_commits_nothing(
     led: Ledger, shared_dir: SharedDirFeatureStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     producer = Producer(led, shared_dir, run_id=RUN, producer_id="p")
-    renames = 0
-    real_rename = os.rename
+    links = 0
+    real_link = os.link
 
-    def failing_rename(src: str, dst: str) -> None:
-        nonlocal renames
-        renames += 1
-        if renames == 5:
+    def failing_link(src: str, dst: str, **kwargs: object) -> None:
+        nonlocal links
+        links += 1  # a new sample's file is linked into place
+        if links == 5:
             raise OSError(5, "Input/output error")
-        real_rename(src, dst)
+        real_link(src, dst, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(os, "rename", failing_rename)
+    monkeypatch.setattr(os, "link", failing_link)
     with pytest.raises(OSError, match="Input/output"):
         producer.emit_many(_samples(0, 8))
     monkeypatch.undo()

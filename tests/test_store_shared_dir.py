@@ -34,15 +34,20 @@ class TestSharedDirFeatureStore(FeatureStoreContract):
 
     @contextlib.contextmanager
     def failing_puts(self, store, after):
-        renames, rename = itertools.count(), os.rename
+        # A put makes its file the sample's with a link (a new sample) or a rename.
+        placed, link, rename = itertools.count(), os.link, os.rename
 
-        def failing_rename(src, dst):
-            if next(renames) == after:
-                raise OSError(errno.EIO, "Input/output error (failing_puts)")
-            rename(src, dst)
+        def failing(place):
+            def fail_once(*args, **kwargs):
+                if next(placed) == after:
+                    raise OSError(errno.EIO, "Input/output error (failing_puts)")
+                place(*args, **kwargs)
+
+            return fail_once
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(os, "rename", failing_rename)
+            patch.setattr(os, "link", failing(link))
+            patch.setattr(os, "rename", failing(rename))
             yield
 
     def rewrite_stored_bytes(self, store, ref, name, change):
@@ -445,7 +450,8 @@ def test_a_put_recreates_a_removed_bucket_tmp_or_locks_directory(store):
     with SharedDirFeatureStore(store.root) as fresh:
         shutil.rmtree(store.root / "tmp")
         shutil.rmtree(store.root / "locks")
-        d = fresh.put("d", {"x": torch.full((2,), 3.0)})
+        fresh.put("d", {"x": torch.ones(2)})  # a new sample's file: linked, with no lock
+        d = fresh.put("d", {"x": torch.full((2,), 3.0)})  # replaced under its lock
         assert_same_tensor(fresh.get(d)["x"], torch.full((2,), 3.0))
         assert (store.root / "locks").is_dir() and not list((store.root / "tmp").iterdir())
 

@@ -36,6 +36,7 @@ from dataflow.streams import (
     SenderConfig,
     ZmqRefReceiver,
     ZmqRefSender,
+    _sender,
 )
 from dataflow.streams._receiver import water_fill
 from dataflow.streams._wire import CreditFrame, decode
@@ -545,6 +546,32 @@ def test_check_refuses_what_send_refuses(ends) -> None:
     assert s.stats().sent == 0
     s.send(ref(0))
     assert [x.sample_id for x in r.receive(5, timeout=5)] == ["s-0"]
+
+
+def test_check_many_refuses_as_check_and_its_refs_go_out_as_encoded(ends, monkeypatch) -> None:
+    receiver, sender = ends
+    r = receiver()
+    s = sender(r, max_frame_bytes=1024)
+    tensor = ref("t")
+    tensor.metadata["t"] = torch.ones(1)  # type: ignore[index]
+    big = SampleRef("big", "mem://test", 1, metadata={"x": "y" * 1000})
+    for kind, bad in {"oversized": big, "tensor": tensor}.items():
+        with pytest.raises(BadFrameError) as info:
+            s.check_many([ref(0), bad, ref(1)])
+        assert info.value.kind == kind  # type: ignore[attr-defined]
+    batch = [ref(i) for i in range(4)]
+    s.check_many(batch)
+    assert s.stats().sent == 0
+    encoded: list[int] = []
+    ref_bodies = _sender.ref_bodies
+    monkeypatch.setattr(_sender, "ref_bodies", lambda *a: (encoded.append(1), ref_bodies(*a))[1])
+    s.send_many(list(batch))  # the very refs checked: nothing encoded again
+    s.send_many([ref(4), ref(5)])  # others: encoded
+    assert encoded == [1]
+    got: list[SampleRef] = []
+    while len(got) < 6:
+        got += r.receive(8, timeout=5)
+    assert got == [*batch, ref(4), ref(5)]
 
 
 def test_consumer_restart_on_the_same_endpoint(ends) -> None:

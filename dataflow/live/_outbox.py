@@ -42,12 +42,18 @@ class RefOutbox:
         # The default send_many sends one by one: the loop below does the same, and
         # knows how many went when the window fills.
         self._batches = type(stream).send_many is not RefSender.send_many
+        # A sender that checks many refs at once (ZmqRefSender) keeps what it encoded
+        # for their send_many: each ref is then encoded once, not once more per send.
+        self._check_many = getattr(stream, "check_many", None)
 
     def check(self, refs: Iterable[SampleRef]) -> None:
         """Before a commit: the stream would refuse none of ``refs`` (BadFrameError).
 
         So an emit that raises was not committed, and one that returns was.
         """
+        if self._check_many is not None and self._batches:
+            self._check_many(list(refs))
+            return
         for ref in refs:
             self.stream.check(ref)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import threading
 import time
 import uuid
@@ -39,6 +40,7 @@ from dataflow.streams._wire import (
     Frame,
     HeartbeatFrame,
     check_ref,
+    checked_bodies,
     decode,
     encode,
     encode_ref,
@@ -172,6 +174,8 @@ class ZmqRefSender(RefSender):
         self._lock = threading.Lock()
         self._closing = False
         self._closed = False
+        #: The refs of the last ``check_many`` and their bodies, for a send of those refs.
+        self._checked: tuple[list[SampleRef], list[bytes]] | None = None
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._links: list[_Link] = []
@@ -240,6 +244,26 @@ class ZmqRefSender(RefSender):
         """
         check_ref(ref, self.config.max_frame_bytes)
 
+    def check_many(self, refs: Sequence[SampleRef]) -> None:
+        """``check`` of each of ``refs`` (the first refused raises), in one pass.
+
+        A producer checks the refs it commits before committing them, then sends them:
+        the bodies encoded here go out with the next ``send_many`` of these very refs
+        (the same objects, in the same order), which encodes nothing again.
+        """
+        refs = list(refs)
+        self._checked = None
+        self._checked = (refs, checked_bodies(refs, self.config.max_frame_bytes))
+
+    def _checked_bodies(self, refs: Sequence[SampleRef]) -> list[bytes] | None:
+        """The bodies ``check_many`` encoded for exactly ``refs``, once; else None."""
+        checked, self._checked = self._checked, None
+        if checked is None or len(checked[0]) != len(refs):
+            return None
+        if not all(map(operator.is_, checked[0], refs)):
+            return None
+        return checked[1]
+
     def send(self, ref: SampleRef, *, timeout: float | None = None) -> None:
         self._send_bodies(ref_bodies([ref], self.config.max_frame_bytes), timeout)
 
@@ -257,7 +281,9 @@ class ZmqRefSender(RefSender):
             raise ArgumentTypeError(
                 f"send_many takes a sequence of SampleRefs, got {type(refs).__name__}"
             )
-        bodies = ref_bodies(refs, self.config.max_frame_bytes)
+        bodies = self._checked_bodies(refs)
+        if bodies is None:
+            bodies = ref_bodies(refs, self.config.max_frame_bytes)
         if bodies:  # none: nothing to say (not even to name a producer id, see _speaker)
             self._send_bodies(bodies, timeout)
 

@@ -243,6 +243,15 @@ def check_ref(ref: object, max_frame_bytes: int) -> None:
         raise bad_frame(TENSOR, str(exc)) from exc
 
 
+def checked_bodies(refs: Sequence[object], max_frame_bytes: int) -> list[bytes]:
+    """``ref_bodies`` of ``refs``, raising for the first one refused as :func:`check_ref`
+    does: what ``RefSender.check`` of each, then a send of them all, would encode."""
+    try:
+        return ref_bodies(refs, max_frame_bytes)
+    except TensorInRefError as exc:
+        raise bad_frame(TENSOR, str(exc)) from exc
+
+
 def check_limits(ref: SampleRef) -> SampleRef:
     """Return ``ref`` if the wire carries it, else raise InvalidRefError (see MAX_FEATURES)."""
     if len(ref.specs) > MAX_FEATURES:
