@@ -22,7 +22,10 @@ from dataflow.demo._chaos_hosts import (
 )
 from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
+    BUSY_TIMEOUT_S,
     FAULTS,
+    PRODUCER_HOLDS,
+    QUICK_HOLD_SHARE,
     STREAM_ONLY,
     HostsChaosOptions,
     assign,
@@ -56,7 +59,23 @@ def _run_hosts(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[
 # Every kind but clock-skew (its own tests below) and latency: a trial at 100 ms a round
 # trip takes minutes; tests/test_hosts_latency.py runs a whole run under it on every link,
 # and the full `dataflow chaos --hosts --trials 6` (docs/reliability.md) injects it too.
-NETWORK_KINDS = tuple(k for k in FAULTS if k not in ("clock-skew", "latency"))
+# In an order that spreads them over three --quick trials (kind j goes to trial j mod 3)
+# so that each fault finds its target at work: a streaming trial's producers commit for
+# about 7 s, room for one producer's cut, after which the server's restart and a rank's
+# cut (each resumes the ranks from a checkpoint); the offline trial takes the lost reply
+# (armed from the start) and the stalls; the other streaming one the Mooncake cut and the
+# gloo cut. Without Mooncake, two kinds a trial.
+NETWORK_KINDS = (
+    "partition",
+    "pg-cut-producer",
+    "mooncake-cut",
+    "pg-restart",
+    "stall-reset",
+    "gloo-cut",
+    "pg-cut-rank",
+)
+WITHOUT_MOONCAKE = ("partition", "pg-cut-producer", "gloo-cut", "pg-restart", "stall-reset",
+                    "pg-cut-rank")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -64,8 +83,10 @@ def test_every_network_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> 
     _hosts_available()
     # Three trials, two or three kinds each, one of them offline (its weights compared
     # with an uninterrupted run on a cluster of its own); Mooncake where installed.
-    kinds = NETWORK_KINDS if mooncake_available() else NETWORK_KINDS[:-1]
-    result, summary = _run_hosts(tmp_path, "--trials", "3", "--faults", ",".join(kinds))
+    assert set(NETWORK_KINDS) == set(FAULTS) - {"clock-skew", "latency"}
+    assert set(WITHOUT_MOONCAKE) == set(NETWORK_KINDS) - {"mooncake-cut"}
+    kinds = NETWORK_KINDS if mooncake_available() else WITHOUT_MOONCAKE
+    result, summary = _run_hosts(tmp_path, "--trials", "3", "--faults", ",".join(kinds), "--quick")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert set(summary["faults"]) == set(kinds)
     for key in ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"):
@@ -260,3 +281,25 @@ def test_quick_is_the_suites_size_and_the_default_run_keeps_its_own(
     assert main(["chaos", "--hosts", "--quick", "--workdir", workdir]) == 0
     assert main(["chaos", "--hosts", "--workdir", workdir]) == 0
     assert [options.quick for options in seen] == [True, False]
+
+
+def test_quick_trials_cut_the_producers_shorter_and_keep_every_other_draw() -> None:
+    kinds = ("partition", "pg-cut-producer", "mooncake-cut", "pg-cut-rank", "pg-restart")
+    for seed in range(20):
+        full, quick = plan_faults(seed, kinds), plan_faults(seed, kinds, quick=True)
+        for f, q in zip(full, quick, strict=True):
+            assert (f.kind, f.at, f.index, f.peer, f.long) == (
+                q.kind,
+                q.at,
+                q.index,
+                q.peer,
+                q.long,
+            )
+            if f.kind in PRODUCER_HOLDS:
+                low, high = PRODUCER_HOLDS[f.kind]
+                assert low <= q.hold_s <= low + (high - low) * QUICK_HOLD_SHARE + 0.01
+                assert q.hold_s <= f.hold_s
+            else:
+                assert q.hold_s == f.hold_s
+    lost_reply = plan_faults(0, ("pg-cut-producer",), quick=True)[0]
+    assert lost_reply.hold_s >= BUSY_TIMEOUT_S  # still outlasts the ledger's dead-peer bound
