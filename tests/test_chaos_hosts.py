@@ -303,3 +303,33 @@ def test_quick_trials_cut_the_producers_shorter_and_keep_every_other_draw() -> N
                 assert q.hold_s == f.hold_s
     lost_reply = plan_faults(0, ("pg-cut-producer",), quick=True)[0]
     assert lost_reply.hold_s >= BUSY_TIMEOUT_S  # still outlasts the ledger's dead-peer bound
+
+
+def test_a_fault_waits_for_no_recovery_once_what_it_hit_has_finished(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from dataflow.demo._chaos_hosts_trial import RECOVERY_WAIT_S, HostsTrial
+    from dataflow.demo._options import DemoOptions
+    from dataflow.model import RunState
+
+    trial = HostsTrial(
+        DemoOptions(workdir=str(tmp_path), quick=True),
+        cluster=None, postgres=None, master=None, faults=[], ambient=(),
+        streaming=True, size=(384, 4, 8), seed=0,
+    )  # fmt: skip
+    state, healed = RunState("run"), 100.0
+    assert not trial._settled({"actors": "producer-0"}, state, healed)  # not healed yet
+    producer = {"actors": "producer-0", "healed_mono": healed}
+    assert not trial._settled(producer, state, healed + 1)  # its recovery may come
+    assert trial._settled(producer, state, healed + RECOVERY_WAIT_S + 1)  # waited enough
+    state.closed.add("producer-0")  # the producer finished: nothing left to recover
+    assert trial._settled(producer, state, healed + 1) and producer["target_finished"]
+    ranks = {"actors": "ranks", "healed_mono": healed}
+    done, running = (SimpleNamespace(process=SimpleNamespace(exitcode=c)) for c in (0, None))
+    trial.ranks = [done, running]
+    assert not trial._settled(ranks, state, healed + 1)
+    trial.ranks = [done, done]
+    assert trial._settled(ranks, state, healed + 1)
+    anyone = {"actors": None, "healed_mono": healed}  # a server-wide fault: anyone recovers
+    assert not trial._settled(anyone, state, healed + 1)
+    assert trial._settled({**anyone, "recovery_s": 0.2}, state, healed + 1)
