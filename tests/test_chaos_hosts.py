@@ -61,18 +61,20 @@ def _run_hosts(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[
 # and the full `dataflow chaos --hosts --trials 6` (docs/reliability.md) injects it too.
 # In an order that spreads them over three --quick trials (kind j goes to trial j mod 3)
 # so that each fault finds its target at work: a streaming trial's producers commit for
-# about 7 s, room for one producer's cut, after which the server's restart and a rank's
+# about 7 s, room for one producer's cut, after which the server's restart and the gloo
 # cut (each resumes the ranks from a checkpoint); the offline trial takes the lost reply
-# (armed from the start) and the stalls; the other streaming one the Mooncake cut and the
-# gloo cut. Without Mooncake, two kinds a trial.
+# (armed from the start) and the stalls; the other streaming one the Mooncake cut and a
+# rank's cut from PostgreSQL (with --seed 0 drawn shorter than its timeouts: the longer
+# one is tests/test_hosts_ledger_ranks.py's, and the full run's). Without Mooncake, two
+# kinds a trial.
 NETWORK_KINDS = (
     "partition",
     "pg-cut-producer",
     "mooncake-cut",
     "pg-restart",
     "stall-reset",
-    "gloo-cut",
     "pg-cut-rank",
+    "gloo-cut",
 )
 WITHOUT_MOONCAKE = ("partition", "pg-cut-producer", "gloo-cut", "pg-restart", "stall-reset",
                     "pg-cut-rank")  # fmt: skip
