@@ -22,7 +22,10 @@ from dataflow.demo._chaos_hosts import (
 )
 from dataflow.demo._chaos_hosts_plan import (
     AMBIENT,
+    BUSY_TIMEOUT_S,
     FAULTS,
+    PRODUCER_HOLDS,
+    QUICK_HOLD_SHARE,
     STREAM_ONLY,
     HostsChaosOptions,
     assign,
@@ -56,7 +59,28 @@ def _run_hosts(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[
 # Every kind but clock-skew (its own tests below) and latency: a trial at 100 ms a round
 # trip takes minutes; tests/test_hosts_latency.py runs a whole run under it on every link,
 # and the full `dataflow chaos --hosts --trials 6` (docs/reliability.md) injects it too.
-NETWORK_KINDS = tuple(k for k in FAULTS if k not in ("clock-skew", "latency"))
+# In an order that spreads them over three --quick trials (kind j goes to trial j mod 3)
+# so that each fault finds its target at work: a streaming trial's producers commit for
+# about 7 s, room for one producer's cut, after which the server's restart and the gloo
+# cut (each resumes the ranks from a checkpoint); the offline trial takes the lost reply
+# (armed from the start) and the stalls; the other streaming one the Mooncake cut and a
+# rank's cut from PostgreSQL (with --seed 0 drawn shorter than its timeouts: the longer
+# one is tests/test_hosts_ledger_ranks.py's, and the full run's). The offline trial's
+# stalls come once the lost reply's producer is back, while its commits and training
+# still run (each recovered 0.1-1.4 s after the heal in seven runs, one at load 11).
+NETWORK_KINDS = (
+    "partition",
+    "pg-cut-producer",
+    "mooncake-cut",
+    "pg-restart",
+    "stall-reset",
+    "pg-cut-rank",
+    "gloo-cut",
+)
+# On the shared directory a quick trial trains in seconds, too short for faults in a row:
+# the default size (768 samples), two kinds a trial.
+WITHOUT_MOONCAKE = ("partition", "pg-cut-producer", "gloo-cut", "pg-cut-rank", "stall-reset",
+                    "pg-restart")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -64,8 +88,10 @@ def test_every_network_fault_kind_across_hosts_loses_nothing(tmp_path: Path) -> 
     _hosts_available()
     # Three trials, two or three kinds each, one of them offline (its weights compared
     # with an uninterrupted run on a cluster of its own); Mooncake where installed.
-    kinds = NETWORK_KINDS if mooncake_available() else NETWORK_KINDS[:-1]
-    result, summary = _run_hosts(tmp_path, "--trials", "3", "--faults", ",".join(kinds))
+    assert set(NETWORK_KINDS) == set(FAULTS) - {"clock-skew", "latency"}
+    assert set(WITHOUT_MOONCAKE) == set(NETWORK_KINDS) - {"mooncake-cut"}
+    kinds, size = (NETWORK_KINDS, ["--quick"]) if mooncake_available() else (WITHOUT_MOONCAKE, [])
+    result, summary = _run_hosts(tmp_path, "--trials", "3", "--faults", ",".join(kinds), *size)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert set(summary["faults"]) == set(kinds)
     for key in ("lost", "duplicated", "mismatches", "orphans", "verify_failures", "failures"):
@@ -260,3 +286,55 @@ def test_quick_is_the_suites_size_and_the_default_run_keeps_its_own(
     assert main(["chaos", "--hosts", "--quick", "--workdir", workdir]) == 0
     assert main(["chaos", "--hosts", "--workdir", workdir]) == 0
     assert [options.quick for options in seen] == [True, False]
+
+
+def test_quick_trials_cut_the_producers_shorter_and_keep_every_other_draw() -> None:
+    kinds = ("partition", "pg-cut-producer", "mooncake-cut", "pg-cut-rank", "pg-restart")
+    for seed in range(20):
+        full, quick = plan_faults(seed, kinds), plan_faults(seed, kinds, quick=True)
+        for f, q in zip(full, quick, strict=True):
+            assert (f.kind, f.at, f.index, f.peer, f.long) == (
+                q.kind,
+                q.at,
+                q.index,
+                q.peer,
+                q.long,
+            )
+            if f.kind in PRODUCER_HOLDS:
+                low, high = PRODUCER_HOLDS[f.kind]
+                assert low <= q.hold_s <= low + (high - low) * QUICK_HOLD_SHARE + 0.01
+                assert q.hold_s <= f.hold_s
+            else:
+                assert q.hold_s == f.hold_s
+    lost_reply = plan_faults(0, ("pg-cut-producer",), quick=True)[0]
+    assert lost_reply.hold_s >= BUSY_TIMEOUT_S  # still outlasts the ledger's dead-peer bound
+
+
+def test_a_fault_waits_for_no_recovery_once_what_it_hit_has_finished(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from dataflow.demo._chaos_hosts_trial import RECOVERY_WAIT_S, HostsTrial
+    from dataflow.demo._options import DemoOptions
+    from dataflow.model import RunState
+
+    trial = HostsTrial(
+        DemoOptions(workdir=str(tmp_path), quick=True),
+        cluster=None, postgres=None, master=None, faults=[], ambient=(),
+        streaming=True, size=(384, 4, 8), seed=0,
+    )  # fmt: skip
+    state, healed = RunState("run"), 100.0
+    assert not trial._settled({"actors": "producer-0"}, state, healed)  # not healed yet
+    producer = {"actors": "producer-0", "healed_mono": healed}
+    assert not trial._settled(producer, state, healed + 1)  # its recovery may come
+    assert trial._settled(producer, state, healed + RECOVERY_WAIT_S + 1)  # waited enough
+    state.closed.add("producer-0")  # the producer finished: nothing left to recover
+    assert trial._settled(producer, state, healed + 1) and producer["target_finished"]
+    ranks = {"actors": "ranks", "healed_mono": healed}
+    done, running = (SimpleNamespace(process=SimpleNamespace(exitcode=c)) for c in (0, None))
+    trial.ranks = [done, running]
+    assert not trial._settled(ranks, state, healed + 1)
+    trial.ranks = [done, done]
+    assert trial._settled(ranks, state, healed + 1)
+    anyone = {"actors": None, "healed_mono": healed}  # a server-wide fault: anyone recovers
+    assert not trial._settled(anyone, state, healed + 1)
+    assert trial._settled({**anyone, "recovery_s": 0.2}, state, healed + 1)

@@ -100,7 +100,7 @@ class HostsChaos:
     def trial(self, trial: int, kinds: tuple[str, ...]) -> dict[str, Any]:
         seed = self.options.seed + trial
         stream = streaming(trial, kinds)
-        plans = plan_faults(seed, kinds)
+        plans = plan_faults(seed, kinds, quick=self.options.quick)
         ambient = tuple(k for k in kinds if k in AMBIENT)
         out: dict[str, Any] = {
             "trial": trial,

@@ -59,6 +59,17 @@ HOSTS_SIZE = (768, 8, 8)
 #: With ``--quick`` (the test suite's size): half the samples, a checkpoint as often in
 #: samples trained, so that every fault still lands mid-run.
 QUICK_HOSTS_SIZE = (384, 4, 8)
+#: The ranges (seconds) of the producers' cuts, which no timeout of theirs bounds below
+#: (the lost reply's still outlasts the ledger's dead-peer bound BUSY_TIMEOUT_S).
+PRODUCER_HOLDS = {
+    "partition": (2.0, 6.0),
+    "pg-cut-producer": (3.0, 8.0),
+    "mooncake-cut": (2.0, 5.0),
+}
+#: With ``--quick``: a producer's cut drawn from this lower share of its range, so that
+#: a fault after it still finds the producers at work (a quick streaming trial's
+#: producers commit for about 7 s).
+QUICK_HOLD_SHARE = 0.3
 
 
 class HostsPlanError(ValueError):
@@ -79,8 +90,9 @@ class HostsChaosOptions:
     mooncake: bool | None = None
     """Run the store on a Mooncake master host; None: when Mooncake is installed."""
     quick: bool = False
-    """Smaller trials (``QUICK_HOSTS_SIZE``) and a shorter gloo timeout
-    (``QUICK_GLOO_TIMEOUT_S``): the test suite's size."""
+    """Smaller trials (``QUICK_HOSTS_SIZE``), a shorter gloo timeout
+    (``QUICK_GLOO_TIMEOUT_S``) and shorter cuts of the producers (``QUICK_HOLD_SHARE``):
+    the test suite's size."""
 
     @property
     def size(self) -> tuple[int, int, int]:
@@ -184,17 +196,18 @@ class FaultPlan:
         return f"{self.kind}: {who} at {self.at:.0%} for {self.hold_s:.1f} s"
 
 
-def plan_faults(trial_seed: int, kinds: tuple[str, ...]) -> list[FaultPlan]:
-    """The timed faults of a trial (ambient ones are set up with the trial), in order."""
+def plan_faults(trial_seed: int, kinds: tuple[str, ...], *, quick: bool = False) -> list[FaultPlan]:
+    """The timed faults of a trial (ambient ones are set up with the trial), in order;
+    ``quick``: the producers' cuts shorter (``QUICK_HOLD_SHARE``), all else the same."""
     rng = random.Random(trial_seed)
     timed = sorted((k for k in kinds if k not in AMBIENT), key=lambda k: PHASE[k])
     plans = []
     for kind in timed:
         long = kind == "pg-cut-rank" and rng.random() < 0.5
         hold = {
-            "partition": rng.uniform(2.0, 6.0),
-            "pg-cut-producer": rng.uniform(3.0, 8.0),
-            "mooncake-cut": rng.uniform(2.0, 5.0),
+            "partition": rng.uniform(*PRODUCER_HOLDS["partition"]),
+            "pg-cut-producer": rng.uniform(*PRODUCER_HOLDS["pg-cut-producer"]),
+            "mooncake-cut": rng.uniform(*PRODUCER_HOLDS["mooncake-cut"]),
             # Shorter than the ledger's dead-peer bound, or well past it.
             "pg-cut-rank": rng.uniform(2.5 * BUSY_TIMEOUT_S, 4 * BUSY_TIMEOUT_S)
             if long
@@ -203,6 +216,9 @@ def plan_faults(trial_seed: int, kinds: tuple[str, ...]) -> list[FaultPlan]:
             "stall-reset": rng.uniform(1.0, 2.5),
             "pg-restart": rng.uniform(0.5, 2.0),
         }[kind]
+        if quick and kind in PRODUCER_HOLDS:
+            low = PRODUCER_HOLDS[kind][0]
+            hold = low + (hold - low) * QUICK_HOLD_SHARE
         plans.append(
             FaultPlan(
                 kind=kind,

@@ -47,7 +47,7 @@ STREAM_PORT = 5600
 #: loses: the reply is in the relay for that long, the conductor's window to stall it.
 #: (Set once the producer is connected: a new connection's handshake would take several
 #: round trips of it, past the connect timeout.)
-REPLY_DELAY_S = 1.0
+REPLY_DELAY_S = 0.4
 #: pg-cut-producer gives up on its commit (the producer finished first) after this long.
 ARM_S = 60.0
 #: A fault's successor waits at most this long for its recovery.
@@ -195,10 +195,23 @@ class HostsTrial(ChaosTrial):
         process.start()
         return process
 
+    def _say(self, text: str) -> None:
+        if not text.startswith("["):  # the trial's story, timed as the demo's own lines are
+            text = f"[{time.monotonic() - self.started:6.1f}s] {text}"
+        super()._say(text)
+
     def _announce(self) -> None:
         mode = "streaming over ZeroMQ (CURVE)" if self.streaming else "offline, seeded order"
         faults = [*self.ambient, *(p.describe() for p in self.plans)] or ["none (the reference)"]
         self._say(f"run {self.run_id} on {self.cluster!r}: {mode}; faults: {'; '.join(faults)}")
+
+    def _end_children(self) -> None:
+        # The store keeper hands its memory back on SIGTERM (seconds with Mooncake); the
+        # trial's store is checked by now and goes with its cluster: no need to wait.
+        for child in self.children:
+            if child.service and child.process.exitcode is None:
+                child.process.kill()
+        super()._end_children()
 
     # -- the faults ------------------------------------------------------------------------
     def _tick(self, state: RunState, now: float) -> bool:
@@ -239,7 +252,7 @@ class HostsTrial(ChaosTrial):
             return
         if self._next >= len(self.plans):
             return
-        if self.records and not self._settled(self.records[-1], now):
+        if self.records and not self._settled(self.records[-1], state, now):
             return
         plan = self.plans[self._next]
         if plan.kind == "pg-cut-producer" or self._due(plan, state):
@@ -252,13 +265,29 @@ class HostsTrial(ChaosTrial):
         done = state.trained if plan.kind in ("pg-cut-rank", "gloo-cut") else state.committed
         return len(done) >= plan.at * self.samples
 
-    def _settled(self, record: dict[str, Any], now: float) -> bool:
+    def _settled(self, record: dict[str, Any], state: RunState, now: float) -> bool:
+        """Whether the next fault may come after ``record``'s: it healed, and what it hit
+        recovered, or has nothing left to recover (so a quick run still injects every
+        planned fault), or RECOVERY_WAIT_S passed."""
         healed = record.get("healed_mono")
-        return healed is not None and (
-            record.get("recovery_s") is not None
-            or record.get("missed", False)
-            or now - healed > RECOVERY_WAIT_S
-        )
+        if healed is None:
+            return False
+        if record.get("recovery_s") is not None or record.get("missed", False):
+            return True
+        if self._finished(record.get("actors"), state):
+            record["target_finished"] = True
+            return True
+        return now - healed > RECOVERY_WAIT_S
+
+    def _finished(self, actors: str | None, state: RunState) -> bool:
+        """Whether ``actors`` (as a record names them) have nothing left to recover: a
+        producer closed (one that failed and is restarted claims its id again, which
+        opens it), the ranks exited after the last step."""
+        if actors == "ranks":
+            return all(r.process.exitcode == 0 for r in self.ranks)
+        if actors is not None:
+            return actors in state.closed
+        return False
 
     def _inject(self, plan: FaultPlan, state: RunState, now: float) -> None:
         record: dict[str, Any] = {"kind": plan.kind, "plan": plan.describe(), "t": now}
