@@ -74,10 +74,15 @@ def test_three_trials_kill_each_target_and_lose_nothing(tmp_path: Path) -> None:
 def test_a_killed_mooncake_master_loses_no_sample(tmp_path: Path, mooncake_installed: None) -> None:
     # One trial, its target the master (--targets; the other targets have a test of their
     # own): the fresh master holds nothing, the ranks report what they miss as lost and
-    # regenerate it. Seed 1: the kill at 23% of the run, well before its end (the watch
-    # looks every 0.2 s, and a quick run trains for a second or two).
+    # regenerate it. Seed 1: the kill at 23% of the training, well before its end (the
+    # watch looks every 0.2 s, and a quick run trains for a second or two). Offline: every
+    # sample is committed before the ranks start, so about three quarters of the features
+    # are in the master when it dies. Streaming, a loaded machine's producers could fall
+    # behind the ranks, which had then read every committed sample before the kill, and
+    # there was nothing to regenerate (the CI run of 2026-11-27 evening). A master killed
+    # under streaming producers: tests/test_mooncake_restart.py.
     out = tmp_path / "chaos.json"
-    args = ("--quick", "--trials", "1", "--seed", "1", "--mode", "streaming")
+    args = ("--quick", "--trials", "1", "--seed", "1", "--mode", "offline")
     args += ("--store", "mooncake://")
     args += ("--targets", "mooncake_master")
     result = _chaos(*args, "--workdir", str(tmp_path / "w"), "--json", str(out), cwd=tmp_path)
