@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,8 +51,16 @@ def _blocks() -> list[pytest.param]:
 
 
 @pytest.mark.parametrize(("code", "fresh"), _blocks())
-def test_doc_example_runs(code: str, fresh: bool, tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def test_doc_example_runs(
+    code: str, fresh: bool, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # TMPDIR: an example's own temporary directories (tempfile.mkdtemp, left for the
+    # reader to look at) go into one removed after it; traversable by all, since an
+    # example's PostgresServer runs its server as the postgres account.
+    scratch = Path(tempfile.mkdtemp(prefix="doc-example-"))
+    scratch.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(scratch))
     result = (subprocess.run if fresh else _zygote.run)(
         [sys.executable, "-c", code],
         cwd=tmp_path,
