@@ -58,7 +58,12 @@ def test_replay_time_travel_by_seq_step_and_time(crashed: str) -> None:
         ok(dataflow(crashed, "replay", "--run", "r1", "--upto", str(first_ack.seq), "--json"))
     )
     by_step = json.loads(ok(dataflow(crashed, "replay", "--run", "r1", "--at-step", "1", "--json")))
-    at = datetime.fromtimestamp(first_ack.ts + 0.001, UTC).isoformat()  # microseconds round down
+    # Halfway to the next step's first ack (at most 1 ms after the first's): the
+    # isoformat's microseconds round, and on a fast machine the next step's acks came
+    # within 1 ms.
+    later = [e.ts for e in events if e.kind == "ack" and (e.step or 0) > 1]
+    gap = min([0.002, *(ts - first_ack.ts for ts in later)])
+    at = datetime.fromtimestamp(first_ack.ts + gap / 2, UTC).isoformat()
     by_time = json.loads(ok(dataflow(crashed, "replay", "--run", "r1", "--at", at, "--json")))
     assert by_seq["trained"] == 2
     assert by_step["trained"] == 2
