@@ -5,17 +5,23 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    runner: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m dataflow.cli ARGS``, its output captured. Without ``env``, the test's
-    environment less ``DATAFLOW_LEDGER``, so that only the arguments name a ledger."""
+    environment less ``DATAFLOW_LEDGER``, so that only the arguments name a ledger.
+    ``runner``: what starts it (``subprocess.run``; ``tests._zygote.run`` forks it warm)."""
     if env is None:
         env = {k: v for k, v in os.environ.items() if k != "DATAFLOW_LEDGER"}
-    return subprocess.run(
+    return runner(
         [sys.executable, "-m", "dataflow.cli", *args],
         capture_output=True,
         text=True,

@@ -353,17 +353,9 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """:func:`tests._cli.run_cli` forked warm: ``python -m dataflow.cli ARGS``, its output
     captured; without ``env``, the test's environment less ``DATAFLOW_LEDGER``."""
-    if env is None:
-        env = {k: v for k, v in os.environ.items() if k != "DATAFLOW_LEDGER"}
-    return run(
-        [sys.executable, "-m", "dataflow.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
+    from tests import _cli
+
+    return _cli.run_cli(*args, cwd=cwd, env=env, timeout=timeout, runner=run)
 
 
 # ---------------------------------------------------------------- the zygote's side
