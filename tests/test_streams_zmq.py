@@ -23,6 +23,7 @@ from dataflow import (
     BackpressureError,
     BadFrameError,
     FeatureSpec,
+    InvalidArgumentError,
     ProducerLostError,
     SampleRef,
     StreamError,
@@ -232,6 +233,49 @@ def test_no_consumer_means_backpressure(ends) -> None:
             s.send(ref(0), timeout=0.3)
     finally:
         s.close()  # waits close_timeout for an acknowledgement that cannot come
+
+
+def test_wait_for_consumers_returns_once_every_receiver_granted_credit(ends) -> None:
+    receiver, sender = ends
+    ranks = [receiver(window=4) for _ in range(2)]
+    s = sender(*ranks, producer_id="p")
+    s.wait_for_consumers(timeout=10)
+    # Each rank granted its window: the next eight refs spread over both, four each.
+    for i in range(8):
+        s.send(ref(i), timeout=0)
+    got = [[], []]
+    for rank, r in enumerate(ranks):
+        while len(got[rank]) < 4:
+            got[rank] += r.receive(8, timeout=5)
+    assert sorted(x.sample_id for x in got[0] + got[1]) == sorted(f"s-{i}" for i in range(8))
+    assert [len(g) for g in got] == [4, 4]
+
+
+def test_wait_for_consumers_names_the_endpoint_not_heard(ends) -> None:
+    receiver, sender = ends
+    up, gone = receiver(), receiver()
+    missing = gone.endpoint
+    gone.close()
+    s = sender(up, gone, producer_id="p", close_timeout=0.2)
+    started = time.monotonic()
+    with pytest.raises(BackpressureError, match=rf"no consumer at \['{missing}'\] within 0.5s"):
+        s.wait_for_consumers(timeout=0.5)
+    assert time.monotonic() - started >= 0.5
+    assert up.stats().received == 0  # waiting sends nothing
+
+
+def test_wait_for_consumers_needs_a_producer_id_and_an_open_sender(ends) -> None:
+    receiver, sender = ends
+    r = receiver()
+    s = sender(r)
+    with pytest.raises(InvalidArgumentError, match="speaks for no producer"):
+        s.wait_for_consumers(timeout=1)
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        s.wait_for_consumers(timeout=-1)
+    s.bind_producer("p")
+    s.close()
+    with pytest.raises(StreamError, match="closed"):
+        s.wait_for_consumers(timeout=1)
 
 
 def test_idle_timeout(ends) -> None:

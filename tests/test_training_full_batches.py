@@ -98,6 +98,9 @@ class Streamed:
         def emit_slowly() -> None:
             try:
                 sender = ZmqRefSender(config)
+                # Refs go to the ranks heard so far: without this wait, a rank whose
+                # receiver answered late on a loaded machine could get none of the 90.
+                sender.wait_for_consumers()
                 producer = Producer(
                     self.led, self.store, run_id=RUN, producer_id=name, stream=sender
                 )

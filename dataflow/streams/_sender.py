@@ -372,6 +372,50 @@ class ZmqRefSender(RefSender):
         self._shutdown(linger=0 if not missing else 1000)
 
     # -- extras ----------------------------------------------------------------
+    def wait_for_consumers(self, timeout: float | None = None) -> None:
+        """Block until the consumer at every endpoint has granted this sender credit.
+
+        A ref goes to the consumer with the most unused credit among those heard, so
+        refs sent before a slower rank's receiver answered all go to the others. Call
+        this before the first send to spread the first refs over every rank. Raises
+        BackpressureError, naming the endpoints not heard, after ``timeout`` seconds
+        (default ``SenderConfig.send_timeout``). The sender must know its producer id
+        (``SenderConfig.producer_id``, or a Producer given this sender), for a receiver
+        grants credit to a producer it knows.
+        """
+        if timeout is None:
+            timeout = self.config.send_timeout
+        else:
+            check_timeout("timeout", timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._check_open()
+                if self.producer_id is None:
+                    raise InvalidArgumentError(
+                        "this sender speaks for no producer yet, so no consumer grants it "
+                        "credit: set SenderConfig.producer_id, or give the sender to a "
+                        "Producer first"
+                    )
+                now = time.monotonic()
+                silent = [
+                    link.endpoint
+                    for link in self._links
+                    if link.receiver is None
+                    or not link.usable
+                    or now - link.last_heard > self.config.heartbeat_timeout
+                ]
+                remaining = deadline - now
+                if not silent:
+                    return
+                if remaining <= 0:
+                    raise BackpressureError(
+                        f"producer {self.producer_id!r} heard no consumer at {silent} within "
+                        f"{timeout:g}s: start their receivers, or check the endpoints"
+                    )
+                self._pump(min(remaining, self._tick))
+            time.sleep(0)  # let a send or close of another thread in between slices
+
     def stats(self) -> SenderStats:
         with self._lock:
             return SenderStats(**self._counts)
