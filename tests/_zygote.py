@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,9 @@ _BOOT = (
 class Zygote:
     """One warm server and the connection to it; :func:`zygote` keeps one per process."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+    def __init__(self, preload: Sequence[str] = PRELOAD, *, prefix: Sequence[str] = ()) -> None:
+        """``prefix``: what the server's command line starts with, e.g. ``ip netns exec NS``
+        (it must exec the interpreter in place, keeping the listener's fd open)."""
         self.owner = os.getpid()
         self.address = f"\0dataflow-tests-zygote-{os.getpid()}-{id(self)}"  # abstract
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -95,7 +97,7 @@ class Zygote:
             # still imports waits in the backlog. Its stdin is a pipe whose end (EOF) is
             # the server's signal to go, also when this process dies without a word.
             self.server = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(ROOT), str(listener.fileno())],
+                [*prefix, sys.executable, "-c", _BOOT, str(ROOT), str(listener.fileno())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 env=env,
@@ -201,7 +203,12 @@ def _check_startup_settings(environ: dict[str, str]) -> None:
 class ForkedPopen(subprocess.Popen):
     """:class:`subprocess.Popen` whose child is forked from the zygote (see the module's
     docstring for what it runs and what it refuses). Pipes, ``communicate``, ``wait``
-    with a timeout, ``kill`` and ``send_signal`` work as in :mod:`subprocess`."""
+    with a timeout, ``kill`` and ``send_signal`` work as in :mod:`subprocess`.
+    ``zygote``: the server to fork from (default: this process's, :func:`zygote`)."""
+
+    def __init__(self, args: Any, *, zygote: Zygote | None = None, **kwargs: Any) -> None:
+        self._server = zygote
+        super().__init__(args, **kwargs)
 
     def _execute_child(
         self,
@@ -260,7 +267,8 @@ class ForkedPopen(subprocess.Popen):
                 c2pwrite if c2pwrite != -1 else 1,
                 errwrite if errwrite != -1 else 2,
             ]
-            self._zygote_conn, pid, self._zygote_buffer = zygote().request(payload, fds)
+            server = self._server or zygote()
+            self._zygote_conn, pid, self._zygote_buffer = server.request(payload, fds)
         finally:
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         self._child_created = True
@@ -307,6 +315,50 @@ class ForkedPopen(subprocess.Popen):
             if self.returncode is None and not self._zygote_status(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
+
+
+class HostZygotes:
+    """A :class:`dataflow.testing.Cluster` launcher: each host's ``python -c``/``-m``
+    children forked from a zygote started in that host's network namespace (on first
+    use), so that they run there without importing torch and dataflow afresh. Other
+    commands, and what a zygote refuses, are left to the cluster (None). The zygotes
+    die with their namespaces when the cluster stops; :meth:`close` stops them before."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+        self.preload = tuple(preload)
+        self._zygotes: dict[str, Zygote] = {}
+
+    def __call__(self, host: Any, argv: Sequence[str], **kwargs: Any) -> ForkedPopen | None:
+        try:
+            _parse(argv)
+        except ValueError:
+            return None
+        server = self._zygotes.get(host.netns)
+        if server is None or server.server.poll() is not None:
+            server = self._zygotes[host.netns] = Zygote(self.preload, prefix=host.command([]))
+        try:
+            return ForkedPopen(argv, zygote=server, **kwargs)
+        except ValueError:  # a setting only a fresh interpreter takes
+            return None
+
+    def close(self) -> None:
+        for server in self._zygotes.values():
+            server.close()
+        self._zygotes.clear()
+
+
+@contextlib.contextmanager
+def warm_cluster(*args: Any, **kwargs: Any) -> Iterator[Any]:
+    """A started :class:`dataflow.testing.Cluster` (its arguments) whose hosts' Python
+    children fork from :class:`HostZygotes`; stopped, with the zygotes, at the end."""
+    from dataflow.testing import Cluster
+
+    launcher = HostZygotes()
+    try:
+        with Cluster(*args, launcher=launcher, **kwargs) as cluster:
+            yield cluster
+    finally:
+        launcher.close()
 
 
 def Popen(args: Sequence[str], **kwargs: Any) -> ForkedPopen:

@@ -18,6 +18,7 @@ from dataflow import InvalidArgumentError
 from dataflow.live import join_gloo
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_net import gloo_partition
+from tests._zygote import warm_cluster
 from tests.conftest import unavailable
 
 COLLECTIVE_TIMEOUT_S = 6.0  # room for a loaded machine: a starved peer must not time out
@@ -28,7 +29,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     reason = cluster_unavailable()
     if reason is not None:
         unavailable(reason)
-    with Cluster(["trainer0", "trainer1"], workdir=tmp_path_factory.mktemp("hosts")) as cluster:
+    hosts = ["trainer0", "trainer1"]
+    with warm_cluster(hosts, workdir=tmp_path_factory.mktemp("hosts")) as cluster:
         yield cluster
 
 

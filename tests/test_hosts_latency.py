@@ -19,6 +19,7 @@ import pytest
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_services import latency_run
 from dataflow.testing._postgres import find_bin_dir
+from tests._zygote import warm_cluster
 from tests.conftest import unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -34,7 +35,7 @@ def cluster(mooncake_installed, tmp_path_factory: pytest.TempPathFactory) -> Ite
     except RuntimeError as exc:
         unavailable(str(exc))
     hosts = ["pg", "master", "producer0", "trainer0", "trainer1"]
-    with Cluster(hosts, workdir=tmp_path_factory.mktemp("hosts")) as cluster:
+    with warm_cluster(hosts, workdir=tmp_path_factory.mktemp("hosts")) as cluster:
         yield cluster
 
 

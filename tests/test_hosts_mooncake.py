@@ -17,6 +17,7 @@ import pytest
 
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_services import mooncake_partition
+from tests._zygote import warm_cluster
 from tests.conftest import unavailable
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def cluster(mooncake_installed, tmp_path_factory: pytest.TempPathFactory) -> Ite
     if reason is not None:
         unavailable(reason)
     hosts = ["master", "producer0", "trainer0"]
-    with Cluster(hosts, workdir=tmp_path_factory.mktemp("hosts")) as cluster:
+    with warm_cluster(hosts, workdir=tmp_path_factory.mktemp("hosts")) as cluster:
         yield cluster
 
 

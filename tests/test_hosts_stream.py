@@ -16,6 +16,7 @@ import pytest
 
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_net import HEARTBEATS, stream_partition
+from tests._zygote import warm_cluster
 from tests.conftest import unavailable
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     reason = cluster_unavailable()
     if reason is not None:
         unavailable(reason)
-    with Cluster(["producer0", "trainer0"], workdir=tmp_path_factory.mktemp("hosts")) as cluster:
+    hosts = ["producer0", "trainer0"]
+    with warm_cluster(hosts, workdir=tmp_path_factory.mktemp("hosts")) as cluster:
         yield cluster
 
 

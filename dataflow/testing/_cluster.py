@@ -33,7 +33,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -107,16 +107,27 @@ class Host:
         stderr: int | IO[Any] | None = None,
         **kw: Any,
     ) -> subprocess.Popen[Any]:
-        """Start ``argv`` on this host in its own process group; :meth:`Cluster.stop` kills it."""
-        process = subprocess.Popen(
-            self.command(argv, env),
-            env=env,
-            cwd=cwd,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-            **kw,
-        )
+        """Start ``argv`` on this host in its own process group; :meth:`Cluster.stop` kills it.
+
+        The cluster's ``launcher``, if it has one, starts it (on a host without skew).
+        """
+        launcher = self._cluster.launcher
+        process = None
+        if launcher is not None and not self.skew_s:
+            process = launcher(
+                self, list(argv), env=env, cwd=cwd, stdout=stdout, stderr=stderr,
+                start_new_session=True, **kw,
+            )  # fmt: skip
+        if process is None:
+            process = subprocess.Popen(
+                self.command(argv, env),
+                env=env,
+                cwd=cwd,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+                **kw,
+            )
         self._cluster._processes.append(process)
         return process
 
@@ -170,6 +181,10 @@ def _skew_site(workdir: Path) -> Path:
     return site
 
 
+#: See :attr:`Cluster.launcher`.
+Launcher = Callable[..., "subprocess.Popen[Any] | None"]
+
+
 class Cluster:
     """Hosts in network namespaces joined by a bridge; faults between them. See the module."""
 
@@ -179,7 +194,12 @@ class Cluster:
         *,
         workdir: str | os.PathLike[str],
         skew: Mapping[str, float] | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
+        if launcher is not None and not callable(launcher):
+            raise ArgumentTypeError(
+                f"launcher must be a callable or None, got {type(launcher).__name__}"
+            )
         if isinstance(hosts, str) or not isinstance(hosts, Sequence) or not hosts:
             raise ArgumentTypeError(
                 f"hosts must be a non-empty list of host names, got {hosts!r}: "
@@ -209,6 +229,13 @@ class Cluster:
             _netns.libfaketime()  # refuse at once, naming the package
         self._names = tuple(hosts)
         self._skew = {name: float(seconds) for name, seconds in skew.items()}
+        #: Starts the commands of :meth:`Host.popen` instead of ``subprocess.Popen`` (None:
+        #: that does): ``launcher(host, argv, **popen_kwargs)`` returns the started
+        #: process, running in ``host.netns`` in a session of its own, or None to leave
+        #: ``argv`` to ``subprocess.Popen``. A test suite forks Python children from a warm
+        #: interpreter in each host's namespace this way. Not used on a skewed host: its
+        #: processes need libfaketime preloaded at their start.
+        self.launcher = launcher
         self.workdir = Path(workdir)
         self.slot = 0
         self.hosts: dict[str, Host] = {}
