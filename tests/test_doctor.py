@@ -30,7 +30,7 @@ from dataflow.recorder._schema import SCHEMA_VERSION
 from dataflow.streams import ReceiverConfig, ZmqRefReceiver
 from dataflow.testing._postgres import PostgresServer, create_database, drop_database
 from stores import open_store
-from tests._cli import run_cli
+from tests._zygote import run_cli
 from tests.conftest import unavailable
 
 DATA = Path(__file__).parent / "data"
