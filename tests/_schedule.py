@@ -22,6 +22,7 @@ import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +75,26 @@ LONG_MODULES = (
     "test_clocks.py",
 )
 
+
+# The modules whose tests mostly wait (on cut links, timeouts, leases, restarts) and take
+# little CPU: at most half the workers run them at a time (see make_scheduler), so that
+# the others keep both cores busy with the tests that compute.
+WAITING_MODULES = frozenset(
+    {
+        "test_chaos_hosts.py",
+        "test_hosts_ledger_ranks.py",
+        "test_hosts_ledger_producers.py",
+        "test_hosts_mooncake.py",
+        "test_hosts_latency.py",
+        "test_hosts_gloo.py",
+        "test_hosts_stream.py",
+        "test_faults_postgres_network.py",
+        "test_mooncake_restart.py",
+        "test_mooncake_crash_gc.py",
+        "test_training_stream_blip.py",
+        "test_cluster.py",
+    }
+)
 
 # The modules that define a module- or session-scoped fixture their tests share
 # (checked at collection: :func:`arrange` names one missing here).
@@ -161,13 +182,28 @@ def arrange(items: list[pytest.Item]) -> None:
             f"{', '.join(ungrouped)}: a module-scoped fixture; add it to "
             "GROUPED_MODULES in tests/_schedule.py (its tests then share one xdist worker)"
         )
+    missing = sorted(
+        name
+        for name in (*LONG_MODULES, *WAITING_MODULES, *GROUPED_MODULES, *QUICK_LEAVES_OUT)
+        if not (Path(__file__).parent / name).exists()
+    )
+    if missing:
+        raise pytest.UsageError(f"tests/_schedule.py names no such module: {', '.join(missing)}")
     if worker() is None:
         return  # one process: keep the files' order, so module fixtures are set up once
     items.sort(key=_long_rank)  # stable: each module keeps its order
 
 
+def _waits(scope: str) -> bool:
+    """Whether a unit of work (a module or a test id) is of ``WAITING_MODULES``."""
+    return scope.split("::", 1)[0].rsplit("/", 1)[-1] in WAITING_MODULES
+
+
 def make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """xdist's load scheduling, with each of ``GROUPED_MODULES`` one unit of work."""
+    """xdist's load scheduling, with each of ``GROUPED_MODULES`` one unit of work, and at
+    most half the workers (rounded up) on ``WAITING_MODULES`` at a time: in queue order,
+    a worker takes the first waiting unit while fewer others hold one, else the first
+    other unit (either kind when the other is used up)."""
     if config.getvalue("dist") not in ("load", "loadgroup"):
         return None  # another --dist the user asked for
     from xdist.scheduler import LoadScopeScheduling
@@ -178,6 +214,19 @@ def make_scheduler(config: pytest.Config, log: object) -> object | None:
                 return nodeid.rsplit("@", 1)[-1]
             module = nodeid.split("::", 1)[0]
             return module if module.rsplit("/", 1)[-1] in GROUPED_MODULES else nodeid
+
+        def _assign_work_unit(self, node: Any) -> None:
+            waiting = sum(
+                1
+                for other, units in self.assigned_work.items()
+                if other is not node
+                and any(_waits(scope) and not all(done.values()) for scope, done in units.items())
+            )
+            wanted = waiting < (len(self.nodes) + 1) // 2
+            scope = next((s for s in self.workqueue if _waits(s) == wanted), None)
+            if scope is not None:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleGroups(config, log)
 

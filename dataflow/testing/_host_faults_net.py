@@ -369,6 +369,8 @@ def _stream_partition(
             samples=samples,
             interval_s=0.03,
             after=[str(endpoint_file)],
+            gate=str(trial.dir / "cut"),
+            gate_at=samples // 3,
             stream={
                 "endpoints": [endpoint],
                 "curve": client_curve,
@@ -383,6 +385,7 @@ def _stream_partition(
     trial.phase("up, a third emitted")
     cluster.cut(producer, trainer, silent=silent)
     cut_at = time.monotonic()
+    (trial.dir / "cut").touch()  # the producer, waiting at a third, goes on into the cut
     if cut_s is None:
         hung = trial.wait([sender], timeout_s)
     else:

@@ -13,7 +13,10 @@ emitted) to ``progress`` and writes ``result`` (JSON). With ``hold`` it then wai
 that file to appear before it exits (its memory may hold the features: a Mooncake
 segment). With ``after`` (paths) it first waits for those files to appear (at most
 ``after_s`` seconds): started beside the ranks, it imports torch while they do, and
-connects once their receivers are up. Exit status 0, or 3 when an error stopped it.
+connects once their receivers are up. With ``gate`` (a path) it waits, once ``gate_at``
+samples are emitted, for that file to appear (at most ``gate_s`` seconds, default 60):
+a fault injected meanwhile then lands while it still has samples to emit, however late
+a loaded machine lets the caller inject it. Exit status 0, or 3 when an error stopped it.
 """
 
 from __future__ import annotations
@@ -93,8 +96,11 @@ def run(config: dict[str, Any], result: dict[str, Any]) -> None:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.1)
+        done = indices[-1] - first + 1
         with progress.open("a") as file:
-            file.write(f"{indices[-1] - first + 1} {time.monotonic()}\n")
+            file.write(f"{done} {time.monotonic()}\n")
+        if config.get("gate") is not None and done - len(indices) < config["gate_at"] <= done:
+            wait_for_files([config["gate"]], config.get("gate_s", 60.0))
         time.sleep(config.get("interval_s", 0.0))
     producer.close()
     result["emitted"] = config["samples"]
