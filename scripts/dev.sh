@@ -5,11 +5,10 @@
 #   bash scripts/dev.sh test            # the whole test suite (what CI runs)
 #   bash scripts/dev.sh test --quick    # the quick tier, for development (under 2 min)
 #
-# Extra arguments go to pytest (a file, -k, -x). The suite runs on 3 pytest-xdist
-# workers (it waits on processes, sockets and fsync more than it computes, so 3 beat
-# 2 on two cores). 4 were faster since the children fork from a warm zygote (378-398 s
-# against 416-420 s of pytest, idle, 2026-11-27), but the load they make on two cores
-# brought out a timing-dependent test failure in one clean clone of two;
+# Extra arguments go to pytest (a file, -k, -x). The suite runs on 4 pytest-xdist
+# workers: its tests wait on processes, sockets, timeouts and cut links about as much as
+# they compute, and at most half the workers take the waiting ones (the simulated
+# hosts' faults) at a time (tests/_schedule.py), so the others keep both cores busy.
 # DATAFLOW_TEST_WORKERS=N sets another number, 0 runs it in-process.
 # --quick (a pytest option of tests/conftest.py) leaves out the slow tests and keeps a
 # real PostgreSQL server, a real mooncake_master and real processes.
@@ -63,7 +62,7 @@ if [ "$job" = test ]; then
   have_lib libnuma.so.1 || missing+=(libnuma1)
   command -v faketime >/dev/null 2>&1 || missing+=(faketime)  # tests/test_clocks.py, test_doctor.py
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
-  workers="${DATAFLOW_TEST_WORKERS:-3}"
+  workers="${DATAFLOW_TEST_WORKERS:-4}"
   exec .venv/bin/python -m pytest -n "$workers" "$@"
 else
   "${pip[@]}" -e ".[plot]"   # plot: matplotlib, for the demo's timeline.png
