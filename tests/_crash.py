@@ -15,6 +15,7 @@ import textwrap
 import time
 
 from dataflow import Ledger, replay
+from tests import _zygote
 
 RUN = "run"
 SAMPLES = 300
@@ -27,7 +28,7 @@ def live_generations(led: Ledger) -> set[tuple[str, int]]:
 
 
 def child(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return _zygote.Popen(  # forked warm: a fresh interpreter imports torch
         [sys.executable, "-c", textwrap.dedent(code), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

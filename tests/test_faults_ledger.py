@@ -24,6 +24,7 @@ import torch
 from dataflow import Kind, Ledger, OperationalError, Producer, replay
 from dataflow.testing._postgres import PostgresServer
 from stores import SharedDirFeatureStore
+from tests import _zygote
 from tests.conftest import unavailable
 
 RUN = "run"
@@ -54,7 +55,7 @@ def test_a_sqlite_ledger_locked_by_another_process_fails_the_emit_and_writes_not
         producer = Producer(ledger, store, run_id=RUN)
         producer.emit("before", {"x": torch.ones(4)})
         events = len(list(ledger.events(RUN)))
-        holder = subprocess.Popen(
+        holder = _zygote.Popen(
             [sys.executable, "-c", HOLD_EXCLUSIVE, str(path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -85,7 +86,7 @@ def test_a_writer_waits_for_the_lock_another_process_releases_within_busy_timeou
     ):
         producer = Producer(ledger, store, run_id=RUN)
         producer.emit("before", {"x": torch.ones(4)})
-        holder = subprocess.Popen(
+        holder = _zygote.Popen(
             [sys.executable, "-c", HOLD_EXCLUSIVE, str(path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -182,7 +183,7 @@ def test_a_postgres_restart_mid_appends_loses_nothing_and_commits_nothing_twice(
     url = own_postgres.create_database("faults")
     Ledger.open(url).close()  # the schema, before the producer races the restarts
     stop = tmp_path / "stop"
-    producer = subprocess.Popen(
+    producer = _zygote.Popen(
         [sys.executable, "-c", PRODUCE, url, str(tmp_path / "store"), str(stop)],
         stdout=subprocess.PIPE,
         text=True,

@@ -11,7 +11,6 @@ exactly those the ledger lacks; and a consumer leases and reads every sample onc
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from dataflow import Consumer, Ledger, Producer, collect_garbage, replay
 from stores import SharedDirFeatureStore
 from stores._shared_dir_layout import sample_file_name
+from tests import _zygote
 
 RUN = "run"
 BATCH, BATCHES = 16, 3
@@ -97,7 +97,7 @@ def test_a_producer_killed_inside_emit_many_loses_and_leaks_nothing(
 ) -> None:
     led = Ledger.open(f"sqlite:///{tmp_path}/ledger.db")
     store = SharedDirFeatureStore(tmp_path / "features")
-    child = subprocess.run(
+    child = _zygote.run(
         [sys.executable, "-c", textwrap.dedent(CHILD), led.url, store.uri, where],
         capture_output=True,
         text=True,

@@ -38,6 +38,7 @@ from stores._mooncake_client import _Generations
 from stores._mooncake_records import _HEAD_MAGIC, _HEAD_SUM, _decode_record, _encode_record
 from stores.mooncake_master import MooncakeMaster, find_master_binary, free_port, port_open
 from stores.testing import FeatureStoreContract, assert_same_tensor
+from tests import _zygote
 
 pytestmark = pytest.mark.mooncake
 
@@ -442,7 +443,7 @@ def test_two_processes_put_the_same_id_at_once(cluster):
     namespace = f"t{uuid.uuid4().hex[:12]}"
     args = [cluster.master.master_address, cluster.master.metadata_url, namespace]
     writers = [
-        subprocess.Popen(
+        _zygote.Popen(
             [sys.executable, "-c", textwrap.dedent(PUT_MANY), *args, str(w)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

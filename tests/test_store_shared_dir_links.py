@@ -26,6 +26,7 @@ import tests.test_store_shared_dir as plain
 from dataflow import FeatureSpec, SampleRef, StaleRefError
 from stores import SharedDirFeatureStore
 from stores.testing import assert_same_tensor
+from tests import _zygote
 
 _SPEC = FeatureSpec((64,), torch.int64)
 
@@ -128,7 +129,7 @@ def test_processes_putting_replacing_and_deleting_the_same_ids_keep_the_newest(t
     SharedDirFeatureStore(root).close()
     seed = random.randrange(1 << 30)
     processes = [
-        subprocess.Popen(
+        _zygote.Popen(
             [
                 sys.executable,
                 "-c",
