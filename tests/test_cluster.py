@@ -482,3 +482,59 @@ def test_libfaketime_files_of_dead_processes_are_removed_and_others_kept(tmp_pat
         (tmp_path / name).write_bytes(b"")
     remove_dead_faketime_files(tmp_path)
     assert {n: (tmp_path / n).exists() for n in names} == names
+
+
+# -- the launcher hook (Cluster(launcher=...)) and the suite's HostZygotes -------------------
+NETNS = "import os; print(os.readlink('/proc/self/ns/net'), os.getpid() == os.getsid(0))"
+
+
+def test_a_launcher_starts_a_hosts_commands_and_none_leaves_them_to_subprocess(cluster):
+    calls: list[tuple[str, list[str], bool]] = []
+
+    def launcher(host, argv, **kwargs):
+        calls.append((host.name, argv, kwargs["start_new_session"]))
+        if argv[0] == "sleep":
+            return None  # left to subprocess.Popen
+        return subprocess.Popen(host.command(argv), **kwargs)
+
+    cluster.launcher = launcher
+    try:
+        echoed = cluster["trainer0"].popen(["echo", "hi"], stdout=subprocess.PIPE, text=True)
+        assert echoed.communicate(timeout=30)[0] == "hi\n"
+        sleeper = cluster["trainer1"].popen(["sleep", "600"])
+    finally:
+        cluster.launcher = None
+    assert calls == [("trainer0", ["echo", "hi"], True), ("trainer1", ["sleep", "600"], True)]
+    assert sleeper in cluster._processes  # stopped with the cluster, as every host process
+    cluster["trainer1"].kill(sleeper)
+    assert sleeper.returncode == -signal.SIGKILL
+
+
+def test_a_launcher_must_be_callable(tmp_path):
+    with pytest.raises(DataflowError, match="launcher must be a callable or None, got int"):
+        Cluster(["a"], workdir=tmp_path, launcher=7)  # type: ignore[arg-type]
+
+
+def test_host_zygotes_fork_a_hosts_python_children_inside_its_namespace(cluster):
+    from tests._zygote import ForkedPopen, HostZygotes
+
+    host = cluster["producer1"]
+    fresh = host.run([sys.executable, "-c", NETNS], capture_output=True, text=True)
+    launcher = HostZygotes()
+    cluster.launcher = launcher
+    try:
+        forked = host.popen([sys.executable, "-c", NETNS], stdout=subprocess.PIPE, text=True)
+        out, _ = forked.communicate(timeout=60)
+        assert isinstance(forked, ForkedPopen) and forked.returncode == 0
+        assert out == fresh.stdout.replace("False", "True")  # its namespace, its own session
+        assert out.split()[0] != os.readlink("/proc/self/ns/net")
+        # A crash of the child is a crash: SIGKILLed through its host, the status says so.
+        sleeper = host.popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        assert isinstance(sleeper, ForkedPopen)
+        host.kill(sleeper)
+        assert sleeper.returncode == -signal.SIGKILL
+        # What a zygote cannot run as a fresh interpreter goes to subprocess.Popen.
+        assert not isinstance(host.popen(["true"]), ForkedPopen)
+    finally:
+        cluster.launcher = None
+        launcher.close()
