@@ -444,12 +444,17 @@ def _serve() -> tuple[dict[str, Any], list[int]]:
                 request, fds = _receive(conn)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                started_r, started_w = os.pipe()
                 pid = os.fork()
             except OSError as error:
                 _reply(conn, {"error": str(error)})
                 conn.close()
                 continue
             if pid == 0:  # the child: drop everything of the server's
+                os.close(started_r)
+                if request["new_session"]:
+                    os.setsid()
+                os.close(started_w)  # the end of the pipe: the session is set
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 selector.close()
@@ -460,6 +465,11 @@ def _serve() -> tuple[dict[str, Any], list[int]]:
                 return request, fds
             for fd in fds:
                 os.close(fd)
+            # The pid goes out once the child leads its own session (when asked): a
+            # killpg of that pid must reach it, however soon it comes.
+            os.close(started_w)
+            os.read(started_r, 1)
+            os.close(started_r)
             children[pid] = conn
             _reply(conn, {"pid": pid})
             _report_ended(children)  # SIGCHLD of a quick child may have come already
@@ -500,8 +510,6 @@ def _child_main(started: tuple[dict[str, Any], list[int]]) -> None:
     """Become the child the request asked for, run its code as ``python`` would, and
     exit as the interpreter does (see :func:`_exit`)."""
     request, fds = started
-    if request["new_session"]:
-        os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:

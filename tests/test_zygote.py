@@ -110,6 +110,17 @@ def test_a_child_talks_over_pipes_and_dies_of_sigkill() -> None:
         assert process.wait(30) == -signal.SIGKILL
 
 
+def test_a_child_in_a_session_of_its_own_leads_it_as_soon_as_its_pid_is_known() -> None:
+    # A killpg of the pid right away must reach the child: it leads its session before
+    # the zygote hands out its pid (before the fix, it did so only once it ran).
+    for _ in range(20):
+        child = _zygote.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True
+        )
+        os.killpg(child.pid, signal.SIGKILL)
+        assert child.wait(30) == -signal.SIGKILL
+
+
 def test_what_a_zygote_cannot_run_as_asked_is_refused() -> None:
     for args, kwargs in [
         (["python", "-c", "pass"], {}),
