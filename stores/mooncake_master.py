@@ -62,6 +62,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(host: str, count: int, *, taken: tuple[int | None, ...] = ()) -> list[int]:
+    """``count`` distinct free ports, none of ``taken``: each probe socket stays bound
+    until all are chosen (one at a time, the kernel may hand out the same port twice)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket())
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if port not in taken and port not in ports:
+                ports.append(port)
+        return ports
+
+
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
     try:
         socket.create_connection((host, port), timeout=timeout).close()
@@ -97,9 +111,11 @@ class MooncakeMaster:
         if lease_ttl_ms is not None and lease_ttl_ms <= 0:
             raise ValueError(f"lease_ttl_ms must be positive, got {lease_ttl_ms}")
         self.host = host
-        self.rpc_port = rpc_port or free_port(host)
-        self.http_port = http_port or free_port(host)
-        self.metrics_port = metrics_port or free_port(host)
+        given = (rpc_port or None, http_port or None, metrics_port or None)
+        free = iter(free_ports(host, given.count(None), taken=given))
+        self.rpc_port, self.http_port, self.metrics_port = (
+            port if port is not None else next(free) for port in given
+        )
         self.lease_ttl_ms = lease_ttl_ms
         self.binary = Path(binary) if binary is not None else None
         self.extra_args = tuple(extra_args)

@@ -411,6 +411,26 @@ def test_a_master_that_exits_is_reported_with_its_log(tmp_path):
         MooncakeMaster(binary=fake, startup_timeout=10).start()
 
 
+def test_a_master_gets_three_distinct_free_ports_and_keeps_the_ports_it_is_given(monkeypatch):
+    # Probed one at a time, the kernel handed out the same free port twice: a master whose
+    # rpc and metrics ports were equal exited with 1 (seen under the suite's load). Here
+    # the kernel is made to do that every time it can.
+    calls = iter([40001, 40001, 40002, 40001, 40003] * 4)
+    real_socket = mooncake_master.socket.socket
+
+    class SamePort(real_socket):  # type: ignore[misc, valid-type]
+        def getsockname(self):
+            return ("127.0.0.1", next(calls))
+
+    monkeypatch.setattr(mooncake_master.socket, "socket", SamePort)
+    master = MooncakeMaster()
+    assert len({master.rpc_port, master.http_port, master.metrics_port}) == 3
+    assert mooncake_master.free_ports("127.0.0.1", 2, taken=(40001,)) == [40002, 40003]
+    given = MooncakeMaster(rpc_port=40001, metrics_port=40005)
+    assert (given.rpc_port, given.metrics_port) == (40001, 40005)
+    assert given.http_port not in (40001, 40005)
+
+
 def test_a_missing_master_binary_gives_the_install_hint(monkeypatch, tmp_path):
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
