@@ -3,12 +3,11 @@
 import json
 import os
 import re
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from _gloo import forkserver_context
+from _gloo import forkserver_context, free_port
 
 from dataflow.live._collectives import join_loopback_gloo
 from eval import EvalError, Evaluator
@@ -76,12 +75,6 @@ def outcome(evaluator: Evaluator, outputs: list) -> dict:
         return {"metrics": evaluator.run(outputs)}
     except EvalError as exc:
         return {"error": str(exc)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
