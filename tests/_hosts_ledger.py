@@ -20,7 +20,7 @@ import pytest
 
 from dataflow.testing import cluster_unavailable
 from dataflow.testing._host_faults_ledger import LedgerFaultOutcome
-from tests._zygote import warm_cluster
+from tests._host_zygotes import warm_cluster
 from tests.conftest import unavailable
 
 

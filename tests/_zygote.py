@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -315,50 +315,6 @@ class ForkedPopen(subprocess.Popen):
             if self.returncode is None and not self._zygote_status(timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
-
-
-class HostZygotes:
-    """A :class:`dataflow.testing.Cluster` launcher: each host's ``python -c``/``-m``
-    children forked from a zygote started in that host's network namespace (on first
-    use), so that they run there without importing torch and dataflow afresh. Other
-    commands, and what a zygote refuses, are left to the cluster (None). The zygotes
-    die with their namespaces when the cluster stops; :meth:`close` stops them before."""
-
-    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
-        self.preload = tuple(preload)
-        self._zygotes: dict[str, Zygote] = {}
-
-    def __call__(self, host: Any, argv: Sequence[str], **kwargs: Any) -> ForkedPopen | None:
-        try:
-            _parse(argv)
-        except ValueError:
-            return None
-        server = self._zygotes.get(host.netns)
-        if server is None or server.server.poll() is not None:
-            server = self._zygotes[host.netns] = Zygote(self.preload, prefix=host.command([]))
-        try:
-            return ForkedPopen(argv, zygote=server, **kwargs)
-        except ValueError:  # a setting only a fresh interpreter takes
-            return None
-
-    def close(self) -> None:
-        for server in self._zygotes.values():
-            server.close()
-        self._zygotes.clear()
-
-
-@contextlib.contextmanager
-def warm_cluster(*args: Any, **kwargs: Any) -> Iterator[Any]:
-    """A started :class:`dataflow.testing.Cluster` (its arguments) whose hosts' Python
-    children fork from :class:`HostZygotes`; stopped, with the zygotes, at the end."""
-    from dataflow.testing import Cluster
-
-    launcher = HostZygotes()
-    try:
-        with Cluster(*args, launcher=launcher, **kwargs) as cluster:
-            yield cluster
-    finally:
-        launcher.close()
 
 
 def Popen(args: Sequence[str], **kwargs: Any) -> ForkedPopen:

@@ -516,7 +516,8 @@ def test_a_launcher_must_be_callable(tmp_path):
 
 
 def test_host_zygotes_fork_a_hosts_python_children_inside_its_namespace(cluster):
-    from tests._zygote import ForkedPopen, HostZygotes
+    from tests._host_zygotes import HostZygotes
+    from tests._zygote import ForkedPopen
 
     host = cluster["producer1"]
     fresh = host.run([sys.executable, "-c", NETNS], capture_output=True, text=True)

@@ -18,7 +18,7 @@ from dataflow import InvalidArgumentError
 from dataflow.live import join_gloo
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_net import gloo_partition
-from tests._zygote import warm_cluster
+from tests._host_zygotes import warm_cluster
 from tests.conftest import unavailable
 
 COLLECTIVE_TIMEOUT_S = 6.0  # room for a loaded machine: a starved peer must not time out

@@ -19,7 +19,7 @@ import pytest
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_services import latency_run
 from dataflow.testing._postgres import find_bin_dir
-from tests._zygote import warm_cluster
+from tests._host_zygotes import warm_cluster
 from tests.conftest import unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]

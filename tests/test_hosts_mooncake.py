@@ -17,7 +17,7 @@ import pytest
 
 from dataflow.testing import Cluster, cluster_unavailable
 from dataflow.testing._host_faults_services import mooncake_partition
-from tests._zygote import warm_cluster
+from tests._host_zygotes import warm_cluster
 from tests.conftest import unavailable
 
 pytestmark = pytest.mark.slow

@@ -149,10 +149,12 @@ class _Link:
     hello_due: bool = False
     eof_acked: bool = False
 
+    def heard(self, now: float, timeout: float) -> bool:
+        """Connected, and its receiver spoke within ``timeout`` seconds."""
+        return self.usable and now - self.last_heard <= timeout
+
     def available(self, now: float, timeout: float) -> int:
-        if not self.usable or now - self.last_heard > timeout:
-            return 0
-        return self.granted - self.sent
+        return self.granted - self.sent if self.heard(now, timeout) else 0
 
 
 class ZmqRefSender(RefSender):
@@ -398,12 +400,11 @@ class ZmqRefSender(RefSender):
                         "Producer first"
                     )
                 now = time.monotonic()
+                timeout_s = self.config.heartbeat_timeout
                 silent = [
                     link.endpoint
                     for link in self._links
-                    if link.receiver is None
-                    or not link.usable
-                    or now - link.last_heard > self.config.heartbeat_timeout
+                    if link.receiver is None or not link.heard(now, timeout_s)
                 ]
                 remaining = deadline - now
                 if not silent:

@@ -102,6 +102,14 @@ class Trial:
         self.phases[name] = round(self.phases.get(name, 0.0) + now - self._since, 2)
         self._since = now
 
+    def gate(self, at: int) -> dict[str, Any]:
+        """A producer's config entries to wait, once ``at`` samples are emitted, until
+        :meth:`open_gate` (see ``_net_producer``): the fault then lands mid-run."""
+        return {"gate": str(self.dir / "gate"), "gate_at": at}
+
+    def open_gate(self) -> None:
+        (self.dir / "gate").touch()
+
     def config(self, name: str, **more: Any) -> dict[str, Any]:
         """A child's config: the trial's ledger, store and run, and files of its own."""
         return {
@@ -369,8 +377,7 @@ def _stream_partition(
             samples=samples,
             interval_s=0.03,
             after=[str(endpoint_file)],
-            gate=str(trial.dir / "cut"),
-            gate_at=samples // 3,
+            **trial.gate(samples // 3),
             stream={
                 "endpoints": [endpoint],
                 "curve": client_curve,
@@ -385,7 +392,7 @@ def _stream_partition(
     trial.phase("up, a third emitted")
     cluster.cut(producer, trainer, silent=silent)
     cut_at = time.monotonic()
-    (trial.dir / "cut").touch()  # the producer, waiting at a third, goes on into the cut
+    trial.open_gate()  # the producer, waiting at a third, goes on into the cut
     if cut_s is None:
         hung = trial.wait([sender], timeout_s)
     else:

@@ -98,8 +98,7 @@ def _mooncake_partition(
             store_uri=f"{uri}&segment_size=32M",
             hold=str(hold),
             hold_s=timeout_s,
-            gate=str(trial.dir / "cut"),
-            gate_at=samples // 3,
+            **trial.gate(samples // 3),
         ),
     )
     # Started with the producer (torch imported meanwhile), the rank joins once the
@@ -122,7 +121,7 @@ def _mooncake_partition(
     cluster.cut(producer, master_host, silent=silent)
     cut_at = time.monotonic()
     emitted_at_cut = trial.emitted("p0")
-    (trial.dir / "cut").touch()  # the producer, waiting at a third, goes on into the cut
+    trial.open_gate()  # the producer, waiting at a third, goes on into the cut
     time.sleep(cut_s)
     emitted_in_cut = trial.emitted("p0") - emitted_at_cut
     cluster.heal(producer, master_host)
