@@ -10,7 +10,7 @@ process in a gloo group running ``training.Trainer``: a ``FeatureLoader``
 leasing from its stream eight batches at a time in a thread (one ledger write for
 the lease of eight batches and the acks of the eight steps before it), a step of
 fixed compute (a 1024x1024 linear layer over a batch of 4 samples of 64x1024,
-forward and backward, about 25 ms on one idle core), gradients all-reduced by
+forward and backward, 12-25 ms on one idle core, by the VM), gradients all-reduced by
 hand, acks at every optimizer step.
 
 A second measurement shows the trainer's side alone: the same two producer
