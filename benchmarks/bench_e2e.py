@@ -48,7 +48,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -60,6 +59,7 @@ from typing import Any
 from benchmarks._e2e_raw import Drain, make_raw_ledger, raw_producer_main
 from benchmarks._rows import Row, row
 from benchmarks._runner import tiny
+from dataflow.live._ports import loopback_port
 
 SEQ, HIDDEN = 64, 1024
 BATCH = 4
@@ -102,12 +102,6 @@ def committed_count(*, quick: bool) -> int:
     """Samples of the trainer-side measurement: ``ROUNDS`` rounds of a tenth of the
     streaming run's samples each."""
     return sample_count(quick=quick) // 10 * ROUNDS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Clock:
@@ -358,8 +352,8 @@ def measure(
     out = workdir / "out"
     out.mkdir()
     cfg = {
-        "port": _free_port(),
-        "endpoints": [f"tcp://127.0.0.1:{_free_port()}" for _ in range(RANKS)],
+        "port": loopback_port(),
+        "endpoints": [f"tcp://127.0.0.1:{loopback_port()}" for _ in range(RANKS)],
         "ledger": f"sqlite:///{workdir / 'ledger.db'}",
         "store": str(workdir / "features"),
         "checkpoints": str(workdir / "ckpt"),

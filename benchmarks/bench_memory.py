@@ -28,7 +28,6 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import multiprocessing.connection
-import socket
 import subprocess
 import sys
 import textwrap
@@ -39,6 +38,7 @@ from typing import Any
 from benchmarks import bench_restart
 from benchmarks._rows import Row, row
 from benchmarks._runner import tiny
+from dataflow.live._ports import loopback_port
 
 SAMPLE_SHAPE = (256, 1024)  # float32: 1 MiB
 SAMPLE_BYTES = 256 * 1024 * 4
@@ -118,12 +118,6 @@ def _window_consumer(cfg: dict[str, Any], pipe: Any) -> None:
     consumer.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait(pipe: Any, child: Any, what: str) -> Any:
     """The child's next message; an error as soon as it died or timed out instead."""
     if pipe not in mp.connection.wait([pipe, child.sentinel], WAIT_S):
@@ -142,7 +136,7 @@ def measure_window(
     from stores import SharedDirFeatureStore
 
     cfg = {
-        "endpoint": f"tcp://127.0.0.1:{_free_port()}",
+        "endpoint": f"tcp://127.0.0.1:{loopback_port()}",
         "window": window,
         "batch": batch,
         "prefetch": prefetch,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
-import random
 import shutil
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,38 +12,17 @@ import pytest
 
 from dataflow import Consumer, Ledger
 from dataflow.live._collectives import join_loopback_gloo
+from dataflow.live._ports import loopback_port
 from stores import SharedDirFeatureStore
 
 CHILD_TIMEOUT_S = 120
 COLLECTIVE_TIMEOUT_S = 30
 
 
-#: Ports for rendezvous are drawn below the kernel's ephemeral range (32768-60999 by
-#: default): a port from bind(("", 0)) is an ephemeral one, which another test's outgoing
-#: connection could take before rank 0 binds it (EADDRINUSE, and rank 1 hangs).
-_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_BELOW = 12_000
-
-
 def free_port() -> int:
-    """A loopback port nobody listens on now (rank 0's rendezvous), below the ephemeral
-    range where it can (see ``_EPHEMERAL``)."""
-    try:
-        low = int(_EPHEMERAL.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    draw = random.SystemRandom()
-    for _ in range(100 if low - _BELOW >= 1024 else 0):
-        port = draw.randrange(low - _BELOW, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on now (rank 0's rendezvous), below the kernel's
+    ephemeral range where it can (``dataflow.live._ports``)."""
+    return loopback_port()
 
 
 def run_args(tmp_path: Path, **more: Any) -> dict[str, Any]:

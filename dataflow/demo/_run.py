@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 from dataflow.demo._child import run_child, write_config
 from dataflow.demo._options import DemoError, DemoOptions
 from dataflow.demo._report import build_report, lineage_report, write_timeline
+from dataflow.live._ports import loopback_port
 from dataflow.model._fold import RunState
 from dataflow.recorder._ledger import Ledger
 from dataflow.tools._printing import fails_verification, print_run_report, progress_bar, say
@@ -46,12 +46,6 @@ TICK_S = 0.05
 PRELOAD = ("_producer", "_trainer", "_keeper")
 #: Without a new ledger event for this long, the demo gives up and names the logs.
 STALL_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -143,7 +137,7 @@ class Demo:
         try:
             self.ledger_url = self.ledger.url
             self.store_uri = self._store_uri()
-            self.endpoints = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(RANKS)]
+            self.endpoints = [f"tcp://127.0.0.1:{loopback_port()}" for _ in range(RANKS)]
             self.config = self._config()
             write_config(self.run_dir / "config.json", self.config)
             self._announce()
@@ -276,7 +270,7 @@ class Demo:
 
     def _start_ranks(self) -> None:
         self.attempt += 1
-        port = _free_port()  # the gloo rendezvous of this attempt
+        port = loopback_port()  # the gloo rendezvous of this attempt
         self.ranks = [
             self._start(f"rank{rank}-attempt{self.attempt}", "trainer", rank, self.attempt, port)
             for rank in range(RANKS)

@@ -21,7 +21,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -34,6 +33,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from dataflow.live._ports import loopback_port
 from dataflow.model._errors import ArgumentTypeError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -115,12 +115,6 @@ def drop_database(server_url: str, name: str) -> None:
         conn.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PostgresServer:
@@ -254,7 +248,7 @@ class PostgresServer:
         # Another process can take the free port between the probe and the
         # server's bind; a few fresh ports make that race harmless.
         for attempt in range(3):
-            port = _free_port()
+            port = loopback_port()
             options = self.server_options(port)
             result = _run_tool(
                 self.bin_dir,
