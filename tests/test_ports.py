@@ -19,6 +19,15 @@ def _ephemeral() -> tuple[int, int]:
     return int(low), int(high)
 
 
+@pytest.fixture
+def low() -> int:
+    """The first port of this kernel's ephemeral range; skips where none fits below it."""
+    low, _ = _ephemeral()
+    if low - BELOW < 1024:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+    return low
+
+
 def _bind(port: int) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
@@ -41,20 +50,16 @@ class _Draws:
         return self.last
 
 
-def test_a_port_is_drawn_below_the_ephemeral_range_and_is_free() -> None:
-    low, _ = _ephemeral()
-    if low - BELOW < 1024:
-        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+def test_a_port_is_drawn_below_the_ephemeral_range_and_is_free(low: int) -> None:
     for _ in range(20):
         port = loopback_port()
         assert low - BELOW <= port < low
         _bind(port)  # nobody holds it
 
 
-def test_a_port_some_socket_holds_is_not_given_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    low, _ = _ephemeral()
-    if low - BELOW < 1024:
-        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+def test_a_port_some_socket_holds_is_not_given_out(
+    monkeypatch: pytest.MonkeyPatch, low: int
+) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
@@ -65,10 +70,10 @@ def test_a_port_some_socket_holds_is_not_given_out(monkeypatch: pytest.MonkeyPat
     assert draws.calls == [(low - BELOW, low), (low - BELOW, low)]
 
 
-def test_without_a_free_draw_the_kernel_gives_the_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    low, high = _ephemeral()
-    if low - BELOW < 1024:
-        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+def test_without_a_free_draw_the_kernel_gives_the_port(
+    monkeypatch: pytest.MonkeyPatch, low: int
+) -> None:
+    high = _ephemeral()[1]
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         draws = _Draws([held.getsockname()[1]])
