@@ -27,7 +27,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from dataflow import Consumer, Ledger, Producer, SampleRef, StoreDependencyError
+from dataflow import (
+    Consumer,
+    Ledger,
+    OperationalError,
+    Producer,
+    SampleRef,
+    StoreDependencyError,
+)
 from dataflow.testing._postgres import (
     PostgresServer,
     create_database,
@@ -224,3 +231,28 @@ def failing_commits(ledger, monkeypatch):
         plan["left"], plan["landed"] = times, landed
 
     return fail
+
+
+@pytest.fixture
+def unreadable(monkeypatch):
+    """``unreadable(consumer, reads=2)``: its reads of the ledger after a failed COMMIT (the
+    refold and the read-back: two) raise OperationalError, as on a link that just died."""
+
+    def make(consumer, reads: int = 2) -> None:
+        view = consumer._view
+        real = {name: getattr(view, name) for name in ("catch_up", "refold")}
+        left = {"reads": reads}
+
+        def failing(name):
+            def read(*args, **kwargs):
+                if view.stale and left["reads"] > 0:
+                    left["reads"] -= 1
+                    raise OperationalError("the ledger is unreachable (injected)")
+                return real[name](*args, **kwargs)
+
+            return read
+
+        for name in real:
+            monkeypatch.setattr(view, name, failing(name))
+
+    return make

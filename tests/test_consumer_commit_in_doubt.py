@@ -17,31 +17,6 @@ import pytest
 from dataflow import CommitOutcomeUnknownError, Kind, LedgerStateError, OperationalError, replay
 
 
-@pytest.fixture
-def unreadable(monkeypatch):
-    """``unreadable(consumer, reads=2)``: its reads of the ledger after a failed COMMIT (the
-    refold and the read-back: two) raise OperationalError, as on a link that just died."""
-
-    def make(consumer, reads: int = 2) -> None:
-        view = consumer._view
-        real = {name: getattr(view, name) for name in ("catch_up", "refold")}
-        left = {"reads": reads}
-
-        def failing(name):
-            def read(*args, **kwargs):
-                if view.stale and left["reads"] > 0:
-                    left["reads"] -= 1
-                    raise OperationalError("the ledger is unreachable (injected)")
-                return real[name](*args, **kwargs)
-
-            return read
-
-        for name in real:
-            monkeypatch.setattr(view, name, failing(name))
-
-    return make
-
-
 def kinds(ledger, run_id, kind: Kind) -> list[str]:
     return [sid for e in ledger.events(run_id) if e.kind == kind for sid in e.sample_ids or ()]
 
@@ -149,4 +124,82 @@ def test_an_ack_and_lease_that_landed_unseen_is_settled_by_its_retry(
     assert [r.sample_id for r in consumer.ack_and_lease([(refs, 1)], 2)] == ["c", "d"]
     assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
     assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
+    assert replay(ledger, run_id).verify() == []
+
+
+def test_an_ack_and_lease_rolled_back_unseen_is_written_by_its_retry(
+    ledger, run_id, emit, make_consumer, failing_commits, unreadable
+):
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b", "c", "d")
+    refs = consumer.lease(2)
+    failing_commits(1, landed=False)
+    unreadable(consumer)
+    with pytest.raises(CommitOutcomeUnknownError):
+        consumer.ack_and_lease([(refs, 1)], 2)
+    again = consumer.ack_and_lease([(refs, 1)], 2)
+    assert [r.sample_id for r in again] == ["c", "d"]
+    assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
+    assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
+    consumer.ack(again, step=2)
+    assert replay(ledger, run_id).verify() == []
+
+
+@pytest.mark.parametrize("write", ["lease", "ack_and_lease"])
+def test_samples_a_rolled_back_lease_left_reclaimed_are_handed_out_once_when_leased_again(
+    ledger, run_id, emit, make_consumer, failing_commits, unreadable, write
+):
+    """A lease in doubt that had rolled back leaves its samples reclaimed (had it landed,
+    the next lease would hand them out). Leased afresh by the retry, they are no longer
+    reclaimed: the lease after hands out the next samples, not the same ones again."""
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b", "c", "d", "e", "f")
+    held = consumer.lease(2)
+    failing_commits(1, landed=False)
+    unreadable(consumer)
+    if write == "lease":
+        with pytest.raises(CommitOutcomeUnknownError):
+            consumer.lease(2)
+        first, second = consumer.lease(2), consumer.lease(2)
+    else:
+        with pytest.raises(CommitOutcomeUnknownError):
+            consumer.ack_and_lease([(held, 1)], 2)
+        first = consumer.ack_and_lease([(held, 1)], 2)
+        second = consumer.ack_and_lease([(first, 2)], 2)
+    assert [r.sample_id for r in first] == ["c", "d"]
+    assert [r.sample_id for r in second] == ["e", "f"]
+    assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d", "e", "f"]
+
+
+def test_an_ack_and_lease_whose_lease_failed_after_its_acks_is_made_again_as_it_was(
+    ledger, run_id, emit, make_consumer, failing_commits, unreadable, monkeypatch
+):
+    """Settling a write in doubt, ack_and_lease writes the acks (ack_many), then leases; if
+    that lease fails, the same call made again finds the acks landed (not "not leased")
+    and leases."""
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b", "c", "d")
+    refs = consumer.lease(2)
+    failing_commits(1, landed=True)
+    unreadable(consumer)
+    with pytest.raises(CommitOutcomeUnknownError):
+        consumer.ack_and_lease([(refs, 1)], 2)
+    real, failures = consumer.lease, [OperationalError("the ledger is unreachable (injected)")]
+
+    def lease(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(consumer, "lease", lease)
+    with pytest.raises(OperationalError, match="injected"):
+        consumer.ack_and_lease([(refs, 1)], 2)  # the acks settled, then its lease failed
+    again = consumer.ack_and_lease([(refs, 1)], 2)
+    assert [r.sample_id for r in again] == ["c", "d"]
+    assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
+    assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
+    consumer.ack(again, step=2)
     assert replay(ledger, run_id).verify() == []

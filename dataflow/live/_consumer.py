@@ -39,6 +39,7 @@ from dataflow.model._errors import (
     CommitOutcomeUnknownError,
     InvalidArgumentError,
     LedgerStateError,
+    OperationalError,
     StreamIdleError,
 )
 from dataflow.model._events import Kind, dump_payload
@@ -250,15 +251,23 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
         or not anything is leased; if the write fails, neither is in the ledger.
         While refs still come from a stream, those it holds now are taken before
         the transaction, as ``lease`` would take them. With leases reclaimed by
-        :meth:`rejoin` to hand out, it is ``ack_many`` and then ``lease``: two
-        transactions, the same outcome.
+        :meth:`rejoin` to hand out, or after a write in doubt, it is ``ack_many`` and
+        then ``lease``: two transactions, the same outcome. A call that failed with
+        ``OperationalError`` is made again as it was (docs/reliability.md): acks that
+        landed are not written twice, a lease that landed is handed out by it.
         """
         self._fencing_epoch()
         steps, ids = self._checked_acks(acks)
         _check_int("max_refs", max_refs, minimum=1)
-        if not steps or self._still_reclaimed():
-            self.ack_many(steps)
-            return self.lease(max_refs, timeout=0)
+        if not steps or self._in_doubt or self._still_reclaimed():
+            self.ack_many(steps)  # settles acks in doubt: the retry of a failed ack_and_lease
+            try:
+                return self.lease(max_refs, timeout=0)
+            except OperationalError:
+                # The acks are in: the same call made again, as a failed call should be,
+                # finds them landed instead of refusing them as "not leased".
+                self._in_doubt = frozenset(ids)
+                raise
         received = self._received_now(max_refs, steps, ids)
         release: list[str] = []
         take: list[str] = []
@@ -294,6 +303,7 @@ class Consumer(_SeededStream, _Resuming, _Acks, _CheckpointRecords, _Exclusions)
             self._unreceive(received)
             raise
         self._acked(ids, release)
+        self._leased_afresh(take)
         if received:
             self._delivered(received, take)
         return refs

@@ -180,6 +180,7 @@ class _Leasing(_FencedWrites):
         except BaseException:
             self._unreceive(sample_ids if streamed else [])
             raise
+        self._leased_afresh(take)
         if streamed:
             self._delivered(sample_ids, take)
         return refs
@@ -296,6 +297,14 @@ class _Leasing(_FencedWrites):
         mine = self.consumer_id
         self._reclaimed = tuple(sid for sid, holder in self.state.leased.items() if holder == mine)
         return self._reclaimed
+
+    def _leased_afresh(self, take: list[str]) -> None:
+        """``take`` was just leased by a write of this consumer and handed out: none of it is
+        reclaimed any more. (A lease in doubt that had rolled back left its ids among the
+        reclaimed; leased again since, they must not be handed out a second time.)"""
+        if self._reclaimed and take:
+            taken = set(take)
+            self._reclaimed = tuple(s for s in self._reclaimed if s not in taken)
 
     def _still_reclaimed(self) -> list[str]:
         """The reclaimed ids not handed out yet that this consumer id still holds."""
