@@ -153,6 +153,14 @@ class LoaderConfig:
     client TTL, about 10 s): they are then reported lost and regenerated, and the run goes
     on. 0 raises at once."""
 
+    ledger_timeout: float = 120.0
+    """Seconds a lease or an ack may go on failing with ``OperationalError`` (the ledger's
+    server unreachable or restarting, its write lock held past ``busy_timeout``, a COMMIT
+    whose outcome is unknown) before the loader raises it; until then it makes the same
+    call again, with a logged warning, which is also how the ledger settles a call in
+    doubt (docs/reliability.md). Other errors (``StaleEpochError``, bad input) are raised
+    at once. 0 raises at once; ``math.inf`` waits for the ledger however long it takes."""
+
     pin_memory: bool = False
     """Read batches into page-locked (pinned) host memory, so that the step's copy to
     the GPU, ``tensor.to("cuda", non_blocking=True)``, runs alongside the step's work, as
@@ -190,11 +198,16 @@ class LoaderConfig:
                 raise InvalidArgumentError(f"names must hold non-empty strs, got {self.names!r}")
             object.__setattr__(self, "names", names)
         _int_field("prefetch", self.prefetch, minimum=0)
-        patience = self.unavailable_timeout
-        if isinstance(patience, bool) or not isinstance(patience, int | float) or not patience >= 0:
-            raise InvalidArgumentError(
-                f"unavailable_timeout must be a number of seconds >= 0, got {patience!r}"
-            )
+        for name in ("unavailable_timeout", "ledger_timeout"):
+            patience = getattr(self, name)
+            if (
+                isinstance(patience, bool)
+                or not isinstance(patience, int | float)
+                or not patience >= 0
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be a number of seconds >= 0, got {patience!r}"
+                )
         if not isinstance(self.pin_memory, bool):
             raise InvalidArgumentError(f"pin_memory must be a bool, got {self.pin_memory!r}")
 

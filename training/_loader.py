@@ -14,6 +14,7 @@ from typing import Any
 from dataflow import Consumer, InvalidArgumentError, ProducerLostError, SampleRef
 from training._accelerator import current_accelerator
 from training._config import LoaderConfig
+from training._patience import LedgerPatience
 from training._reading import CollateFn, _BatchReading, _Read, collate, pinned
 
 _POLL_S = 0.5
@@ -66,7 +67,7 @@ def check_position(position: int, batch_size: int, *, saved_batch_size: object =
         )
 
 
-class FeatureLoader(_BatchReading):
+class FeatureLoader(_BatchReading, LedgerPatience):
     """Iterates over leased, loaded, collated batches until the run is finished for this rank.
 
     Each batch leases ``batch_size`` refs and reads their features from the
@@ -205,7 +206,7 @@ class FeatureLoader(_BatchReading):
         since the last one (a failure is raised by the next :meth:`next_batch` or
         :meth:`flush`); else now."""
         if not self.config.prefetch:
-            self.consumer.ack(refs, step=step)
+            self._ledger(self.consumer.ack, refs, step=step)
             return
         self._raise_failed_acks()
         self._unsent.append((list(refs), step))
@@ -247,7 +248,7 @@ class FeatureLoader(_BatchReading):
     ) -> int | None:
         """``ahead`` batches read, then the pending ones and the ``held`` refs of a short
         batch (default: the one waiting now) in batches; None while that is not fixed."""
-        pending = self.consumer.remaining(refresh=refresh)
+        pending = self._ledger(self.consumer.remaining, refresh=refresh)
         if pending is None:
             return None
         held = len(self._short) if held is None else held
@@ -395,7 +396,9 @@ class FeatureLoader(_BatchReading):
         """``consumer.lease(count, timeout=wait, min_refs=...)``; [] when it finds a stream
         producer lost."""
         try:
-            return self.consumer.lease(count, timeout=wait, min_refs=min(min_refs, count))
+            return self._ledger(
+                self.consumer.lease, count, timeout=wait, min_refs=min(min_refs, count)
+            )
         except ProducerLostError as exc:
             self._producer_lost(exc)
             return []
@@ -495,14 +498,14 @@ class FeatureLoader(_BatchReading):
             try:
                 if gather and not consumer.stream.exhausted and not self._all_ready(count):
                     if with_acks:
-                        consumer.ack_many(acks)
+                        self._ledger(consumer.ack_many, acks)
                         with_acks = False  # written: a retry after a loss leases only
                     wait = self.config.batch_wait_s
                     wait = _POLL_S if wait is None else min(wait, _POLL_S)
-                    return consumer.lease(count, timeout=wait, min_refs=count)
+                    return self._ledger(consumer.lease, count, timeout=wait, min_refs=count)
                 if with_acks:
-                    return consumer.ack_and_lease(acks, count)
-                return consumer.lease(count, timeout=0)
+                    return self._ledger(consumer.ack_and_lease, acks, count)
+                return self._ledger(consumer.lease, count, timeout=0)
             except ProducerLostError as exc:
                 if attempt == _LOSSES_AT_ONCE:
                     raise
@@ -540,7 +543,7 @@ class FeatureLoader(_BatchReading):
         """Pass the acks not yet written to the thread, as one transaction."""
         if self._unsent:
             acks, self._unsent = self._unsent, []
-            self._acks.append(self._executor().submit(self.consumer.ack_many, acks))
+            self._acks.append(self._executor().submit(self._ledger, self.consumer.ack_many, acks))
 
     def _raise_failed_acks(self) -> None:
         done = [f for f in self._acks if f.done()]

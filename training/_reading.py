@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,12 +20,11 @@ from dataflow import (
     StoreUnavailableError,
 )
 from training._collate import PadCollate
+from training._patience import patiently
 
 Features = dict[str, torch.Tensor]
 CollateFn = Callable[[list[Features]], Any]
 
-#: The first and the longest pause between reads of a sample its store cannot serve now.
-_RETRY_FIRST_S, _RETRY_MAX_S = 0.1, 2.0
 log = logging.getLogger("training")
 
 
@@ -101,33 +99,18 @@ def _patiently(attempt: Callable[[], object], refs: Sequence[SampleRef], patienc
     seconds: a store's server restarting, or a dead machine's samples until the server
     drops it and they turn stale (which the loader reports lost, not as an error).
     ``refs`` are the samples it reads, named in the log and the error's note."""
-    deadline: float | None = None
-    pause = _RETRY_FIRST_S
-    while True:
-        try:
-            attempt()
-            return
-        except StoreUnavailableError as exc:
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + patience
-                if patience > 0:
-                    log.warning(
-                        "cannot read %s now (%s); reading it again for up to %gs "
-                        "(LoaderConfig.unavailable_timeout)",
-                        _named(refs),
-                        exc,
-                        patience,
-                    )
-            if now >= deadline:
-                if patience > 0:
-                    exc.add_note(
-                        f"the loader read {_named(refs)} again for {patience:g}s "
-                        "(LoaderConfig.unavailable_timeout) and its store could not serve it"
-                    )
-                raise
-            time.sleep(min(pause, deadline - now))
-            pause = min(2 * pause, _RETRY_MAX_S)
+    named = _named(refs)
+    patiently(
+        attempt,
+        passing=StoreUnavailableError,
+        patience=patience,
+        warning=lambda exc: (
+            f"cannot read {named} now ({exc}); reading it again for up to "
+            f"{patience:g}s (LoaderConfig.unavailable_timeout)"
+        ),
+        note=f"the loader read {named} again for {patience:g}s "
+        "(LoaderConfig.unavailable_timeout) and its store could not serve it",
+    )
 
 
 def _named(refs: Sequence[SampleRef]) -> str:
