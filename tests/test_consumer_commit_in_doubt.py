@@ -110,40 +110,37 @@ def test_only_the_same_ack_is_settled_another_is_checked_as_ever(
     assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
 
 
-def test_an_ack_and_lease_that_landed_unseen_is_settled_by_its_retry(
-    ledger, run_id, emit, make_consumer, failing_commits, unreadable
-):
-    consumer = make_consumer()
+def _ack_and_lease_in_doubt(consumer, emit, failing_commits, unreadable, *, landed: bool):
+    """Of a, b, c, d: a and b leased, then an ack_and_lease of them and a lease of two whose
+    COMMIT failed (after the database committed, or instead) and could not be read back.
+    The refs of a and b."""
     consumer.resume()
     emit("a", "b", "c", "d")
     refs = consumer.lease(2)
-    failing_commits(1, landed=True)
+    failing_commits(1, landed=landed)
     unreadable(consumer)
     with pytest.raises(CommitOutcomeUnknownError):
         consumer.ack_and_lease([(refs, 1)], 2)
-    assert [r.sample_id for r in consumer.ack_and_lease([(refs, 1)], 2)] == ["c", "d"]
-    assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
-    assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
-    assert replay(ledger, run_id).verify() == []
+    return refs
 
 
-def test_an_ack_and_lease_rolled_back_unseen_is_written_by_its_retry(
-    ledger, run_id, emit, make_consumer, failing_commits, unreadable
-):
-    consumer = make_consumer()
-    consumer.resume()
-    emit("a", "b", "c", "d")
-    refs = consumer.lease(2)
-    failing_commits(1, landed=False)
-    unreadable(consumer)
-    with pytest.raises(CommitOutcomeUnknownError):
-        consumer.ack_and_lease([(refs, 1)], 2)
+def _settled_by_the_same_call(ledger, run_id, consumer, refs) -> None:
+    """The ack_and_lease of a and b made again: a and b acked once, c and d leased once."""
     again = consumer.ack_and_lease([(refs, 1)], 2)
     assert [r.sample_id for r in again] == ["c", "d"]
     assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
     assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
     consumer.ack(again, step=2)
     assert replay(ledger, run_id).verify() == []
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "rolled-back"])
+def test_an_ack_and_lease_in_doubt_is_settled_by_its_retry(
+    ledger, run_id, emit, make_consumer, failing_commits, unreadable, landed
+):
+    consumer = make_consumer()
+    refs = _ack_and_lease_in_doubt(consumer, emit, failing_commits, unreadable, landed=landed)
+    _settled_by_the_same_call(ledger, run_id, consumer, refs)
 
 
 @pytest.mark.parametrize("write", ["lease", "ack_and_lease"])
@@ -180,13 +177,7 @@ def test_an_ack_and_lease_whose_lease_failed_after_its_acks_is_made_again_as_it_
     that lease fails, the same call made again finds the acks landed (not "not leased")
     and leases."""
     consumer = make_consumer()
-    consumer.resume()
-    emit("a", "b", "c", "d")
-    refs = consumer.lease(2)
-    failing_commits(1, landed=True)
-    unreadable(consumer)
-    with pytest.raises(CommitOutcomeUnknownError):
-        consumer.ack_and_lease([(refs, 1)], 2)
+    refs = _ack_and_lease_in_doubt(consumer, emit, failing_commits, unreadable, landed=True)
     real, failures = consumer.lease, [OperationalError("the ledger is unreachable (injected)")]
 
     def lease(*args, **kwargs):
@@ -197,9 +188,4 @@ def test_an_ack_and_lease_whose_lease_failed_after_its_acks_is_made_again_as_it_
     monkeypatch.setattr(consumer, "lease", lease)
     with pytest.raises(OperationalError, match="injected"):
         consumer.ack_and_lease([(refs, 1)], 2)  # the acks settled, then its lease failed
-    again = consumer.ack_and_lease([(refs, 1)], 2)
-    assert [r.sample_id for r in again] == ["c", "d"]
-    assert kinds(ledger, run_id, Kind.ACK) == ["a", "b"]
-    assert kinds(ledger, run_id, Kind.LEASE) == ["a", "b", "c", "d"]
-    consumer.ack(again, step=2)
-    assert replay(ledger, run_id).verify() == []
+    _settled_by_the_same_call(ledger, run_id, consumer, refs)
