@@ -215,3 +215,55 @@ def test_a_postgres_restart_mid_appends_loses_nothing_and_commits_nothing_twice(
         # Every committed ref's features are stored: no failed append deleted a commit's.
         refs = [run.ref(f"s-{i}") for i in range(emitted)]
         assert all(store.exists(ref) for ref in refs)
+
+
+def _down(server: PostgresServer) -> bool:
+    """Whether nothing answers on the server's port (it stopped, not yet started again)."""
+    import socket
+
+    assert server.port is not None
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", server.port)) != 0
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_a_loader_rides_out_a_postgres_restart_and_trains_each_sample_once(
+    own_postgres: PostgresServer, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server restarts while a FeatureLoader (prefetch, acks with its leases) works
+    through the run: its leases and acks fail with OperationalError until the server is
+    back, and are made again (LoaderConfig.ledger_timeout); training goes on."""
+    from dataflow import Consumer
+    from stores import LocalFeatureStore
+    from training import FeatureLoader, LoaderConfig
+
+    url = own_postgres.create_database(f"loader_{mode}")
+    ids = [f"s{i:02d}" for i in range(24)]
+    with Ledger.open(url) as ledger, LocalFeatureStore() as store:
+        producer = Producer(ledger, store, run_id=RUN)
+        producer.emit_many((sid, {"x": torch.full((2,), i)}) for i, sid in enumerate(ids))
+        producer.close()
+        consumer = Consumer(ledger, store, run_id=RUN, consumer_id="trainer")
+        consumer.resume()
+        loader = FeatureLoader(
+            consumer, config=LoaderConfig(batch_size=2, prefetch=2, ledger_timeout=60)
+        )
+        trained: list[str] = []
+        restart = threading.Thread(target=_pg_ctl_restart, args=(own_postgres, mode))
+        with caplog.at_level("WARNING", logger="training"):
+            while (batch := loader.next_batch()) is not None:
+                trained += batch.sample_ids
+                loader.ack(batch.refs, step=len(trained) // 2)
+                if len(trained) == 6:  # the server goes down before the next lease ahead
+                    restart.start()
+                    while restart.is_alive() and not _down(own_postgres):
+                        restart.join(0.01)
+            loader.flush()
+        restart.join()
+        loader.close()
+        assert sorted(trained) == ids  # each once
+        assert any("making it again" in r.getMessage() for r in caplog.records)
+        acked = [s for e in ledger.events(RUN) if e.kind == Kind.ACK for s in e.sample_ids]
+        assert sorted(acked) == ids
+        assert replay(ledger, RUN).verify() == []
