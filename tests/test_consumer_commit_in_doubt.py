@@ -189,3 +189,27 @@ def test_an_ack_and_lease_whose_lease_failed_after_its_acks_is_made_again_as_it_
     with pytest.raises(OperationalError, match="injected"):
         consumer.ack_and_lease([(refs, 1)], 2)  # the acks settled, then its lease failed
     _settled_by_the_same_call(ledger, run_id, consumer, refs)
+
+
+@pytest.mark.parametrize("write", ["nack", "lost"])
+def test_the_same_nack_or_lost_report_made_again_settles_one_that_landed_unseen(
+    ledger, run_id, emit, make_consumer, failing_commits, unreadable, write
+):
+    consumer = make_consumer()
+    consumer.resume()
+    emit("a", "b", "c")
+    refs = consumer.lease(2)
+    give_back = (
+        (lambda: consumer.nack(refs, reason="a failed step"))
+        if write == "nack"
+        else (lambda: consumer.lost(refs, reason="features gone"))
+    )
+    failing_commits(1, landed=True)
+    unreadable(consumer)
+    with pytest.raises(CommitOutcomeUnknownError):
+        give_back()
+    give_back()  # the same call: settled from the ledger, nothing written twice
+    kind = Kind.NACK if write == "nack" else Kind.LOST
+    assert kinds(ledger, run_id, kind) == ["a", "b"]
+    with pytest.raises(LedgerStateError, match="not leased"):
+        give_back()  # asked once: the doubt was settled by the call before

@@ -154,7 +154,8 @@ class LoaderConfig:
     on. 0 raises at once."""
 
     ledger_timeout: float = 120.0
-    """Seconds a lease or an ack may go on failing with ``OperationalError`` (the ledger's
+    """Seconds a lease, an ack or a lost report may go on failing with ``OperationalError``
+    (the ledger's
     server unreachable or restarting, its write lock held past ``busy_timeout``, a COMMIT
     whose outcome is unknown) before the loader raises it; until then it makes the same
     call again, with a logged warning, which is also how the ledger settles a call in

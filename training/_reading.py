@@ -244,6 +244,6 @@ class _BatchReading:
                 "and skipped: it is trained once it is regenerated",
                 stacklevel=3,
             )
-            self.consumer.lost([ref], reason=reason[:1000])
+            self._ledger(self.consumer.lost, [ref], reason=reason[:1000])  # type: ignore[attr-defined]
         if self.on_lost is not None:
             self.on_lost([ref.sample_id for ref, _ in lost])

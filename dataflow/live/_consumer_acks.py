@@ -177,6 +177,8 @@ class _Acks(_FencedWrites):
             raise InvalidArgumentError(
                 f"reason must be a str of at most 1000 characters, got {reason!r}"
             )
+        if self._repeats_landed(ids, self._lease_ended):  # a retry after a lost reply
+            return self._credit(ids)
         try:
             with self._write("nack") as tx:
                 self._check_leased(ids, "nack")
@@ -206,6 +208,10 @@ class _Acks(_FencedWrites):
             raise InvalidArgumentError(
                 f"reason must be a str of 1 to 1000 characters, got {reason!r:.80}"
             )
+        if self._repeats_landed(ids, self._lease_ended):  # a retry after a lost reply
+            self._credit(ids)
+            self._delete_features(s for s in ids if s in self.state.lost)
+            return
         try:
             with self._write("lost") as tx:
                 self._check_leased(ids, "report lost")
