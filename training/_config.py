@@ -155,11 +155,10 @@ class LoaderConfig:
 
     ledger_timeout: float = 120.0
     """Seconds a lease, an ack or a lost report may go on failing with ``OperationalError``
-    (the ledger's
-    server unreachable or restarting, its write lock held past ``busy_timeout``, a COMMIT
-    whose outcome is unknown) before the loader raises it; until then it makes the same
-    call again, with a logged warning, which is also how the ledger settles a call in
-    doubt (docs/reliability.md). Other errors (``StaleEpochError``, bad input) are raised
+    (the ledger's server unreachable or restarting, its write lock held past
+    ``busy_timeout``, a COMMIT whose outcome is unknown) before the loader raises it;
+    until then it makes the same call again, with a logged warning, which is also how
+    the ledger settles a call in doubt (docs/reliability.md). Other errors (``StaleEpochError``, bad input) are raised
     at once. 0 raises at once; ``math.inf`` waits for the ledger however long it takes."""
 
     pin_memory: bool = False
