@@ -12,17 +12,13 @@ import pytest
 
 from dataflow import Consumer, Ledger
 from dataflow.live._collectives import join_loopback_gloo
-from dataflow.live._ports import loopback_port
+
+# A rank 0's rendezvous port, below the kernel's ephemeral range (see the module).
+from dataflow.live._ports import loopback_port as free_port
 from stores import SharedDirFeatureStore
 
 CHILD_TIMEOUT_S = 120
 COLLECTIVE_TIMEOUT_S = 30
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now (rank 0's rendezvous), below the kernel's
-    ephemeral range where it can (``dataflow.live._ports``)."""
-    return loopback_port()
 
 
 def run_args(tmp_path: Path, **more: Any) -> dict[str, Any]:

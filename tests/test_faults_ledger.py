@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,11 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataflow import Kind, Ledger, OperationalError, Producer, replay
+from dataflow import Consumer, Kind, Ledger, OperationalError, Producer, replay
 from dataflow.testing._postgres import PostgresServer
-from stores import SharedDirFeatureStore
+from stores import LocalFeatureStore, SharedDirFeatureStore
 from tests import _zygote
 from tests.conftest import unavailable
+from training import FeatureLoader, LoaderConfig
 
 RUN = "run"
 
@@ -111,7 +113,7 @@ PRODUCE = textwrap.dedent(
     """
     import os, sys, time, torch
     from dataflow import Ledger, OperationalError, Producer
-    from stores import SharedDirFeatureStore
+    from stores import LocalFeatureStore, SharedDirFeatureStore
 
     url, root, stop = sys.argv[1:4]
     failures = 0
@@ -219,8 +221,6 @@ def test_a_postgres_restart_mid_appends_loses_nothing_and_commits_nothing_twice(
 
 def _down(server: PostgresServer) -> bool:
     """Whether nothing answers on the server's port (it stopped, not yet started again)."""
-    import socket
-
     assert server.port is not None
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", server.port)) != 0
@@ -234,9 +234,6 @@ def test_a_loader_rides_out_a_postgres_restart_and_trains_each_sample_once(
     """The server restarts while a FeatureLoader (prefetch, acks with its leases) works
     through the run: its leases and acks fail with OperationalError until the server is
     back, and are made again (LoaderConfig.ledger_timeout); training goes on."""
-    from dataflow import Consumer
-    from stores import LocalFeatureStore
-    from training import FeatureLoader, LoaderConfig
 
     url = own_postgres.create_database(f"loader_{mode}")
     ids = [f"s{i:02d}" for i in range(24)]

@@ -18,8 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataflow import Consumer, InvalidArgumentError, Kind, Ledger, OperationalError, replay
-from dataflow import Producer as _Producer
+from dataflow import (
+    Consumer,
+    InvalidArgumentError,
+    Kind,
+    Ledger,
+    OperationalError,
+    Producer,
+    replay,
+)
 from stores import LocalFeatureStore
 from training import FeatureLoader, LoaderConfig
 
@@ -70,7 +77,7 @@ def sqlite_ledger(tmp_path: Path) -> Iterator[tuple[Ledger, Path]]:
 
 def _emit(led: Ledger, store: LocalFeatureStore, count: int) -> list[str]:
     ids = [f"s{i:02d}" for i in range(count)]
-    producer = _Producer(led, store, run_id=RUN)
+    producer = Producer(led, store, run_id=RUN)
     producer.emit_many((sid, {"x": torch.full((2,), i)}) for i, sid in enumerate(ids))
     producer.close()
     return ids

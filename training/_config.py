@@ -158,8 +158,9 @@ class LoaderConfig:
     (the ledger's server unreachable or restarting, its write lock held past
     ``busy_timeout``, a COMMIT whose outcome is unknown) before the loader raises it;
     until then it makes the same call again, with a logged warning, which is also how
-    the ledger settles a call in doubt (docs/reliability.md). Other errors (``StaleEpochError``, bad input) are raised
-    at once. 0 raises at once; ``math.inf`` waits for the ledger however long it takes."""
+    the ledger settles a call in doubt (docs/reliability.md). Other errors
+    (``StaleEpochError``, bad input) are raised at once. 0 raises at once; ``math.inf``
+    waits for the ledger however long it takes."""
 
     pin_memory: bool = False
     """Read batches into page-locked (pinned) host memory, so that the step's copy to

@@ -22,28 +22,23 @@ def patiently(
     passing: type[BaseException] | tuple[type[BaseException], ...],
     patience: float,
     warning: Callable[[BaseException], str],
-    note: str,
+    note: Callable[[], str],
     lasting: tuple[type[BaseException], ...] = (),
-    failed: BaseException | None = None,
 ) -> T:
     """``attempt()``, again while it raises one of ``passing`` (and not of ``lasting``), for
     up to ``patience`` seconds from the first failure; with pauses from 0.1 s up to 2 s, a
     logged warning at the first failure, and the error raised at the end with a note.
 
-    ``warning(exc)`` is what the log says at the first failure; ``note``, what the
-    error raised at the end gets added.
-    ``failed``: the error of a first try made elsewhere (it starts the clock;
-    the next try comes after the first pause). ``patience`` 0 raises at once.
+    ``warning(exc)`` is what the log says at the first failure; ``note()``, what the
+    error raised at the end gets added (both built only on a failure: the attempt is on
+    the loader's hot path). ``patience`` 0 raises at once.
     """
     deadline: float | None = None
     pause = RETRY_FIRST_S
     while True:
         try:
-            if failed is not None:
-                raise failed
             return attempt()
         except passing as exc:
-            failed = None
             if isinstance(exc, lasting):
                 raise
             now = time.monotonic()
@@ -53,7 +48,7 @@ def patiently(
                     log.warning("%s", warning(exc))
             if now >= deadline:
                 if patience > 0:
-                    exc.add_note(note)
+                    exc.add_note(note())
                 raise
             time.sleep(min(pause, deadline - now))
             pause = min(2 * pause, RETRY_MAX_S)
@@ -68,21 +63,23 @@ class LedgerPatience:
     consumer: Any
     config: Any
 
-    def _ledger(
-        self, call: Callable[..., T], *args: Any, failed: BaseException | None = None, **kw: Any
-    ) -> T:
-        what = f"{call.__name__}() of consumer {self.consumer.consumer_id!r}"
+    def _ledger(self, call: Callable[..., T], *args: Any, **kw: Any) -> T:
         patience = self.config.ledger_timeout
+
+        def what() -> str:
+            return f"{call.__name__}() of consumer {self.consumer.consumer_id!r}"
+
         return patiently(
             lambda: call(*args, **kw),
             passing=OperationalError,
             lasting=(LedgerFilesReplacedError,),
             patience=patience,
             warning=lambda exc: (
-                f"{what} failed ({exc}); making it again for up to "
+                f"{what()} failed ({exc}); making it again for up to "
                 f"{patience:g}s (LoaderConfig.ledger_timeout)"
             ),
-            note=f"the loader made {what} again for {patience:g}s "
-            "(LoaderConfig.ledger_timeout) and the ledger did not take it",
-            failed=failed,
+            note=lambda: (
+                f"the loader made {what()} again for {patience:g}s "
+                "(LoaderConfig.ledger_timeout) and the ledger did not take it"
+            ),
         )

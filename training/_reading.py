@@ -99,17 +99,18 @@ def _patiently(attempt: Callable[[], object], refs: Sequence[SampleRef], patienc
     seconds: a store's server restarting, or a dead machine's samples until the server
     drops it and they turn stale (which the loader reports lost, not as an error).
     ``refs`` are the samples it reads, named in the log and the error's note."""
-    named = _named(refs)
     patiently(
         attempt,
         passing=StoreUnavailableError,
         patience=patience,
         warning=lambda exc: (
-            f"cannot read {named} now ({exc}); reading it again for up to "
+            f"cannot read {_named(refs)} now ({exc}); reading it again for up to "
             f"{patience:g}s (LoaderConfig.unavailable_timeout)"
         ),
-        note=f"the loader read {named} again for {patience:g}s "
-        "(LoaderConfig.unavailable_timeout) and its store could not serve it",
+        note=lambda: (
+            f"the loader read {_named(refs)} again for {patience:g}s "
+            "(LoaderConfig.unavailable_timeout) and its store could not serve it"
+        ),
     )
 
 
@@ -136,6 +137,9 @@ def _empty_features(
 
 class _BatchReading:
     """How ``FeatureLoader`` reads a leased batch's features (a part of the loader)."""
+
+    #: The loader's ledger call, made again while the ledger fails (``LedgerPatience``).
+    _ledger: Callable[..., Any]
 
     def _read(self, refs: Sequence[SampleRef]) -> _Read:
         batch = self._batch_for(refs) if self.collate_fn is collate else None
@@ -244,6 +248,6 @@ class _BatchReading:
                 "and skipped: it is trained once it is regenerated",
                 stacklevel=3,
             )
-            self._ledger(self.consumer.lost, [ref], reason=reason[:1000])  # type: ignore[attr-defined]
+            self._ledger(self.consumer.lost, [ref], reason=reason[:1000])
         if self.on_lost is not None:
             self.on_lost([ref.sample_id for ref, _ in lost])

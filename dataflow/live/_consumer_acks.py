@@ -178,7 +178,8 @@ class _Acks(_FencedWrites):
                 f"reason must be a str of at most 1000 characters, got {reason!r}"
             )
         if self._repeats_landed(ids, self._lease_ended):  # a retry after a lost reply
-            return self._credit(ids)
+            self._credit(ids)
+            return
         try:
             with self._write("nack") as tx:
                 self._check_leased(ids, "nack")
